@@ -1,0 +1,219 @@
+"""
+A compact modern GPT, in the spirit of nanoGPT and nanochat, shaped for Trainium's 128x128 TensorEngine.
+
+Architecture (the Trainium Frontier baseline's choices):
+- token embedding, RMSNorm (no learnable weight) before every sub-block and on the embedding
+- rotary position embeddings (RoPE) on q and k, then QK-norm
+- grouped-query attention: n_kv_head key/value heads shared by n_head query heads
+- MLP with ReLU^2 (or GELU / SwiGLU), no biases anywhere
+- untied lm_head, logits squashed by a tanh softcap
+- vocab padded to a multiple of 128 so the head's matmul tiles evenly
+
+Attention, MLP and norm run through kernels.py, which picks NKI kernels or PyTorch.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 256
+    vocab_size: int = 257  # tokenizer vocab; the embedding and head are padded up to a multiple of 128
+    n_layer: int = 4
+    n_head: int = 4  # query heads
+    n_kv_head: int = 4  # key/value heads (grouped-query attention when < n_head)
+    n_embd: int = 256
+    mlp: str = "relu2"  # relu2 | gelu | swiglu
+    mlp_hidden: int = 0  # 0: 4 * n_embd (swiglu: 8/3 * n_embd rounded up to a multiple of 128)
+    rope_base: float = 10000.0
+    logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap); 0 disables
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self):
+        return math.ceil(self.vocab_size / 128) * 128
+
+    @property
+    def hidden_dim(self):
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "swiglu":  # two input projections: keep the parameter count of a 4x MLP
+            return math.ceil(8 * self.n_embd / 3 / 128) * 128
+        return 4 * self.n_embd
+
+    def validate(self):
+        """Fail fast, with the fix, on shapes the model cannot take."""
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.mlp not in kernels.MLP_ACTIVATIONS:
+            problems.append(f"mlp={self.mlp!r} is not one of {kernels.MLP_ACTIVATIONS}")
+        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+
+def norm(x):
+    return kernels.rms_norm(x)
+
+
+def rotary_tables(seq_len, head_dim, base):
+    """cos/sin of shape (seq_len, head_dim // 2): position t rotates channel pair i by t * base^(-2i/d)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, H, T, D). Rotates the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a tuned scale
+        y = kernels.attention(q, k, v)  # (B, H, T, D)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.activation = config.mlp
+        self.c_fc = nn.Linear(config.n_embd, config.hidden_dim, bias=False)
+        self.c_gate = nn.Linear(config.n_embd, config.hidden_dim, bias=False) if config.mlp == "swiglu" else None
+        self.c_proj = nn.Linear(config.hidden_dim, config.n_embd, bias=False)
+
+    def forward(self, x):
+        w_gate = self.c_gate.weight if self.c_gate is not None else None
+        return kernels.mlp(x, self.c_fc.weight, self.c_proj.weight, self.activation, w_gate)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(norm(x), cos, sin)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        cos, sin = rotary_tables(config.sequence_len, config.head_dim, config.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """nanochat's init: unit-variance embedding, 1/sqrt(fan_in) matrices, zero output projections
+        (each block starts as the identity), and a near-zero head so the first loss is ln(vocab)."""
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc, block.mlp.c_gate):
+                if linear is not None:
+                    bound = math.sqrt(3.0 / linear.in_features)  # uniform with std 1/sqrt(fan_in)
+                    nn.init.uniform_(linear.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        """idx: (B, T) token ids, T <= sequence_len.
+
+        Without targets: logits (B, T, vocab_size). With targets (B, T): the mean cross-entropy in nats,
+        or with loss_reduction="none" the per-token loss (B, T), which bits-per-byte needs.
+        Targets equal to -1 are ignored.
+        """
+        B, T = idx.shape
+        if T > self.config.sequence_len:
+            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={self.config.sequence_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        x = norm(x)
+        logits = self.lm_head(x)[..., : self.config.vocab_size].float()  # padding columns never win
+        if self.config.logit_softcap:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+    def num_params(self, matmul_only=False):
+        """All parameters, or only those that multiply activations in a matmul (everything except the
+        embedding table, which is a lookup)."""
+        params = self.parameters() if not matmul_only else (p for n, p in self.named_parameters() if n != "wte.weight")
+        return sum(p.numel() for p in params)
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), the PaLM appendix B formula:
+
+            6 * N_matmul + 12 * n_layer * n_head * head_dim * sequence_len
+
+        6 * N_matmul: each matmul weight costs 2 FLOPs per token forward and 4 backward (grads of input
+        and weight); the padded head counts as computed. The attention term covers q @ k^T and p @ v at
+        full (non-causal) length, as PaLM and nanoGPT count it, so it over-counts the useful causal work
+        by up to 2x on that term. Recomputation and elementwise ops are not counted.
+        """
+        c = self.config
+        return 6 * self.num_params(matmul_only=True) + 12 * c.n_layer * c.n_head * c.head_dim * c.sequence_len
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Autoregressive sampling: idx (B, T) -> (B, T + max_new_tokens). The context is cropped to the
+        last sequence_len tokens; temperature 0 picks the argmax."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.sequence_len :])[:, -1, :]
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, -float("inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx

@@ -1,0 +1,105 @@
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import train
+
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
+        "--eval_tokens=2048", "--sample_tokens=0", "--time_budget_s=0", "--compile=false", "--log_every=1",
+        "--warmup_steps=2"]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def run(out_dir, data_dir, *extra):
+    return train.main(TINY + [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *extra])
+
+
+def events(out_dir, kind):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == kind]
+
+
+def test_a_few_steps_reduce_loss_and_val_bpb(tmp_path, data_dir):
+    result = run(tmp_path, data_dir, "--max_steps=30", "--total_batch_tokens=512")
+    losses = [e["loss"] for e in events(tmp_path, "train")]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
+    assert result["final_eval"]["val_bpb"] < result["first_eval"]["val_bpb"] - 1.0
+    assert os.path.exists(tmp_path / "final.pt")
+
+
+def test_resume_continues_with_exactly_the_same_losses(tmp_path, data_dir):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run(full, data_dir, "--max_steps=6", "--checkpoint_every=3", "--keep_checkpoints=5")
+    assert sorted(os.listdir(full)) == ["ckpt_0000003.pt", "ckpt_0000006.pt", "final.pt", "log.jsonl"]
+    os.makedirs(resumed)
+    shutil.copy(full / "ckpt_0000003.pt", resumed)
+    run(resumed, data_dir, "--max_steps=6", "--resume=latest")
+    uninterrupted = [(e["step"], e["loss"]) for e in events(full, "train")][3:]
+    continued = [(e["step"], e["loss"]) for e in events(resumed, "train")]
+    assert continued == uninterrupted
+
+
+def test_keeps_only_the_last_checkpoints(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=4", "--checkpoint_every=1", "--keep_checkpoints=2")
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ckpt")) == ["ckpt_0000003.pt", "ckpt_0000004.pt"]
+
+
+def test_load_for_eval_reproduces_the_trained_model(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=3")
+    state = torch.load(tmp_path / "final.pt", weights_only=True)
+    model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
+    assert not model.training
+    reference = train.GPT(train.GPTConfig(**state["model_config"]))
+    reference.load_state_dict(state["model"])
+    idx = torch.randint(0, 257, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), reference(idx), rtol=0, atol=0)
+        assert model(idx).shape == (2, 64, 257)
+
+
+def test_resume_with_another_model_shape_is_refused(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=1", "--checkpoint_every=1")
+    with pytest.raises(ValueError, match="different model.*n_embd"):
+        run(tmp_path, data_dir, "--max_steps=2", "--resume=latest", "--n_embd=128")
+
+
+def test_lr_schedule_warms_up_holds_and_warms_down():
+    cfg = train.TrainConfig(warmup_steps=4, warmdown_frac=0.5, final_lr_frac=0.1)
+    assert train.lr_multiplier(cfg, 0, 0.0) == pytest.approx(0.25)
+    assert train.lr_multiplier(cfg, 10, 0.3) == 1.0
+    assert train.lr_multiplier(cfg, 10, 0.75) == pytest.approx(0.55)
+    assert train.lr_multiplier(cfg, 10, 1.0) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n_layers=3"], "did you mean --n_layer"),
+        (["--n_layer=three"], "not a valid int"),
+        (["--compile=maybe"], "not a valid bool"),
+        (["n_layer=3"], "arguments are --field=value"),
+    ],
+)
+def test_bad_arguments_exit_with_the_fix(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        train.parse_args(argv)
+
+
+def test_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--matrix_lr=0.02" in out and "--n_kv_head=" in out and "--time_budget_s=" in out
+
+
+def test_batch_that_does_not_divide_is_refused_before_training(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="not a multiple of batch_size"):
+        run(tmp_path, data_dir, "--max_steps=1", "--total_batch_tokens=1000")
+    assert not os.path.exists(tmp_path / "log.jsonl")

@@ -1,0 +1,449 @@
+"""
+Train a GPT from scratch. One process:
+
+    python train.py                              # small model on built-in Shakespeare, a few CPU minutes
+    python train.py --n_layer=6 --max_steps=500  # any config field, as --field=value
+    python train.py --help                       # every field with its default
+
+Data-parallel, one rank per device (NeuronCore, GPU or CPU process):
+
+    torchrun --standalone --nproc_per_node=4 train.py
+
+The learning-rate schedule follows training progress: step / max_steps, or elapsed training time /
+time_budget_s (the competition's fixed wall-clock budget). The training clock excludes start-up, the
+first `startup_steps` steps (compilation), evaluation and checkpointing.
+"""
+import dataclasses
+import difflib
+import glob
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+from model import GPT, GPTConfig
+
+
+def opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # data
+    dataset: str = opt("shakespeare", "built-in corpus to prepare into token shards")
+    tokenizer: str = opt("bytes", "bytes (257 ids, offline) or gpt2")
+    data_dir: str = opt("data_cache", "where token shards are prepared and read")
+    # batch: tokens per optimizer step = batch_size * sequence_len * world_size * accumulation steps
+    batch_size: int = opt(16, "sequences per micro-batch per rank")
+    total_batch_tokens: int = opt(0, "tokens per optimizer step; 0 = one micro-batch per rank")
+    # optimisation: Muon for hidden matrices, AdamW for embedding and head
+    matrix_lr: float = opt(0.02, "Muon learning rate (attention and MLP matrices)")
+    embedding_lr: float = opt(0.3, "AdamW learning rate of the token embedding")
+    head_lr: float = opt(0.004, "AdamW learning rate of lm_head")
+    weight_decay: float = opt(0.0, "decoupled weight decay of every optimizer")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
+    warmup_steps: int = opt(10, "linear learning-rate warmup, in optimizer steps")
+    warmdown_frac: float = opt(0.4, "final fraction of progress over which the lr decays linearly")
+    final_lr_frac: float = opt(0.0, "lr at the end of warmdown, as a fraction of the peak")
+    max_steps: int = opt(0, "stop after this many optimizer steps; 0 = no step limit")
+    time_budget_s: float = opt(150.0, "stop after this much training time; 0 = no time limit")
+    startup_steps: int = opt(1, "first steps kept off the training clock (compilation, warm-up)")
+    # evaluation and logging
+    eval_every: int = opt(0, "evaluate every N steps; 0 = only before and after training")
+    eval_tokens: int = opt(65536, "validation tokens per evaluation")
+    log_every: int = opt(10, "print and log a training line every N steps")
+    sample_tokens: int = opt(300, "tokens of text sampled at the end; 0 = none")
+    # checkpoints
+    out_dir: str = opt("out", "log.jsonl, checkpoints and final.pt go here")
+    checkpoint_every: int = opt(0, "write out_dir/ckpt_<step>.pt every N steps; 0 = only final.pt")
+    keep_checkpoints: int = opt(2, "periodic checkpoints kept on disk (oldest deleted first)")
+    resume: str = opt("", "'latest' (newest checkpoint in out_dir) or a checkpoint path")
+    # system
+    device: str = opt("auto", "auto | neuron | cuda | cpu")
+    dtype: str = opt("bfloat16", "matmul precision under autocast: bfloat16 or float32 (weights stay fp32)")
+    compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
+    seed: int = opt(1337, "seed of initialisation and data order")
+
+
+def parse_args(argv):
+    """--field=value for any TrainConfig or GPTConfig field; unknown names get a close match suggested."""
+    train_cfg, model_cfg = TrainConfig(), GPTConfig()
+    owners = {f.name: cfg for cfg in (train_cfg, model_cfg) for f in dataclasses.fields(cfg)}
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        for cfg in (model_cfg, train_cfg):
+            for f in dataclasses.fields(cfg):
+                print(f"  --{f.name}={getattr(cfg, f.name)!s:<14} {f.metadata.get('help', '')}")
+        sys.exit(0)
+    for arg in argv:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not sep:
+            sys.exit(f"error: arguments are --field=value, got {arg!r}")
+        if key not in owners:
+            near = difflib.get_close_matches(key, owners, n=1)
+            sys.exit(f"error: unknown config field --{key}" + (f"; did you mean --{near[0]}?" if near else "") + " (--help lists all)")
+        cfg = owners[key]
+        kind = type(getattr(cfg, key))
+        try:
+            parsed = {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            sys.exit(f"error: --{key}={value!r} is not a valid {kind.__name__} (default {getattr(cfg, key)!r})")
+        setattr(cfg, key, parsed)
+    return train_cfg, model_cfg
+
+
+# -----------------------------------------------------------------------------
+# devices
+
+# Dense bf16 peak FLOP/s per rank (TRAINIUM.md). Trn2 ranks are logical cores: 2 physical cores each at
+# the default NEURON_LOGICAL_NC_CONFIG=2.
+PEAK_FLOPS = {"trn1": 95e12, "trn2": 83.4e12, "trn3": 84e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def detect_device():
+    try:
+        import torch_neuronx  # noqa: F401  registers the "neuron" device
+        return "neuron"
+    except ImportError:  # not installed, or the PyPI placeholder
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device_type):
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "neuron":
+        torch.neuron.synchronize()
+
+
+def peak_flops(device_type, dtype=torch.bfloat16):
+    """Peak FLOP/s of one rank's device. A CPU has no datasheet number here, so it is measured: the best
+    of a few large matmuls in the training dtype."""
+    if device_type == "neuron":
+        return PEAK_FLOPS["trn2"] * int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan"))
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+# -----------------------------------------------------------------------------
+# optimisation
+
+def make_optimizers(model, cfg, device_type):
+    """Muon orthogonalises the update of each hidden 2-D matrix; AdamW trains the lookup table and the
+    head, whose rows see very different gradient scales."""
+    named = dict(model.named_parameters())
+    embedding, head = named.pop("wte.weight"), named.pop("lm_head.weight")
+    assert all(p.ndim == 2 for p in named.values()), "Muon takes only matrices"
+    fused = device_type in ("cpu", "cuda")
+    adamw = torch.optim.AdamW(
+        [{"params": [embedding], "lr": cfg.embedding_lr}, {"params": [head], "lr": cfg.head_lr}],
+        betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay, fused=fused,
+    )
+    muon = torch.optim.Muon(list(named.values()), lr=cfg.matrix_lr, momentum=0.95, weight_decay=cfg.weight_decay)
+    optimizers = [adamw, muon]
+    for o in optimizers:
+        for group in o.param_groups:
+            group["peak_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(cfg, step, progress):
+    """Linear warmup over warmup_steps, constant, then linear warmdown over the last warmdown_frac of
+    progress (0 at the start of training, 1 at max_steps or time_budget_s)."""
+    warmup = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if progress < 1 - cfg.warmdown_frac:
+        return warmup
+    left = max(0.0, 1 - progress) / cfg.warmdown_frac
+    return warmup * (cfg.final_lr_frac + (1 - cfg.final_lr_frac) * left)
+
+
+def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip):
+    """One optimizer step: gradients accumulated over the micro-batches, clipped, applied. Returns the
+    mean loss and the gradient norm as device tensors, so nothing here waits for the device."""
+    ddp = isinstance(model, DDP)
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # with DDP, gradients are all-reduced only on the last micro-step
+        sync = model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext()
+        with sync:
+            with autocast:
+                loss = model(x, y) / len(micro_batches)
+            loss.backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
+    for o in optimizers:
+        o.step()
+    raw_model.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+def save_checkpoint(path, model, optimizers, step, train_time, loader, train_cfg, model_cfg):
+    """Written to a temporary file, fsynced, then renamed over the target: a crash at any moment leaves
+    either the old checkpoint or the new one, never a torn file."""
+    state = {
+        "model": model.state_dict(),
+        "optimizers": [o.state_dict() for o in optimizers],
+        "step": step,
+        "train_time": train_time,
+        "loader": loader.state_dict(),
+        "rng": torch.get_rng_state(),
+        "train_config": asdict(train_cfg),
+        "model_config": asdict(model_cfg),
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(dir_fd)  # make the rename itself durable
+    os.close(dir_fd)
+
+
+def periodic_checkpoints(out_dir):
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
+
+
+def load_checkpoint(path, device="cpu"):
+    """Tensors and plain containers only (weights_only=True): a checkpoint can never run code."""
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def load_for_eval(checkpoint_path, device="cpu"):
+    """The competition's entry point: a single-device model in eval mode whose forward(idx) returns
+    causal next-token logits, from any checkpoint this script wrote."""
+    state = load_checkpoint(checkpoint_path, device)
+    model = GPT(GPTConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+# -----------------------------------------------------------------------------
+# evaluation
+
+@torch.no_grad()
+def evaluate(model, batches, token_bytes, device, autocast):
+    """Mean val loss over all target tokens, and val_bpb = nats / (ln 2 * bytes) over the target tokens
+    that stand for bytes (document boundaries stand for none). Sums are reduced over all ranks."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats of byte tokens, bytes
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            loss = model(x, y, loss_reduction="none").double()
+        nbytes = token_bytes[y]
+        sums += torch.stack([loss.sum(), torch.tensor(float(y.numel()), device=device, dtype=torch.float64),
+                             loss[nbytes > 0].sum(), nbytes.sum().double()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train()
+    nats, tokens, byte_nats, nbytes = sums.tolist()
+    return {"val_loss": nats / tokens, "val_bpb": byte_nats / (math.log(2) * nbytes)}
+
+
+# -----------------------------------------------------------------------------
+# the training run
+
+class Logger:
+    """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl."""
+
+    def __init__(self, out_dir, enabled, append):
+        self.file = open(os.path.join(out_dir, "log.jsonl"), "a" if append else "w") if enabled else None
+
+    def __call__(self, event, text, **fields):
+        if self.file:
+            print(text, flush=True)
+            self.file.write(json.dumps({"event": event, **fields}) + "\n")
+            self.file.flush()
+
+
+def resolve_resume(cfg):
+    if cfg.resume != "latest":
+        if not os.path.exists(cfg.resume):
+            raise FileNotFoundError(f"--resume={cfg.resume}: no such checkpoint")
+        return cfg.resume
+    found = periodic_checkpoints(cfg.out_dir)
+    if not found:
+        raise FileNotFoundError(f"--resume=latest: no ckpt_*.pt in {cfg.out_dir}; pass a checkpoint path instead")
+    return found[-1]
+
+
+def main(argv):
+    cfg, model_cfg = parse_args(argv)
+    # --- checks that need no data, model or device: fail before any expensive work
+    enc = data.get_tokenizer(cfg.tokenizer)
+    model_cfg.vocab_size = enc.n_vocab
+    model_cfg.validate()
+    if not (cfg.max_steps or cfg.time_budget_s):
+        raise ValueError("set --max_steps or --time_budget_s (or both), otherwise training never stops")
+    if cfg.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype={cfg.dtype!r}: use bfloat16 or float32")
+    device_type = detect_device() if cfg.device == "auto" else cfg.device
+    if device_type not in ("neuron", "cuda", "cpu"):
+        raise ValueError(f"--device={device_type!r}: use auto, neuron, cuda or cpu")
+
+    # --- processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group(backend={"neuron": "neuron", "cuda": "nccl"}.get(device_type, "gloo"))
+        rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+    device = f"{device_type}:{local_rank}" if device_type != "cpu" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    master = rank == 0
+    micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
+    total_tokens = cfg.total_batch_tokens or micro_tokens
+    if total_tokens % micro_tokens:
+        raise ValueError(
+            f"total_batch_tokens={total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
+            f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
+        )
+    accum_steps = total_tokens // micro_tokens
+    torch.manual_seed(cfg.seed)
+
+    # --- data: rank 0 prepares the shards once, the others wait for it
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        data_path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+    if ddp:
+        dist.barrier()
+    data_path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+    loader = data.TokenLoader(data.shard_paths(data_path, "train"), cfg.batch_size, model_cfg.sequence_len,
+                              rank, world_size, cfg.seed, enc.n_vocab)
+    val_batches = data.eval_batches(data.shard_paths(data_path, "val"), cfg.batch_size, model_cfg.sequence_len,
+                                    cfg.eval_tokens, rank, world_size, enc.n_vocab)
+    token_bytes = data.token_bytes(enc).to(device)
+
+    # --- model and optimizers, fresh or from a checkpoint
+    raw_model = GPT(model_cfg).to(device)
+    optimizers = make_optimizers(raw_model, cfg, device_type)
+    step, train_time = 0, 0.0
+    if cfg.resume:
+        path = resolve_resume(cfg)
+        state = load_checkpoint(path, device)
+        if state["model_config"] != asdict(model_cfg):
+            diff = {k: (v, asdict(model_cfg)[k]) for k, v in state["model_config"].items() if asdict(model_cfg).get(k) != v}
+            raise ValueError(f"{path} holds a different model (field: (checkpoint, now) = {diff}); pass the same flags")
+        raw_model.load_state_dict(state["model"])
+        for o, s in zip(optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+        step, train_time = state["step"], state["train_time"]
+        loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"].cpu())
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+    flops_per_token = raw_model.flops_per_token()
+    peak = peak_flops(device_type, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32) * world_size
+    log = Logger(cfg.out_dir, master, append=bool(cfg.resume))
+    log("config", f"{raw_model.num_params():,} parameters, {flops_per_token / 1e6:.1f} MFLOP/token, {world_size} "
+        f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step",
+        train_config=asdict(cfg), model_config=asdict(model_cfg), world_size=world_size, device=device_type)
+
+    def run_eval():
+        # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
+        metrics = evaluate(raw_model, val_batches, token_bytes, device, autocast)
+        log("eval", f"step {step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}", step=step, **metrics)
+        return metrics
+
+    def checkpoint(path):
+        if master:
+            save_checkpoint(path, raw_model, optimizers, step, train_time, loader, cfg, model_cfg)
+
+    first_eval = run_eval()
+    steps_this_run, startup_time = 0, 0.0
+    interval_time, interval_tokens = 0.0, 0
+    while True:
+        progress = max(step / cfg.max_steps if cfg.max_steps else 0.0, train_time / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+        if progress >= 1:
+            break
+        t0 = time.perf_counter()
+        lr_scale = lr_multiplier(cfg, step, progress)
+        for o in optimizers:
+            for group in o.param_groups:
+                group["lr"] = group["peak_lr"] * lr_scale
+        micro_batches = [next(loader) for _ in range(accum_steps)]
+        loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, device, autocast, cfg.grad_clip)
+        step, steps_this_run = step + 1, steps_this_run + 1
+        last_step = (cfg.max_steps and step >= cfg.max_steps)
+        do_log = step % cfg.log_every == 0 or last_step
+        do_eval = cfg.eval_every and step % cfg.eval_every == 0
+        do_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if do_log or do_eval or do_checkpoint:  # the only host syncs of the loop
+            stats = torch.stack([loss, grad_norm.to(loss)])
+            if ddp:
+                dist.all_reduce(stats, op=dist.ReduceOp.AVG)
+            loss_value, norm_value = stats.tolist()
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                raise FloatingPointError(
+                    f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
+                    f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
+                    f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32"
+                )
+        dt = time.perf_counter() - t0
+        if steps_this_run <= cfg.startup_steps:
+            startup_time += dt
+        else:
+            train_time += dt
+            interval_time += dt
+            interval_tokens += total_tokens
+        if do_log:
+            tokens_per_s = interval_tokens / interval_time if interval_time else float("nan")
+            mfu = tokens_per_s * flops_per_token / peak
+            log("train", f"step {step} | loss {loss_value:.4f} | lr x{lr_scale:.3f} | {tokens_per_s:,.0f} tok/s | "
+                f"MFU {100 * mfu:.1f}% | {train_time:.1f}s", step=step, loss=loss_value, grad_norm=norm_value,
+                lr_scale=lr_scale, tokens_per_s=tokens_per_s, mfu=mfu, train_time=train_time, startup_time=startup_time)
+            interval_time, interval_tokens = 0.0, 0
+        if do_eval:
+            run_eval()
+        if do_checkpoint:
+            checkpoint(os.path.join(cfg.out_dir, f"ckpt_{step:07d}.pt"))
+            for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints or None]:
+                if master:
+                    os.remove(old)
+
+    final_eval = run_eval()
+    checkpoint(os.path.join(cfg.out_dir, "final.pt"))
+    log("done", f"{step} steps in {train_time:.1f}s of training (+{startup_time:.1f}s start-up steps); val_bpb "
+        f"{first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}", step=step, train_time=train_time,
+        startup_time=startup_time, **final_eval)
+    if master and cfg.sample_tokens:
+        prompt = torch.tensor([[enc.eot_token]], device=device)
+        with autocast:
+            out = raw_model.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator(device).manual_seed(cfg.seed))
+        print("-" * 40 + "\n" + enc.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
+    if ddp:
+        dist.destroy_process_group()
+    return {"first_eval": first_eval, "final_eval": final_eval, "step": step}
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        sys.exit(f"error: {e}")
