@@ -1,0 +1,107 @@
+"""Nothing lost under faults: kills during a save, SIGTERM, non-finite losses, a full disk."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import pytest
+import torch
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
+        "--eval_tokens=2048", "--sample_tokens=0", "--time_budget_s=0", "--compile=false", "--log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+SAVE_FOREVER = """
+import sys, torch, train
+from model import GPT, GPTConfig
+model = GPT(GPTConfig(n_layer=4, n_embd=256, sequence_len=64))
+cfg, model_cfg = train.parse_args([])
+loader = type("Loader", (), {"state_dict": lambda self: {"epoch": 0, "position": 0}})()
+step = 0
+while True:
+    train.save_checkpoint(sys.argv[1], model, [], step, 0.0, loader, cfg, model_cfg)
+    step += 1
+    if step == 1:
+        print("saved", flush=True)
+"""
+
+
+def test_a_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    for delay in (0.05, 0.23, 0.41):
+        proc = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, path], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "saved"
+        time.sleep(delay)
+        proc.kill()  # SIGKILL: no handler, no cleanup, possibly mid-write
+        proc.wait()
+        state = train.load_checkpoint(path)
+        assert state["step"] >= 0 and state["model"]["wte.weight"].shape == (384, 256)
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path, data_dir):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "train.py", *TINY, "--max_steps=100000", f"--out_dir={out}", f"--data_dir={data_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until training is under way
+        if os.path.exists(out / "log.jsonl") and '"event": "train"' in (out / "log.jsonl").read_text():
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "stopped by a signal" in output
+    [checkpoint] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
+    stopped_at = train.load_checkpoint(out / checkpoint)["step"]
+    assert stopped_at >= 1
+    train.main(TINY + [f"--max_steps={stopped_at + 2}", "--resume=latest", f"--out_dir={out}", f"--data_dir={data_dir}"])
+    steps = [e["step"] for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "train"]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_nan_at_a_known_step_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch):
+    real_step, calls = train.train_step, []
+
+    def poisoned_step(model, raw_model, *args):
+        calls.append(1)
+        if len(calls) == 4:
+            with torch.no_grad():
+                raw_model.lm_head.weight[0, 0] = float("nan")
+        return real_step(model, raw_model, *args)
+
+    monkeypatch.setattr(train, "train_step", poisoned_step)
+    args = TINY + ["--max_steps=10", "--checkpoint_every=1", "--keep_checkpoints=5", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
+    with pytest.raises(FloatingPointError, match=r"step 4: loss nan.*lower --matrix_lr"):
+        train.main(args)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == [f"ckpt_000000{i}.pt" for i in (1, 2, 3)]
+    last_good = train.load_checkpoint(tmp_path / "ckpt_0000003.pt")
+    assert all(torch.isfinite(t).all() for t in last_good["model"].values())
+
+
+def test_a_full_disk_is_refused_before_training(tmp_path, data_dir, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(OSError, match="GiB free but checkpoints need"):
+        train.main(TINY + ["--max_steps=2", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
+    assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_checkpoints_load_tensors_only(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"model": {}, "evil": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        train.load_checkpoint(tmp_path / "evil.pt")
