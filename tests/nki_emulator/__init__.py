@@ -1,0 +1,140 @@
+"""A CPU emulator of the new NKI dialect, standing in for ``nki`` (this module), ``nki.language``
+(:mod:`.language`) and ``nki.isa`` (:mod:`.isa`) where the Neuron SDK cannot be installed.
+
+Kernels run unmodified: ``kernel = nki.jit(fn)`` and ``kernel(*arrays, **scalars)`` or
+``kernel[lnc](...)`` execute ``fn`` eagerly on numpy, instruction by instruction, enforcing the
+documented hardware rules (they raise :class:`NkiValidationError`, naming the instruction and the
+limit). Arguments may be numpy arrays or CPU torch tensors (bf16/fp8 included); results come back as
+the same kind. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
+:class:`Counts`). ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
+trn2) picks the generation whose limits apply. Memory model: see :mod:`._memory`.
+
+In tests, :func:`install` makes ``import nki`` give the real package when it imports, else this one.
+"""
+
+import functools
+import sys
+
+import numpy as np
+
+from . import isa, language
+from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
+from ._runtime import Core, Counts, NkiValidationError, counting, running, set_target, target
+
+__all__ = ["jit", "simulate", "install", "counting", "Counts", "set_target", "target", "NkiValidationError",
+           "language", "isa"]
+
+
+def jit(fn=None, **options):
+    """``nki.jit``: make ``fn`` a launchable kernel; usable as ``@nki.jit`` or ``@nki.jit(...)``.
+    Options of the real compiler (``mode``, ...) are accepted and ignored."""
+    if fn is None:
+        return jit
+    return fn if isinstance(fn, Kernel) else Kernel(fn)
+
+
+def simulate(kernel):
+    """``nki.simulate``: a callable running ``kernel`` (a jit kernel, ``kernel[lnc]`` or a plain
+    function) on the CPU with numpy arrays or torch tensors."""
+    return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+
+class Kernel:
+    """A jit-wrapped kernel. ``kernel(...)`` runs on one NeuronCore; ``kernel[2](...)`` runs the two
+    programs of a logical NeuronCore (``nl.program_id(0)`` 0 then 1, one after the other) sharing
+    their ``nl.shared_hbm`` tensors, as the two physical cores of LNC=2 do."""
+
+    def __init__(self, fn, lnc=1, grid=False):
+        functools.update_wrapper(self, fn)
+        self.fn, self.lnc, self.grid = fn, lnc, grid
+
+    def __getitem__(self, lnc):
+        if isinstance(lnc, bool) or lnc not in (1, 2):
+            raise NkiValidationError(f"kernel[lnc]: the launch bracket takes one number, the LNC degree 1 or 2; "
+                                     f"got {lnc!r}")
+        return Kernel(self.fn, lnc, grid=True)
+
+    def __call__(self, *args, **kwargs):
+        torch_out = any(_is_torch(a) for a in (*args, *kwargs.values()))
+        args = tuple(_to_device(a, f"argument {i}") for i, a in enumerate(args))
+        kwargs = {k: _to_device(v, f"argument {k!r}") for k, v in kwargs.items()}
+        shared_hbm = []
+        for program in range(self.lnc):
+            core = Core(program, self.lnc, self.grid, shared_hbm)
+            with running(core):
+                result = self.fn(*args, **kwargs)
+            check_capacity(core)
+        return _to_host(result, torch_out)
+
+
+# ---- host <-> device -------------------------------------------------------------------------------
+
+def _is_torch(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_views():
+    """torch dtypes that numpy lacks, carried bit for bit through a same-width integer:
+    torch dtype -> (torch int dtype, numpy int dtype, ml_dtypes dtype)."""
+    import torch
+
+    return {torch.bfloat16: (torch.int16, np.int16, language.bfloat16),
+            torch.float8_e4m3fn: (torch.uint8, np.uint8, language.float8_e4m3fn),
+            torch.float8_e5m2: (torch.uint8, np.uint8, language.float8_e5m2)}
+
+
+def _to_device(x, what):
+    """A kernel argument: arrays become HBM tensors sharing the caller's memory (so in-place kernel
+    writes show, as in nki.simulate); tuples are converted item by item; other values pass through."""
+    if isinstance(x, list):
+        raise NkiValidationError(f"nki.jit: {what} is a list; kernel arguments may be tuples, not lists")
+    if isinstance(x, tuple):
+        return tuple(_to_device(item, what) for item in x)
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise NkiValidationError(f"nki.jit: {what} is a torch tensor on {x.device}; the emulator needs CPU tensors")
+        x = x.detach().contiguous()
+        views = _torch_views()
+        x = x.view(views[x.dtype][0]).numpy().view(views[x.dtype][2]) if x.dtype in views else x.numpy()
+    if isinstance(x, np.ndarray):
+        as_dtype(x.dtype, f"nki.jit {what}")
+        return wrap_host(np.ascontiguousarray(x), MemoryRegion.shared_hbm, f"kernel {what} {x.shape} {x.dtype.name}")
+    return x
+
+
+def _to_host(result, torch_out):
+    if isinstance(result, (tuple, list)):
+        return tuple(_to_host(item, torch_out) for item in result)
+    if not isinstance(result, NkiTensor):
+        return result
+    if result.buffer is not MemoryRegion.shared_hbm:
+        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated with buffer=nl.shared_hbm; "
+                                 f"this one is in {result.buffer.value}")
+    array = np.array(result._data)
+    if not torch_out:
+        return array
+    import torch
+
+    for torch_dtype, (_, np_int, np_dtype) in _torch_views().items():
+        if array.dtype == np_dtype:
+            return torch.from_numpy(array.view(np_int)).view(torch_dtype)
+    return torch.from_numpy(array)
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+
+def install():
+    """Make ``import nki``, ``import nki.language``, ``import nki.isa`` work: if the Neuron SDK's nki
+    imports (PyPI's placeholder raises ImportError), keep it and return it; otherwise register this
+    emulator under those names and return it."""
+    try:
+        import nki
+        import nki.isa
+        import nki.language  # noqa: F401
+
+        return nki
+    except ImportError:
+        pass
+    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa})
+    return sys.modules[__name__]

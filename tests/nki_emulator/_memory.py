@@ -1,0 +1,347 @@
+"""Memory: buffers, dtypes, tensors and views, and the bookkeeping behind the memory rules.
+
+Model
+-----
+- Every allocation (``nl.ndarray`` or a kernel argument) is a *storage*: a numpy array of the tensor's
+  dtype (bf16/fp8 through ``ml_dtypes``), a boolean *written* mask of the same shape, and for PSUM a
+  *matmul-written* mask that drives ``nc_matmul``'s overwrite-then-accumulate rule. New storage is
+  filled with NaN (integers with 4), as the official simulator does, and reading an element whose
+  written flag is still False raises.
+- An ``NkiTensor`` is a view: the same numpy view taken of the data and of the masks, so writes through
+  any view land in the storage. Slicing follows NKI: on-chip tensors keep the partition dim (an
+  integer index there keeps size 1) and stay at least 2-D; HBM tensors drop integer-indexed dims.
+- Capacity is checked the way a compiler allocates: an on-chip tile is live from the first instruction
+  that touches it to the last one (instruction indices on its core), occupying
+  ``prod(shape[1:]) * itemsize`` bytes in every partition. When a kernel returns, the emulator finds
+  the instruction with the most live bytes and raises if SBUF (per-target budget) or PSUM (16 KiB per
+  partition) was exceeded there. A tile allocated but never used costs nothing.
+"""
+
+import os
+import sys
+from enum import Enum
+
+import ml_dtypes
+import numpy as np
+
+from ._runtime import NkiValidationError, PARTITIONS, PSUM_PARTITION_BYTES, current, target
+
+
+class MemoryRegion(Enum):
+    """Where a tensor lives. ``nl.hbm`` is an alias of ``private_hbm``."""
+
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
+
+SBUF, PSUM = MemoryRegion.sbuf, MemoryRegion.psum
+HBM = (MemoryRegion.private_hbm, MemoryRegion.shared_hbm)
+ON_CHIP = (SBUF, PSUM)
+
+DTYPES = {
+    "bool_": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_SUPPORTED = set(DTYPES.values())
+FP32 = DTYPES["float32"]
+
+
+def as_dtype(dtype, what="dtype"):
+    """Normalise an NKI dtype (``nl.bfloat16``, ``np.float32``, ``"bfloat16"``, a tensor's dtype)."""
+    try:
+        result = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else np.dtype(dtype)
+    except TypeError:
+        result = None
+    if result not in _SUPPORTED:
+        raise NkiValidationError(f"{what}: {dtype!r} is not an NKI dtype the emulator supports "
+                                 f"({', '.join(DTYPES)})")
+    return result
+
+
+def _sentinel(dtype):
+    return 4 if dtype.kind in "iu" else (False if dtype.kind == "b" else np.nan)
+
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+def _caller_site():
+    """file:line of the first frame outside the emulator (where the kernel allocated a tile)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE + "."):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else "?"
+
+
+class _Liveness:
+    """First and last instruction index at which an on-chip tile was touched (-1: never)."""
+
+    __slots__ = ("first", "last", "nbytes", "buffer", "label")
+
+    def __init__(self, nbytes, buffer, label):
+        self.first = self.last = -1
+        self.nbytes, self.buffer, self.label = nbytes, buffer, label
+
+
+class _Storage:
+    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness")
+
+    def __init__(self, array, buffer, name, label, initialised):
+        self.array = array
+        self.buffer = buffer
+        self.name = name
+        self.label = label  # for messages: name, shape, dtype, buffer, allocation site
+        self.unwritten = 0 if initialised else array.size  # 0: every element has been written
+        self.written = None if initialised else np.zeros(array.shape, np.bool_)
+        self.matmul_written = np.zeros(array.shape, np.bool_) if buffer is PSUM else None
+        self.liveness = None
+
+
+class NkiTensor:
+    """A view of a storage: shape, dtype and buffer of an NKI tensor (kernel argument or allocation)."""
+
+    __slots__ = ("_storage", "_data", "_written", "_matmul_written")
+
+    def __init__(self, storage, data, written, matmul_written):
+        self._storage, self._data, self._written, self._matmul_written = storage, data, written, matmul_written
+
+    shape = property(lambda self: self._data.shape)
+    dtype = property(lambda self: self._data.dtype)
+    buffer = property(lambda self: self._storage.buffer)
+    ndim = property(lambda self: self._data.ndim)
+    size = property(lambda self: self._data.size)
+    name = property(lambda self: self._storage.name)
+
+    def __repr__(self):
+        return f"NkiTensor(shape={self.shape}, dtype={self.dtype.name}, buffer={self.buffer.value}, " \
+               f"name={self.name!r})"
+
+    def _view(self, index=None, fn=None):
+        """The same view of data and masks: numpy ``index`` or a view function ``fn``."""
+        apply = (lambda a: a[index]) if fn is None else fn
+        masks = (self._written, self._matmul_written)
+        return NkiTensor(self._storage, apply(self._data), *(None if m is None else apply(m) for m in masks))
+
+    def __getitem__(self, key):
+        """NumPy-style basic indexing: ints, slices (step >= 1), ``...``, ``nl.ds``; returns a view."""
+        key = key if isinstance(key, tuple) else (key,)
+        shape = self.shape
+        ellipses = [at for at, k in enumerate(key) if k is Ellipsis]
+        if len(ellipses) > 1:
+            raise NkiValidationError("tensor index: at most one '...' is allowed")
+        if ellipses:
+            at = ellipses[0]
+            key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+        if len(key) > len(shape):
+            raise NkiValidationError(f"tensor index: {len(key)} indices for a {len(shape)}-d tensor")
+        key = key + (slice(None),) * (len(shape) - len(key))
+        index, integer_dims = [], []
+        for dim, (k, n) in enumerate(zip(key, shape)):
+            if isinstance(k, slice):
+                index.append(_check_slice(k, n, dim))
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                i = int(k) + n if k < 0 else int(k)
+                if not 0 <= i < n:
+                    raise NkiValidationError(f"tensor index: {k} is out of bounds for dim {dim} of size {n}")
+                index.append(i)
+                integer_dims.append(dim)
+            else:
+                raise NkiValidationError(f"tensor index: unsupported index {k!r} (use ints, slices or nl.ds)")
+        on_chip = self.buffer in ON_CHIP
+        if on_chip and integer_dims[:1] == [0]:  # the partition dim is kept, with size 1
+            index[0] = slice(index[0], index[0] + 1)
+            integer_dims.pop(0)
+        if integer_dims and len(shape) - len(integer_dims) < (2 if on_chip else 1):
+            last = integer_dims[-1]  # keep the last indexed dim at size 1 so the result stays >= 2-D (1-D)
+            index[last] = slice(index[last], index[last] + 1)
+        return self._view(tuple(index))
+
+    def reshape(self, shape):
+        """A view with another shape; needs a layout that allows it without copying. On-chip tensors
+        keep their partition dim."""
+        shape = tuple(int(s) for s in shape)
+        if self.buffer in ON_CHIP and shape[:1] != self.shape[:1]:
+            raise NkiValidationError(f"reshape: on-chip tensors keep their partition dim {self.shape[0]}, "
+                                     f"got shape {shape}")
+        try:
+            return self._view(fn=lambda a: np.reshape(a, shape, copy=False))
+        except ValueError as error:
+            raise NkiValidationError(f"reshape: cannot view shape {self.shape} as {shape}: {error}") from None
+
+    def permute(self, dims):
+        """A view with dimensions reordered; on-chip tensors keep the partition dim first."""
+        dims = tuple(dims)
+        if sorted(dims) != list(range(self.ndim)) or (self.buffer in ON_CHIP and dims[0] != 0):
+            raise NkiValidationError(f"permute: {dims} is not a permutation of the dims of {self.shape} "
+                                     "that keeps an on-chip partition dim first")
+        return self._view(fn=lambda a: a.transpose(dims))
+
+    def ap(self, pattern, offset=None):
+        """Explicit access pattern ``[[stride, count], ...]`` (in elements) over the storage, starting at
+        element ``offset`` of the storage (default: where this view starts). On-chip tensors: the
+        first pair is the partition step, whose stride must be the storage's row length."""
+        storage = self._storage
+        strides, counts = zip(*((int(s), int(c)) for s, c in pattern))
+        if offset is None:
+            offset = (self._data.__array_interface__["data"][0]
+                      - storage.array.__array_interface__["data"][0]) // self.dtype.itemsize
+        row = storage.array.size // storage.array.shape[0]
+        if self.buffer in ON_CHIP and strides[0] != row:
+            raise NkiValidationError(f"ap: the partition stride of an on-chip tensor must be its row length "
+                                     f"{row}, got {strides[0]}")
+        low = offset + sum((c - 1) * s for s, c in zip(strides, counts) if s < 0)
+        high = offset + sum((c - 1) * s for s, c in zip(strides, counts) if s > 0)
+        if min(counts) < 1 or low < 0 or high >= storage.array.size:
+            raise NkiValidationError(f"ap: pattern {pattern} at offset {offset} leaves the storage of "
+                                     f"{storage.array.size} elements")
+
+        def strided(whole):
+            flat = whole.reshape(-1)[offset:]
+            return np.lib.stride_tricks.as_strided(flat, counts, tuple(s * flat.itemsize for s in strides))
+
+        masks = (storage.written, storage.matmul_written)
+        return NkiTensor(storage, strided(storage.array), *(None if m is None else strided(m) for m in masks))
+
+
+def _check_slice(k, n, dim):
+    start, stop, step = k.start, k.stop, k.step
+    start = 0 if start is None else int(start) + (n if start < 0 else 0)
+    stop = n if stop is None else int(stop) + (n if stop < 0 else 0)
+    step = 1 if step is None else int(step)
+    if not (0 <= start < stop <= n and step >= 1):
+        raise NkiValidationError(f"tensor index: slice {k.start}:{k.stop}:{k.step} is empty or out of bounds "
+                                 f"for dim {dim} of size {n}")
+    return slice(start, stop, step)
+
+
+def allocate(shape, dtype, buffer, name, what="ndarray"):
+    """New uninitialised storage on the running core (``nl.ndarray``)."""
+    core = current(what)
+    shape = tuple(int(s) for s in shape)
+    dtype = as_dtype(dtype, what)
+    if not isinstance(buffer, MemoryRegion):
+        raise NkiValidationError(f"{what}: buffer must be nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm, got {buffer!r}")
+    if not shape or min(shape) < 1:
+        raise NkiValidationError(f"{what}: shape {shape} needs at least one dim, all positive")
+    site = _caller_site()
+    label = f"{name or 'tile'} {shape} {dtype.name} in {buffer.value}, allocated at {site}"
+    if buffer in ON_CHIP:
+        _check_on_chip_shape(shape, dtype, buffer, what)
+    if buffer is MemoryRegion.shared_hbm and core.program_id > 0:
+        return _shared_alias(core, shape, dtype, what)
+    storage = _Storage(np.full(shape, _sentinel(dtype), dtype), buffer, name, label, initialised=False)
+    if buffer in ON_CHIP:
+        storage.liveness = _Liveness(storage.array.size // shape[0] * dtype.itemsize, buffer, label)
+        core.tiles.append(storage.liveness)
+    if buffer is MemoryRegion.shared_hbm:
+        core.shared_hbm.append(storage)
+    return NkiTensor(storage, storage.array, storage.written, storage.matmul_written)
+
+
+def _check_on_chip_shape(shape, dtype, buffer, what):
+    """Rules that a single on-chip tile must meet on its own."""
+    if len(shape) < 2:
+        raise NkiValidationError(f"{what}: on-chip tensors are at least 2-D (partition, free...), got {shape}")
+    if shape[0] > PARTITIONS:
+        raise NkiValidationError(f"{what}: partition dim {shape[0]} exceeds the {PARTITIONS} partitions of "
+                                 f"{buffer.value.upper()} (nl.tile_size.pmax)")
+    per_partition = int(np.prod(shape[1:])) * dtype.itemsize
+    limit = target().psum_tile_bytes if buffer is PSUM else target().sbuf_partition_bytes
+    if per_partition > limit:
+        kind = "one PSUM bank" if buffer is PSUM else "an SBUF partition"
+        raise NkiValidationError(f"{what}: a {shape} {dtype.name} tile needs {per_partition} bytes per partition, "
+                                 f"more than {kind} holds on {target().name} ({limit} bytes)")
+
+
+def _shared_alias(core, shape, dtype, what):
+    """Program k > 0 of an LNC launch: the n-th shared_hbm allocation is program 0's n-th one."""
+    index = core.shared_hbm_next
+    core.shared_hbm_next += 1
+    if index >= len(core.shared_hbm) or core.shared_hbm[index].array.shape != shape \
+            or core.shared_hbm[index].array.dtype != dtype:
+        raise NkiValidationError(f"{what}: program {core.program_id} allocated shared_hbm tensors that differ "
+                                 "from program 0's; every program of an LNC launch must allocate the same ones")
+    storage = core.shared_hbm[index]
+    return NkiTensor(storage, storage.array, storage.written, None)
+
+
+def wrap_host(array, buffer, label):
+    """A kernel argument: host memory used in place, fully initialised."""
+    storage = _Storage(array, buffer, "", label, initialised=True)
+    return NkiTensor(storage, array, None, None)
+
+
+def check_capacity(core):
+    """Raise if the live on-chip tiles of ``core`` ever exceeded SBUF or PSUM capacity."""
+    limits = {SBUF: target().sbuf_partition_bytes, PSUM: PSUM_PARTITION_BYTES}
+    for buffer, limit in limits.items():
+        tiles = [t for t in core.tiles if t.buffer is buffer and t.first >= 0]
+        events = sorted([(t.first, t.nbytes) for t in tiles] + [(t.last + 1, -t.nbytes) for t in tiles])
+        live = peak = peak_at = 0
+        for at, delta in events:
+            live += delta
+            if live > peak:
+                peak, peak_at = live, at
+        if peak > limit:
+            alive = sorted((t for t in tiles if t.first <= peak_at <= t.last), key=lambda t: -t.nbytes)
+            listing = "; ".join(f"{t.label} ({t.nbytes} B/partition)" for t in alive[:4])
+            raise NkiValidationError(
+                f"{core.issued[peak_at]} (instruction #{peak_at}): {buffer.value.upper()} holds {peak} bytes per "
+                f"partition of live tiles, over the {limit} bytes ({limit // 1024} KiB) per partition of "
+                f"{target().name}; largest live tiles: {listing}")
+
+
+# ---- operand access used by the instructions ------------------------------------------------------
+
+def operand(core, instr, role, t, allowed, why):
+    """Check that ``t`` is a tensor in one of the ``allowed`` buffers and mark it used now."""
+    if not isinstance(t, NkiTensor):
+        raise NkiValidationError(f"{instr}: {role} must be an NKI tensor, got {type(t).__name__}")
+    if t._storage.buffer not in allowed:
+        raise NkiValidationError(f"{instr}: {role} is in {t._storage.buffer.value}, but {why}")
+    liveness = t._storage.liveness
+    if liveness is not None:
+        if liveness.first < 0:
+            liveness.first = core.now
+        liveness.last = core.now
+    return t
+
+
+def check_written(instr, role, t):
+    storage = t._storage
+    if storage.unwritten and not t._written.all():
+        raise NkiValidationError(f"{instr}: {role} reads memory that was never written: {storage.label}")
+
+
+def read(instr, role, t):
+    """The values of ``t`` as float32 (what the engines compute in); raises on unwritten memory."""
+    check_written(instr, role, t)
+    return np.asarray(t._data, np.float32)
+
+
+def write(t, values):
+    """Store ``values`` into ``t``, rounding to its dtype (float -> int rounds half to even and
+    saturates); marks the elements written."""
+    data = t._data
+    if data.dtype.kind in "iu":
+        info = np.iinfo(data.dtype)
+        values = np.clip(np.rint(values), info.min, info.max)
+    data[...] = np.reshape(values, data.shape)
+    storage = t._storage
+    if storage.unwritten:
+        written = t._written
+        storage.unwritten = max(0, storage.unwritten - (written.size - np.count_nonzero(written)))
+        written[...] = True

@@ -1,0 +1,188 @@
+"""Emulator state: the hardware target, the NeuronCore a kernel is running on, and instruction counts.
+
+Every ``nki.isa`` instruction starts with :func:`begin`, which checks that a kernel is running and gives
+the instruction the next index on its core (memory liveness is measured in these indices), and ends
+with :func:`count`, which adds it to every open :func:`counting` context.
+"""
+
+import contextlib
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+KiB = 1024
+PARTITIONS = 128  # nl.tile_size.pmax: SBUF and PSUM have 128 partitions
+PSUM_PARTITION_BYTES = 16 * KiB  # 8 banks of 2 KiB per partition
+PSUM_BANK_BYTES = 2 * KiB  # one bank row: 512 fp32 values
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
+
+
+class NkiValidationError(Exception):
+    """A kernel broke a hardware rule (stands in for the real ``nki.isa.NkiValidationError``)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The limits that differ between NeuronCore generations."""
+
+    name: str
+    nc_version: str  # member name of nki.isa.nc_version
+    sbuf_partition_bytes: int
+    psum_tile_bytes: int  # widest PSUM tile: one bank, or the whole PSUM on NeuronCore-v4
+    matmul_dst_dtypes: tuple  # nc_matmul may write these dtypes to PSUM
+
+
+TARGETS = {
+    "trn1": Target("trn1", "gen2", 192 * KiB, PSUM_BANK_BYTES, ("float32",)),
+    "trn2": Target("trn2", "gen3", 224 * KiB, PSUM_BANK_BYTES, ("float32",)),
+    "trn3": Target("trn3", "gen4", 256 * KiB, PSUM_PARTITION_BYTES, ("float32", "bfloat16")),
+}
+_TARGET_ALIASES = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
+
+
+def _lookup_target(name):
+    key = _TARGET_ALIASES.get(name, name)
+    if key not in TARGETS:
+        raise ValueError(f"unknown NKI emulator target {name!r}; use one of trn1, trn2, trn3 (or gen2, gen3, gen4)")
+    return TARGETS[key]
+
+
+_target = _lookup_target(os.environ.get("NKI_EMULATOR_TARGET", "trn2"))
+
+
+def set_target(name):
+    """Select the hardware generation whose limits are enforced ("trn1", "trn2" or "trn3"); returns the
+    previous target's name. The default is trn2, or the ``NKI_EMULATOR_TARGET`` environment variable."""
+    global _target
+    previous = _target.name
+    _target = _lookup_target(name)
+    return previous
+
+
+def target():
+    return _target
+
+
+class Counts:
+    """What kernels did while a :func:`counting` context was open.
+
+    - ``instructions``: engine -> instruction count, for the engines "tensor", "vector", "scalar",
+      "gpsimd" and "dma".
+    - ``by_instruction``: instruction name (e.g. "nc_matmul", "dma_copy") -> count.
+    - ``dma_bytes``: bytes written by ``dma_copy`` (its destination's size; equal to the bytes read
+      unless the DMA converts dtype).
+    - ``matmul_flops``: 2*K*M*N for every ``nc_matmul`` (transposes are not counted here).
+    - ``matmul_shapes``: one ``(K, M, N, dtype)`` per ``nc_matmul`` (dtype: the wider input dtype's
+      name); ``matmul_histogram()`` tallies them.
+    - ``transposes``: one ``(partitions, free_size, dtype)`` per TensorE ``nc_transpose``.
+    - ``trace``: one ``(instruction, engine, partitions, free_elements_per_partition)`` per instruction,
+      the raw input for a cycle-cost model.
+    """
+
+    def __init__(self):
+        self.instructions = dict.fromkeys(ENGINES, 0)
+        self.by_instruction = Counter()
+        self.dma_bytes = 0
+        self.matmul_flops = 0
+        self.matmul_shapes = []
+        self.transposes = []
+        self.trace = []
+
+    def matmul_histogram(self):
+        return Counter(self.matmul_shapes)
+
+    def __repr__(self):
+        return (f"Counts(instructions={self.instructions}, dma_bytes={self.dma_bytes}, "
+                f"matmul_flops={self.matmul_flops})")
+
+
+_counters = []  # the open counting() contexts
+
+
+@contextlib.contextmanager
+def counting():
+    """``with nki_emulator.counting() as counts:`` counts every instruction issued inside the block."""
+    counts = Counts()
+    _counters.append(counts)
+    try:
+        yield counts
+    finally:
+        _counters.remove(counts)
+
+
+def count_dma(nbytes):
+    for counts in _counters:
+        counts.dma_bytes += nbytes
+
+
+def count_matmul(k, m, n, dtype_name):
+    for counts in _counters:
+        counts.matmul_flops += 2 * k * m * n
+        counts.matmul_shapes.append((k, m, n, dtype_name))
+
+
+def count_transpose(partitions, free, dtype_name):
+    for counts in _counters:
+        counts.transposes.append((partitions, free, dtype_name))
+
+
+class Core:
+    """The NeuronCore that one program of a kernel launch runs on.
+
+    ``shared_hbm`` is shared by the programs of one launch: program 0 records its ``nl.shared_hbm``
+    allocations there and later programs get the same storage back, allocation by allocation, as
+    both cores of a logical NeuronCore address the same shared HBM tensor.
+    """
+
+    def __init__(self, program_id, num_programs, grid, shared_hbm):
+        self.program_id = program_id
+        self.num_programs = num_programs
+        self.grid = grid  # launched with kernel[lnc](...) rather than kernel(...)
+        self.shared_hbm = shared_hbm
+        self.shared_hbm_next = 0
+        self.now = 0  # index of the instruction being issued
+        self.issued = [None]  # instruction name by index
+        self.tiles = []  # liveness records of the on-chip tiles allocated on this core
+        # ScalarE's per-lane accumulation registers (nisa.activation reduce_cmd); undefined until reset.
+        self.activation_regs = np.full(PARTITIONS, np.nan, np.float32)
+
+
+_core = None
+
+
+def current(what):
+    """The running core; NKI calls are only meaningful inside a kernel."""
+    if _core is None:
+        raise NkiValidationError(f"{what}: called outside a kernel; launch the kernel with nki.jit")
+    return _core
+
+
+@contextlib.contextmanager
+def running(core):
+    global _core
+    if _core is not None:
+        raise NkiValidationError("nki.jit: a kernel cannot launch another kernel; call sub-kernels as plain "
+                                 "functions (they carry no @nki.jit)")
+    _core = core
+    try:
+        yield core
+    finally:
+        _core = None
+
+
+def begin(name):
+    """Start instruction ``name`` on the running core: it gets the next instruction index."""
+    core = current(name)
+    core.now += 1
+    core.issued.append(name)
+    return core
+
+
+def count(name, engine, partitions, free):
+    """Record a finished instruction that worked on a (partitions x free) tile."""
+    for counts in _counters:
+        counts.instructions[engine] += 1
+        counts.by_instruction[name] += 1
+        counts.trace.append((name, engine, partitions, free))

@@ -1,0 +1,545 @@
+"""Stands in for ``nki.isa`` (``nisa``): one function per hardware instruction, destination first.
+
+Every instruction follows the same steps, in NKI's semantics:
+
+1. check the operands: the buffers its engine can reach, partition count (<= 128, guaranteed by
+   allocation), layouts (same partition count and elements per partition unless stated), dtypes;
+2. read the inputs as float32 (reading never-written memory raises) -- the engines compute in fp32;
+3. compute on whole tiles with numpy;
+4. write the destination, rounding to its dtype (bf16/fp16/fp8 via ml_dtypes);
+5. count it on its engine.
+
+Engines, as the NKI docs assign them (where an instruction can run on several, ``engine=`` chooses and
+the default is the one named here): DMA: dma_copy. TensorE: nc_matmul, nc_transpose (VectorE with
+``engine=nisa.vector_engine`` or when dst is not in PSUM). ScalarE: activation, activation_reduce.
+VectorE: tensor_copy, memset, tensor_tensor, tensor_scalar, tensor_reduce, scalar_tensor_tensor,
+reciprocal, bn_stats, bn_aggr. GpSimd: iota, affine_select; tensor_tensor with ``nl.power`` or with
+all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / tensor_tensor when
+``engine=nisa.gpsimd_engine``.
+"""
+
+from enum import Enum
+
+import numpy as np
+
+from . import language as nl
+from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
+from ._runtime import NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, target
+
+
+class engine(Enum):
+    """Neuron Device engines."""
+
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
+
+
+tensor_engine, vector_engine, scalar_engine = engine.tensor, engine.vector, engine.scalar
+gpsimd_engine, unknown_engine = engine.gpsimd, engine.unknown
+
+
+class reduce_cmd(Enum):
+    """ScalarE accumulation-register commands (nisa.activation)."""
+
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
+
+
+class dge_mode(Enum):
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class oob_mode(Enum):
+    error = 0
+    skip = 1
+
+
+class matmul_perf_mode(Enum):
+    none = 0
+    double_row = 1
+
+
+class nc_version(Enum):
+    gen2 = 2  # Trn1
+    gen3 = 3  # Trn2
+    gen4 = 4  # Trn3
+
+
+def get_nc_version():
+    """The NeuronCore version of the selected target (``nki_emulator.set_target``)."""
+    return nc_version[target().nc_version]
+
+
+# Which buffers each compute engine can reach, and why not the others.
+_REACH = {
+    "vector": (ON_CHIP, "VectorE reads and writes only SBUF and PSUM"),
+    "scalar": (ON_CHIP, "ScalarE reads and writes only SBUF and PSUM"),
+    "gpsimd": ((SBUF,), "GpSimd can access only SBUF (not PSUM)"),
+}
+_ENGINE_NAMES = {engine.tensor: "tensor", engine.vector: "vector", engine.scalar: "scalar", engine.gpsimd: "gpsimd"}
+
+
+def _layout(t):
+    """(partitions, elements per partition): the shape that engines actually see."""
+    return t.shape[0], t.size // t.shape[0]
+
+
+def _same_layout(instr, first, *others):
+    """All tensors need the same partitions and elements per partition (free shapes may differ)."""
+    (role, t) = first
+    for other_role, other in others:
+        if _layout(other) != _layout(t):
+            raise NkiValidationError(
+                f"{instr}: {other_role} is {_layout(other)[0]} partitions x {_layout(other)[1]} elements but "
+                f"{role} is {_layout(t)[0]} x {_layout(t)[1]}; shapes must match (partitions x elements per partition)")
+
+
+def _operands(core, instr, eng, **tensors):
+    allowed, why = _REACH[eng]
+    for role, t in tensors.items():
+        if t is not None:
+            operand(core, instr, role, t, allowed, why)
+
+
+def _pick_engine(instr, requested, allowed, default):
+    if requested is engine.unknown:
+        return default
+    name = _ENGINE_NAMES.get(requested)
+    if name not in allowed:
+        raise NkiValidationError(f"{instr}: cannot run on engine {requested!r}; allowed: {', '.join(allowed)}")
+    return name
+
+
+def _scalar_or_column(core, instr, role, value, partitions, eng, fp32_only):
+    """A compile-time scalar, or a (P, 1) tile that broadcasts along the free axis."""
+    if not hasattr(value, "shape"):
+        return np.float32(value)
+    operand(core, instr, role, value, *_REACH[eng])
+    if value.shape[0] != partitions or value.size != partitions:
+        raise NkiValidationError(f"{instr}: {role} must be a scalar or a ({partitions}, 1) tile, got {value.shape}")
+    if fp32_only and value.dtype != FP32:
+        raise NkiValidationError(f"{instr}: {role} tile must be float32, got {value.dtype.name}")
+    return read(instr, role, value).reshape(partitions, 1)
+
+
+def _quiet():
+    """Engines produce inf/NaN silently; so does the emulator."""
+    return np.errstate(all="ignore")
+
+
+# ---- data movement ------------------------------------------------------------------------------------
+
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
+             name=None):
+    """DMA ``dst = src`` between HBM and SBUF (or within either). Elements are copied in row-major order
+    and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach."""
+    core = begin("dma_copy")
+    for role, t in (("dst", dst), ("src", src)):
+        operand(core, "dma_copy", role, t, (SBUF,) + HBM,
+                "DMA moves data only between HBM and SBUF; copy PSUM to SBUF with nisa.tensor_copy first")
+    if dst.size != src.size:
+        raise NkiValidationError(f"dma_copy: dst has {dst.size} elements ({dst.shape}), src has {src.size} "
+                                 f"({src.shape}); the counts must match")
+    if dst.dtype == src.dtype:
+        check_written("dma_copy", "src", src)
+        write(dst, src._data)
+    else:
+        write(dst, read("dma_copy", "src", src))
+    count_dma(dst.size * dst.dtype.itemsize)
+    count("dma_copy", "dma", *_layout(dst))
+
+
+def tensor_copy(dst, src, engine=engine.unknown, name=None):
+    """Copy an on-chip tile (e.g. evict PSUM to SBUF), casting to dst's dtype through float32;
+    bit-exact when the dtypes match."""
+    eng = _pick_engine("tensor_copy", engine, ("vector", "scalar", "gpsimd"), "vector")
+    if eng == "scalar" and target().nc_version == "gen2":
+        raise NkiValidationError("tensor_copy: ScalarE copy is not supported on trn1; use nisa.activation "
+                                 "with op=nl.copy")
+    core = begin("tensor_copy")
+    _operands(core, "tensor_copy", eng, dst=dst, src=src)
+    _same_layout("tensor_copy", ("src", src), ("dst", dst))
+    if dst.dtype == src.dtype:
+        check_written("tensor_copy", "src", src)
+        write(dst, src._data)
+    else:
+        write(dst, read("tensor_copy", "src", src))
+    count("tensor_copy", eng, *_layout(dst))
+
+
+def memset(dst, value, engine=engine.unknown, name=None):
+    """Fill a tile with a constant (VectorE by default, or GpSimd)."""
+    eng = _pick_engine("memset", engine, ("vector", "gpsimd"), "vector")
+    core = begin("memset")
+    _operands(core, "memset", eng, dst=dst)
+    write(dst, np.full(dst.shape, value))
+    count("memset", eng, *_layout(dst))
+
+
+# ---- TensorE --------------------------------------------------------------------------------------------
+
+_MATMUL_INPUTS = ("float8_e4m3", "float8_e5m2", "bfloat16", "float16", "float32")
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+    """``dst[M, N] (PSUM) = / += stationary[K, M].T @ moving[K, N]`` on the 128x128 systolic array.
+
+    K is the partition dim of both operands (<= 128), M the stationary's free size (<= 128; it becomes
+    dst's partition dim), N the moving's free size (one PSUM bank row: <= 512 fp32 on trn1/trn2).
+    Products accumulate in fp32. ``accumulate=None``: per PSUM element, the first matmul write
+    overwrites and later ones add (an accumulation group); True/False force add/overwrite. The
+    per-element record lasts as long as the tile, so a reused PSUM tile keeps adding: start a new
+    group with a fresh tile or ``accumulate=False``.
+    Inputs: fp8/bf16/fp16/fp32, fp32 only together with fp32; dst fp32 (bf16 allowed on trn3).
+    """
+    core = begin("nc_matmul")
+    operand(core, "nc_matmul", "dst", dst, (PSUM,), "TensorE writes its result only to PSUM")
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        operand(core, "nc_matmul", role, t, (SBUF,), "TensorE reads its operands only from SBUF")
+    if perf_mode is not matmul_perf_mode.none:
+        raise NkiValidationError("nc_matmul: perf_mode=double_row is not emulated")
+    if bool(tile_position) != bool(tile_size):
+        raise NkiValidationError("nc_matmul: tile_position and tile_size must be set together")
+    rows, columns = tile_size or (PARTITIONS, PARTITIONS)
+    (k, m), (k_moving, n) = _layout(stationary), _layout(moving)
+    n_max = target().psum_tile_bytes // dst.dtype.itemsize
+    if k != k_moving:
+        raise NkiValidationError(f"nc_matmul: stationary has {k} partitions and moving {k_moving}; the "
+                                 "contraction dim K is the partition dim of both and must match")
+    if k > rows:
+        raise NkiValidationError(f"nc_matmul: contraction dim K={k} exceeds {rows} (PE array rows)")
+    if m > columns:
+        raise NkiValidationError(f"nc_matmul: stationary free size M={m} exceeds {columns} "
+                                 "(nl.tile_size.gemm_stationary_fmax)")
+    if n > n_max:
+        raise NkiValidationError(f"nc_matmul: moving free size N={n} exceeds {n_max} on {target().name} "
+                                 "(nl.tile_size.gemm_moving_fmax: one PSUM bank row)")
+    _check_matmul_dtypes(dst, stationary, moving)
+    if _layout(dst) != (m, n):
+        raise NkiValidationError(f"nc_matmul: dst is {_layout(dst)[0]} partitions x {_layout(dst)[1]} elements; "
+                                 f"stationary.T @ moving is {m} x {n}")
+    result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
+        @ read("nc_matmul", "moving", moving).reshape(k, n)
+    result = result.reshape(dst.shape)
+    if accumulate is None:
+        started = dst._matmul_written  # elements inside a running accumulation group
+        if started.all():
+            result = result + np.asarray(dst._data, np.float32)
+        elif started.any():
+            result = np.where(started, result + np.asarray(dst._data, np.float32), result)
+    elif accumulate:
+        result = result + read("nc_matmul", "dst (accumulate=True)", dst)
+    write(dst, result)
+    dst._matmul_written[...] = True
+    wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
+    count_matmul(k, m, n, wider.name)
+    count("nc_matmul", "tensor", k, n)
+
+
+def _check_matmul_dtypes(dst, stationary, moving):
+    allowed = _MATMUL_INPUTS + (("float8_e4m3fn",) if target().nc_version == "gen4" else ())
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype.name not in allowed:
+            raise NkiValidationError(f"nc_matmul: {role} dtype {t.dtype.name} is not a TensorE input dtype on "
+                                     f"{target().name} ({', '.join(allowed)})")
+    if (stationary.dtype == FP32) != (moving.dtype == FP32):
+        raise NkiValidationError(f"nc_matmul: a float32 operand needs a float32 partner, got stationary "
+                                 f"{stationary.dtype.name} and moving {moving.dtype.name}")
+    if dst.dtype.name not in target().matmul_dst_dtypes:
+        raise NkiValidationError(f"nc_matmul: dst dtype must be {' or '.join(target().matmul_dst_dtypes)} on "
+                                 f"{target().name} (PSUM accumulation), got {dst.dtype.name}")
+
+
+def nc_transpose(dst, data, engine=engine.unknown, name=None):
+    """Swap partition and free axes (free axes flattened): dst[f, p] = data[p, f], bit-exact.
+
+    TensorE (a matmul with an identity): data in SBUF up to 128x128, dst in PSUM. VectorE: up to
+    32x32, SBUF or PSUM. dst has data's dtype. Default: TensorE when dst is in PSUM, else VectorE.
+    """
+    default = "tensor" if getattr(dst, "buffer", None) is PSUM else "vector"
+    eng = _pick_engine("nc_transpose", engine, ("tensor", "vector"), default)
+    core = begin("nc_transpose")
+    if eng == "tensor":
+        operand(core, "nc_transpose", "data", data, (SBUF,), "TensorE reads only SBUF")
+        operand(core, "nc_transpose", "dst", dst, (PSUM,), "TensorE writes only PSUM")
+        limit = PARTITIONS
+    else:
+        _operands(core, "nc_transpose", "vector", dst=dst, data=data)
+        limit = 32
+    p, f = _layout(data)
+    if p > limit or f > limit:
+        raise NkiValidationError(f"nc_transpose: {eng} engine transposes at most {limit}x{limit}, got {p}x{f}")
+    if _layout(dst) != (f, p):
+        raise NkiValidationError(f"nc_transpose: dst must be {f} partitions x {p} elements, got "
+                                 f"{_layout(dst)[0]} x {_layout(dst)[1]}")
+    if dst.dtype != data.dtype:
+        raise NkiValidationError(f"nc_transpose: dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}")
+    check_written("nc_transpose", "data", data)
+    write(dst, np.reshape(data._data, (p, f)).T)
+    if eng == "tensor":
+        count_transpose(p, f, data.dtype.name)
+    count("nc_transpose", eng, p, f)
+
+
+# ---- ScalarE --------------------------------------------------------------------------------------------
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
+               name=None):
+    """``dst = op(data * scale + bias)`` on ScalarE, in fp32. ``scale``: scalar or float32 (P, 1) tile;
+    ``bias``: (P, 1) tile of any dtype, or a scalar from trn2 on. The engine's 128 per-lane registers
+    can sum the activated values along the free axis, under ``reduce_cmd`` (reset zeroes them,
+    reduce adds this instruction's row sums, reset_reduce does both); ``reduce_res`` (P, 1) receives
+    the registers. ``reduce_op`` must be nl.add."""
+    _activation("activation", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, (nl.add,))
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
+    """``activation`` plus a free-axis reduction of its result into ``reduce_res`` (P, 1), i.e.
+    activation with ``reduce_cmd=reset_reduce``. ``reduce_op``: nl.add (only that on trn1), nl.maximum,
+    nl.minimum."""
+    allowed = (nl.add,) if target().nc_version == "gen2" else (nl.add, nl.maximum, nl.minimum)
+    if reduce_res is None:
+        raise NkiValidationError("activation_reduce: reduce_res is required")
+    _activation("activation_reduce", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd.reset_reduce,
+                allowed)
+
+
+_IDENTITY = {nl.add: 0.0, nl.maximum: -np.inf, nl.minimum: np.inf}
+
+
+def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, command, reduce_ops):
+    if op not in nl.ACTIVATIONS:
+        raise NkiValidationError(f"{instr}: op must be an nl activation function (nl.exp, nl.copy, ...), got {op!r}")
+    if reduce_op is not None and reduce_op not in reduce_ops:
+        raise NkiValidationError(f"{instr}: reduce_op must be one of {', '.join(o.__name__ for o in reduce_ops)}")
+    if bias is not None and not hasattr(bias, "shape") and target().nc_version == "gen2":
+        raise NkiValidationError(f"{instr}: bias must be a (P, 1) tile on trn1 (scalar bias needs trn2 or newer)")
+    core = begin(instr)
+    _operands(core, instr, "scalar", dst=dst, data=data, reduce_res=reduce_res)
+    _same_layout(instr, ("data", data), ("dst", dst))
+    p, f = _layout(data)
+    x = read(instr, "data", data).reshape(p, f)
+    x = x * _scalar_or_column(core, instr, "scale", scale, p, "scalar", fp32_only=True)
+    if bias is not None:
+        x = x + _scalar_or_column(core, instr, "bias", bias, p, "scalar", fp32_only=False)
+    with _quiet():
+        y = nl.ACTIVATIONS[op](x)
+    if op in nl.ACTIVATION_RANGES:
+        lo, hi = nl.ACTIVATION_RANGES[op]
+        arg = np.abs(x) if op is nl.reciprocal else x
+        y = np.where((arg >= lo) & (arg <= hi), y, np.float32(np.nan))
+    write(dst, y)
+    regs = core.activation_regs
+    if command in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        regs[:p] = _IDENTITY[reduce_op or nl.add]
+    if command in (reduce_cmd.reduce, reduce_cmd.reset_reduce):
+        regs[:p] = nl.ALU_BINARY[reduce_op or nl.add](regs[:p], nl.REDUCTIONS[reduce_op or nl.add](y, axis=1))
+    if reduce_res is not None:
+        if _layout(reduce_res) != (p, 1):
+            raise NkiValidationError(f"{instr}: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
+        write(reduce_res, regs[:p])
+    count(instr, "scalar", p, f)
+
+
+# ---- VectorE / GpSimd ------------------------------------------------------------------------------------
+
+def _alu(instr, op, x, operand_value, reverse):
+    """One ALU step of tensor_scalar / scalar_tensor_tensor: ``x op operand`` (reversed if asked);
+    unary operators ignore the operand."""
+    if op in nl.ALU_UNARY:
+        return nl.ALU_UNARY[op](x)
+    if op not in nl.ALU_BINARY:
+        raise NkiValidationError(f"{instr}: op must be an nl ALU operator (nl.add, nl.multiply, ...), got {op!r}")
+    fn = nl.ALU_BINARY[op]
+    return fn(operand_value, x) if reverse else fn(x, operand_value)
+
+
+def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
+    """``dst = data1 op data2`` elementwise in fp32. At most one input may be in PSUM."""
+    integer = all(t.dtype.name in ("int32", "uint32") for t in (dst, data1, data2))
+    in_psum = any(t.buffer is PSUM for t in (dst, data1, data2))
+    default = "gpsimd" if op is nl.power or (integer and not in_psum) else "vector"
+    eng = _pick_engine("tensor_tensor", engine, ("vector", "gpsimd"), default)
+    core = begin("tensor_tensor")
+    _operands(core, "tensor_tensor", eng, dst=dst, data1=data1, data2=data2)
+    if data1.buffer is PSUM and data2.buffer is PSUM:
+        raise NkiValidationError("tensor_tensor: data1 and data2 are both in PSUM; at most one input may be in PSUM")
+    _same_layout("tensor_tensor", ("data1", data1), ("data2", data2), ("dst", dst))
+    if op not in nl.ALU_BINARY:
+        raise NkiValidationError(f"tensor_tensor: op must be a binary nl ALU operator, got {op!r}")
+    x1, x2 = read("tensor_tensor", "data1", data1), read("tensor_tensor", "data2", data2)
+    with _quiet():
+        y = nl.ALU_BINARY[op](x1, x2.reshape(x1.shape))
+    write(dst, y)
+    count("tensor_tensor", eng, *_layout(dst))
+
+
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
+                  engine=engine.unknown, name=None):
+    """``dst = (data op0 operand0) op1 operand1`` in fp32; each operand is a scalar or a float32 (P, 1)
+    tile broadcast along the free axis; ``reverse`` puts the operand on the left. VectorE by default;
+    ScalarE on trn2 only does (multiply[, add]) or (add); GpSimd only rsqrt."""
+    eng = _pick_engine("tensor_scalar", engine, ("vector", "scalar", "gpsimd"), "vector")
+    if eng == "gpsimd" and op0 is not nl.rsqrt:
+        raise NkiValidationError("tensor_scalar: GpSimd runs only op0=nl.rsqrt")
+    if eng == "scalar" and target().nc_version == "gen3" and \
+            (op0, op1) not in ((nl.multiply, nl.add), (nl.multiply, None), (nl.add, None)):
+        raise NkiValidationError("tensor_scalar: ScalarE on trn2 supports only (multiply, add), (multiply,) "
+                                 "and (add,)")
+    core = begin("tensor_scalar")
+    _operands(core, "tensor_scalar", eng, dst=dst, data=data)
+    _same_layout("tensor_scalar", ("data", data), ("dst", dst))
+    p, f = _layout(data)
+    x = read("tensor_scalar", "data", data).reshape(p, f)
+    with _quiet():
+        y = _alu("tensor_scalar", op0, x,
+                 _scalar_or_column(core, "tensor_scalar", "operand0", 0.0 if operand0 is None else operand0,
+                                   p, eng, True), reverse0)
+        if op1 is not None:
+            y = _alu("tensor_scalar", op1, y,
+                     _scalar_or_column(core, "tensor_scalar", "operand1", operand1, p, eng, True), reverse1)
+    write(dst, y)
+    count("tensor_scalar", eng, p, f)
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
+    """``dst = (data op0 operand0) op1 operand1`` in fp32 on VectorE: operand0 a scalar or (P, 1) tile,
+    operand1 a tile shaped like data. data and operand1 may not both be in PSUM."""
+    core = begin("scalar_tensor_tensor")
+    _operands(core, "scalar_tensor_tensor", "vector", dst=dst, data=data, operand1=operand1)
+    if data.buffer is PSUM and operand1.buffer is PSUM:
+        raise NkiValidationError("scalar_tensor_tensor: data and operand1 are both in PSUM; at most one may be")
+    _same_layout("scalar_tensor_tensor", ("data", data), ("operand1", operand1), ("dst", dst))
+    p, f = _layout(data)
+    x = read("scalar_tensor_tensor", "data", data).reshape(p, f)
+    other = read("scalar_tensor_tensor", "operand1", operand1).reshape(p, f)
+    with _quiet():
+        y = _alu("scalar_tensor_tensor", op0, x,
+                 _scalar_or_column(core, "scalar_tensor_tensor", "operand0", operand0, p, "vector", False), reverse0)
+        y = _alu("scalar_tensor_tensor", op1, y, other, reverse1)
+    write(dst, y)
+    count("scalar_tensor_tensor", "vector", p, f)
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
+    """Reduce ``data`` along trailing free axes (``axis``: int or tuple ending at the last dim; never
+    the partition axis) with nl.add / nl.multiply / nl.maximum / nl.minimum, in fp32; ``negate``
+    multiplies the result by -1. dst holds the remaining elements of each partition."""
+    core = begin("tensor_reduce")
+    _operands(core, "tensor_reduce", "vector", dst=dst, data=data)
+    axes = tuple(sorted(a % data.ndim for a in ((axis,) if isinstance(axis, int) else axis)))
+    if not axes or axes[0] == 0 or axes != tuple(range(axes[0], data.ndim)):
+        raise NkiValidationError(f"tensor_reduce: axis {axis} must be the last contiguous free axes of a "
+                                 f"{data.ndim}-d tile (partition axis 0 cannot be reduced)")
+    if op not in nl.REDUCTIONS:
+        raise NkiValidationError(f"tensor_reduce: op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
+    y = nl.REDUCTIONS[op](read("tensor_reduce", "data", data), axis=axes)
+    if negate:
+        y = -y
+    if _layout(dst) != (data.shape[0], y.size // data.shape[0]):
+        raise NkiValidationError(f"tensor_reduce: dst {dst.shape} must hold {y.size // data.shape[0]} elements in "
+                                 f"each of {data.shape[0]} partitions")
+    write(dst, y)
+    count("tensor_reduce", "vector", *_layout(data))
+
+
+def reciprocal(dst, data, name=None):
+    """``dst = 1 / data`` on VectorE, in fp32."""
+    core = begin("reciprocal")
+    _operands(core, "reciprocal", "vector", dst=dst, data=data)
+    _same_layout("reciprocal", ("data", data), ("dst", dst))
+    with _quiet():
+        write(dst, 1.0 / read("reciprocal", "data", data))
+    count("reciprocal", "vector", *_layout(data))
+
+
+def _affine(instr, pattern, offset, channel_multiplier, partitions, free):
+    """``offset + p * channel_multiplier + sum_i step_i * idx_i`` over ``pattern = [[step, num], ...]``
+    (up to 4 dims, nums multiplying to the free size), as a (P, F) int64 array."""
+    pattern = [(int(step), int(num)) for step, num in pattern]
+    if not 1 <= len(pattern) <= 4 or int(np.prod([num for _, num in pattern])) != free:
+        raise NkiValidationError(f"{instr}: pattern {pattern} must have 1-4 [step, num] pairs whose nums multiply "
+                                 f"to the {free} elements per partition of dst")
+    values = np.zeros([num for _, num in pattern], np.int64)
+    for dim, (step, num) in enumerate(pattern):
+        values = values + (np.arange(num) * step).reshape([-1 if d == dim else 1 for d in range(len(pattern))])
+    return offset + np.arange(partitions)[:, None] * channel_multiplier + values.reshape(1, free)
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
+    """GpSimd writes ``offset + p * channel_multiplier + sum_i step_i * idx_i`` (integer arithmetic)
+    into an SBUF tile, cast to its dtype."""
+    core = begin("iota")
+    _operands(core, "iota", "gpsimd", dst=dst)
+    p, f = _layout(dst)
+    write(dst, _affine("iota", pattern, offset, channel_multiplier, p, f))
+    count("iota", "gpsimd", p, f)
+
+
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=nl.equal, offset=0,
+                  name=None):
+    """GpSimd: ``dst = on_true_tile`` where ``cmp_op(affine value, 0)`` (the affine value as in iota),
+    else ``on_false_value`` -- the causal mask. Both tiles in SBUF."""
+    core = begin("affine_select")
+    _operands(core, "affine_select", "gpsimd", dst=dst, on_true_tile=on_true_tile)
+    _same_layout("affine_select", ("on_true_tile", on_true_tile), ("dst", dst))
+    if cmp_op not in nl.COMPARISONS:
+        raise NkiValidationError(f"affine_select: cmp_op must be an nl comparison (nl.greater_equal, ...), "
+                                 f"got {cmp_op!r}")
+    p, f = _layout(dst)
+    keep = nl.COMPARISONS[cmp_op](_affine("affine_select", pattern, offset, channel_multiplier, p, f), 0) > 0
+    values = read("affine_select", "on_true_tile", on_true_tile).reshape(p, f)
+    write(dst, np.where(keep, values, np.float32(on_false_value)))
+    count("affine_select", "gpsimd", p, f)
+
+
+def bn_stats(dst, data, name=None):
+    """Per partition, for the even- and the odd-indexed elements of ``data`` (at most 512 per
+    partition, nl.tile_size.bn_stats_fmax): count, mean and variance*count -- 6 values, fp32 math."""
+    core = begin("bn_stats")
+    _operands(core, "bn_stats", "vector", dst=dst, data=data)
+    p, f = _layout(data)
+    if f > nl.tile_size.bn_stats_fmax:
+        raise NkiValidationError(f"bn_stats: data has {f} elements per partition, more than "
+                                 f"{nl.tile_size.bn_stats_fmax} (nl.tile_size.bn_stats_fmax)")
+    if _layout(dst) != (p, 6):
+        raise NkiValidationError(f"bn_stats: dst must hold 6 elements in each of {p} partitions, got {dst.shape}")
+    x = read("bn_stats", "data", data).reshape(p, f)
+    stats = []
+    for half in (x[:, 0::2], x[:, 1::2]):
+        n = half.shape[1]
+        mean = half.mean(axis=1) if n else np.zeros(p, np.float32)
+        m2 = ((half - mean[:, None]) ** 2).sum(axis=1) if n else np.zeros(p, np.float32)
+        stats += [np.full(p, n, np.float32), mean, m2]
+    write(dst, np.stack(stats, axis=1))
+    count("bn_stats", "vector", p, f)
+
+
+def bn_aggr(dst, data, name=None):
+    """Combine (count, mean, variance*count) triples from bn_stats into (mean, variance) per
+    partition (population variance), fp32 math."""
+    core = begin("bn_aggr")
+    _operands(core, "bn_aggr", "vector", dst=dst, data=data)
+    p, f = _layout(data)
+    if f % 3 or _layout(dst) != (p, 2):
+        raise NkiValidationError(f"bn_aggr: data needs a multiple of 3 elements per partition (got {f}) and dst "
+                                 f"2 elements in each of {p} partitions (got {dst.shape})")
+    triples = read("bn_aggr", "data", data).reshape(p, f // 3, 3)
+    counts, means, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
+    total = counts.sum(axis=1)
+    mean = (counts * means).sum(axis=1) / total
+    variance = (m2 + counts * (means - mean[:, None]) ** 2).sum(axis=1) / total
+    write(dst, np.stack([mean, variance], axis=1))
+    count("bn_aggr", "vector", p, f)

@@ -1,0 +1,384 @@
+"""Stands in for ``nki.language`` (``nl``): dtypes, buffers, tensor creation, loops, SPMD ids, the
+operator functions that ``nki.isa`` instructions take as ``op``, and the value-returning helpers
+(``nl.add``, ``nl.exp``, ``nl.sum``, ``nl.load``, ``nl.matmul``, ...).
+
+Each helper allocates its result in SBUF (PSUM for ``matmul``/``transpose``) and is built from
+``nki.isa`` instructions, so it is counted and checked like the instructions it stands for.
+Operators are plain functions: ``nl.add(a, b)`` computes, ``op=nl.add`` names the ALU operation.
+Names such as ``max``, ``min``, ``sum``, ``abs`` and ``copy`` shadow Python builtins in this module,
+as they do in the real one, so the code here does not use those builtins.
+"""
+
+import math
+
+import numpy as np
+
+from . import _memory
+from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
+from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, target
+
+# ---- dtypes and buffers -----------------------------------------------------------------------------
+
+bool_ = DTYPES["bool_"]
+int8, int16, int32 = DTYPES["int8"], DTYPES["int16"], DTYPES["int32"]
+uint8, uint16, uint32 = DTYPES["uint8"], DTYPES["uint16"], DTYPES["uint32"]
+float16, float32, bfloat16 = DTYPES["float16"], DTYPES["float32"], DTYPES["bfloat16"]
+float8_e4m3, float8_e4m3fn, float8_e5m2 = DTYPES["float8_e4m3"], DTYPES["float8_e4m3fn"], DTYPES["float8_e5m2"]
+
+sbuf = MemoryRegion.sbuf
+psum = MemoryRegion.psum
+private_hbm = MemoryRegion.private_hbm
+shared_hbm = MemoryRegion.shared_hbm
+hbm = private_hbm
+
+
+def is_hbm(buffer):
+    return buffer in HBM
+
+
+def is_on_chip(buffer):
+    return buffer in ON_CHIP
+
+
+def is_psum(buffer):
+    return buffer is psum
+
+
+def is_sbuf(buffer):
+    return buffer is sbuf
+
+
+class NKIObject:
+    """Base class for kernel-side helper classes (configuration dataclasses and the like)."""
+
+
+class _TileSize:
+    """Hardware tile-size constants (``nl.tile_size``); the SBUF ones follow the selected target."""
+
+    pmax = PARTITIONS  # partitions of SBUF/PSUM
+    psum_bank_fmax = PSUM_BANK_BYTES // 4  # fp32 elements in one PSUM bank row
+    psum_fmax = psum_bank_fmax  # deprecated name of psum_bank_fmax
+    psum_bank_fmax_bytes = PSUM_BANK_BYTES
+    psum_num_banks = 8
+    gemm_stationary_fmax = 128  # nc_matmul stationary free size (M)
+    gemm_moving_fmax = 512  # nc_matmul moving free size (N)
+    bn_stats_fmax = 512
+
+    sbuf_fmax_bytes = property(lambda self: target().sbuf_partition_bytes)
+    sbuf_fmax = property(lambda self: target().sbuf_partition_bytes // 4)
+    sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
+
+
+tile_size = _TileSize()
+
+# ---- tensors, slices, loops, SPMD ---------------------------------------------------------------------
+
+
+def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
+    """Allocate an uninitialised tensor (filled with NaN; reading it before writing raises).
+    ``address`` is accepted and ignored: the emulator places every tile itself."""
+    return _memory.allocate(shape, dtype, buffer, name)
+
+
+def zeros(shape, dtype, buffer=sbuf, name=""):
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape, dtype, buffer=sbuf, name=""):
+    return full(shape, 1, dtype, buffer, name)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name=""):
+    """Allocate and fill: on chip with a ``nisa.memset``; in HBM the data is simply set up."""
+    t = _memory.allocate(shape, dtype, buffer, name, what="full")
+    if buffer in ON_CHIP:
+        isa.memset(t, fill_value)
+    else:
+        _memory.write(t, np.full(t.shape, fill_value))
+    return t
+
+
+def ds(start, size):
+    """``nl.ds(start, size)``: the slice ``start:start+size``."""
+    return slice(start, start + size)
+
+
+def affine_range(start, stop=None, step=1):
+    """Alias of ``range``: every NKI loop is unrolled at trace time."""
+    return range(start) if stop is None else range(start, stop, step)
+
+
+sequential_range = static_range = affine_range
+
+
+def program_id(axis=0):
+    """Which core of the logical NeuronCore runs this program: 0, or 1 under ``kernel[2]``."""
+    if axis != 0:
+        raise NkiValidationError(f"program_id: the launch grid has one axis (the LNC degree), got axis={axis}")
+    return current("program_id").program_id
+
+
+def num_programs(axes=0):
+    return current("num_programs").num_programs
+
+
+def program_ndim():
+    return 1 if current("program_ndim").grid else 0
+
+
+def device_print(print_prefix, tensor):
+    """Print a tensor's values now (on hardware: at run time, through the runtime's debug stream)."""
+    current("device_print")
+    _memory.check_written("device_print", "tensor", tensor)
+    print(print_prefix, np.asarray(tensor._data, np.float32))
+
+
+# ---- operators --------------------------------------------------------------------------------------
+# float32 numpy implementations, keyed by the nl function that names them.
+
+ALU_BINARY = {}  # binary ALU operators (tensor_tensor, tensor_scalar, scalar_tensor_tensor, nl.add, ...)
+ALU_UNARY = {}  # unary ALU operators, usable as tensor_scalar's op with operand 0
+ACTIVATIONS = {}  # ScalarE activation functions (nisa.activation op)
+COMPARISONS = {}  # comparison operators (affine_select cmp_op); they yield 1.0 / 0.0
+REDUCTIONS = {}  # reduction-legal ALU operators (tensor_reduce, activation reduce_op) -> numpy reduction
+ACTIVATION_RANGES = {}  # activation -> valid input range (lo, hi) of ScalarE's approximation (|x| for reciprocal)
+
+
+def _binary(name, fn, doc):
+    def op(x, y, dtype=None):
+        return _elementwise(op, x, y, dtype)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"{doc}, elementwise (VectorE: tensor_tensor, or tensor_scalar with a scalar/column operand)."
+    ALU_BINARY[op] = fn
+    return op
+
+
+def _comparison(name, fn, sign):
+    op = _binary(name, lambda x, y: fn(x, y).astype(np.float32), f"1.0 where x {sign} y else 0.0")
+    COMPARISONS[op] = ALU_BINARY[op]
+    return op
+
+
+add = _binary("add", np.add, "x + y")
+subtract = _binary("subtract", np.subtract, "x - y")
+multiply = _binary("multiply", np.multiply, "x * y")
+divide = _binary("divide", np.divide, "x / y")
+maximum = _binary("maximum", np.maximum, "max(x, y)")
+minimum = _binary("minimum", np.minimum, "min(x, y)")
+power = _binary("power", np.power, "x ** y")
+equal = _comparison("equal", np.equal, "==")
+not_equal = _comparison("not_equal", np.not_equal, "!=")
+greater = _comparison("greater", np.greater, ">")
+greater_equal = _comparison("greater_equal", np.greater_equal, ">=")
+less = _comparison("less", np.less, "<")
+less_equal = _comparison("less_equal", np.less_equal, "<=")
+
+REDUCTIONS.update({add: np.sum, multiply: np.prod, maximum: np.max, minimum: np.min})
+
+
+def _erf(x):
+    """erf to ~1e-7 (Abramowitz & Stegun 7.1.26); numpy has none and ScalarE approximates it too."""
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _gelu_apprx_sigmoid_dx(x):
+    s = _sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1.0 - s)
+
+
+def _silu_dx(x):
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _unary(name, fn, valid=None):
+    """An activation function: ``op=nl.<name>`` in nisa.activation, or ``nl.<name>(x)`` as a helper.
+    ``valid``: the input range of ScalarE's approximation; outside it hardware gives invalid results,
+    and the emulator returns NaN there."""
+
+    def op(x, dtype=None):
+        return _apply_unary(op, x, dtype)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"{name}(x), elementwise, into a new SBUF tile."
+    ACTIVATIONS[op] = fn
+    if valid is not None:
+        ACTIVATION_RANGES[op] = valid
+    return op
+
+
+exp = _unary("exp", np.exp)
+log = _unary("log", np.log, (2.0 ** -64, 2.0 ** 64))
+sqrt = _unary("sqrt", np.sqrt, (2.0 ** -116, 2.0 ** 118))
+rsqrt = _unary("rsqrt", lambda x: 1.0 / np.sqrt(x), (2.0 ** -87, 2.0 ** 97))
+reciprocal = _unary("reciprocal", lambda x: 1.0 / x, (2.0 ** -42, 2.0 ** 42))
+tanh = _unary("tanh", np.tanh)
+sigmoid = _unary("sigmoid", _sigmoid)
+relu = _unary("relu", lambda x: np.maximum(x, 0.0))
+gelu = _unary("gelu", lambda x: 0.5 * x * (1.0 + _erf(x * 0.7071067811865476)))
+gelu_dx = _unary("gelu_dx", lambda x: 0.5 * (1.0 + _erf(x * 0.7071067811865476))
+                 + x * np.exp(-0.5 * x * x) * 0.3989422804014327)
+gelu_apprx_tanh = _unary("gelu_apprx_tanh",
+                         lambda x: 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))))
+gelu_apprx_sigmoid = _unary("gelu_apprx_sigmoid", lambda x: x * _sigmoid(1.702 * x))
+gelu_apprx_sigmoid_dx = _unary("gelu_apprx_sigmoid_dx", _gelu_apprx_sigmoid_dx)
+silu = _unary("silu", lambda x: x * _sigmoid(x))
+silu_dx = _unary("silu_dx", _silu_dx)
+softplus = _unary("softplus", lambda x: np.logaddexp(0.0, x))
+mish = _unary("mish", lambda x: x * np.tanh(np.logaddexp(0.0, x)))
+erf = _unary("erf", _erf)
+erf_dx = _unary("erf_dx", lambda x: 1.1283791670955126 * np.exp(-x * x))
+sin = _unary("sin", np.sin, (-math.pi, math.pi))
+arctan = _unary("arctan", np.arctan, (-math.pi / 2, math.pi / 2))
+sign = _unary("sign", np.sign)
+abs = _unary("abs", np.abs)
+square = _unary("square", np.square)
+
+ALU_UNARY.update({op: ACTIVATIONS[op] for op in (abs, square, relu, rsqrt, reciprocal)})
+
+
+def copy(x, dtype=None):
+    """A copy of an SBUF or PSUM tile in SBUF (VectorE tensor_copy, bit-exact when the dtype is kept).
+    As an activation ``op``, ``nl.copy`` is the identity."""
+    dst = _new_tile(x.shape, dtype or x.dtype)
+    isa.tensor_copy(dst, x)
+    return dst
+
+
+ACTIVATIONS[copy] = lambda x: x
+
+# ---- value-returning helpers --------------------------------------------------------------------------
+
+
+def _new_tile(shape, dtype, buffer=sbuf):
+    return _memory.allocate(shape, dtype, buffer, "")
+
+
+def _is_column(t, partitions):
+    return isinstance(t, NkiTensor) and t.shape[0] == partitions and t.size == partitions
+
+
+def _elementwise(op, x, y, dtype):
+    """``x op y``: two tiles of one layout -> tensor_tensor; a tile and a scalar or a (P, 1) column ->
+    tensor_scalar (the column broadcasts along the free axis; nothing broadcasts across partitions)."""
+    if isinstance(x, NkiTensor) and isinstance(y, NkiTensor):
+        if x.shape[0] == y.shape[0] and x.size == y.size:
+            dst = _new_tile(x.shape, dtype or (x.dtype if x.dtype == y.dtype else float32))
+            isa.tensor_tensor(dst, x, y, op)
+            return dst
+        if _is_column(y, x.shape[0]):
+            return _with_operand(op, x, _fp32_column(y), False, dtype)
+        if _is_column(x, y.shape[0]):
+            return _with_operand(op, y, _fp32_column(x), True, dtype)
+        raise NkiValidationError(f"{op.__name__}: cannot combine shapes {x.shape} and {y.shape}; operands need "
+                                 "the same partitions and either the same size or one element per partition")
+    if isinstance(x, NkiTensor):
+        return _with_operand(op, x, y, False, dtype)
+    if isinstance(y, NkiTensor):
+        return _with_operand(op, y, x, True, dtype)
+    raise NkiValidationError(f"{op.__name__}: needs at least one tile operand")
+
+
+def _fp32_column(t):
+    """tensor_scalar takes float32 column operands: convert others first."""
+    return t if t.dtype == float32 else copy(t, float32)
+
+
+def _with_operand(op, data, operand, reverse, dtype):
+    dst = _new_tile(data.shape, dtype or data.dtype)
+    isa.tensor_scalar(dst, data, op, operand, reverse0=reverse)
+    return dst
+
+
+def _apply_unary(op, x, dtype):
+    """Activations run on ScalarE; reciprocal on VectorE and rsqrt on GpSimd, as nl does it."""
+    dst = _new_tile(x.shape, dtype or x.dtype)
+    if op is reciprocal:
+        isa.reciprocal(dst, x)
+    elif op is rsqrt:
+        isa.tensor_scalar(dst, x, rsqrt, 0.0, engine=isa.engine.gpsimd)
+    else:
+        isa.activation(dst, op, x)
+    return dst
+
+
+def _axes(x, axis):
+    return tuple(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis))
+
+
+def _reduce(op, x, axis, dtype, keepdims):
+    """Free-axis reduction with nisa.tensor_reduce into a new tile (at least (P, 1))."""
+    axes = _axes(x, axis)
+    shape = [1 if d in axes else n for d, n in enumerate(x.shape) if keepdims or d not in axes]
+    dst = _new_tile(shape if len(shape) > 1 else shape + [1], dtype or x.dtype)
+    isa.tensor_reduce(dst, op, x, axes, keepdims=keepdims)
+    return dst
+
+
+def sum(x, axis, dtype=None, keepdims=False):
+    return _reduce(add, x, axis, dtype, keepdims)
+
+
+def prod(x, axis, dtype=None, keepdims=False):
+    return _reduce(multiply, x, axis, dtype, keepdims)
+
+
+def max(x, axis, dtype=None, keepdims=False):
+    return _reduce(maximum, x, axis, dtype, keepdims)
+
+
+def min(x, axis, dtype=None, keepdims=False):
+    return _reduce(minimum, x, axis, dtype, keepdims)
+
+
+def mean(x, axis, dtype=None, keepdims=False):
+    """Sum in float32 (tensor_reduce), then scale by 1/n (tensor_scalar)."""
+    total = _reduce(add, x, axis, float32, keepdims)
+    n = int(np.prod([x.shape[d] for d in _axes(x, axis)]))
+    dst = _new_tile(total.shape, dtype or x.dtype)
+    isa.tensor_scalar(dst, total, multiply, 1.0 / n)
+    return dst
+
+
+def load(src, dtype=None):
+    """A new SBUF tile holding an HBM tensor (one dma_copy; the DMA converts dtype)."""
+    dst = _new_tile(src.shape, dtype or src.dtype)
+    isa.dma_copy(dst, src)
+    return dst
+
+
+def store(dst, value):
+    """Write an SBUF tile to HBM (one dma_copy; PSUM tiles must be copied to SBUF first)."""
+    isa.dma_copy(dst, value)
+
+
+def transpose(x, dtype=None):
+    """Swap the partition and free axes of a 2-D tile on TensorE; the result is in PSUM."""
+    result = _new_tile((x.size // x.shape[0], x.shape[0]), x.dtype, psum)
+    isa.nc_transpose(result, x)
+    if dtype is None or _memory.as_dtype(dtype) == x.dtype:
+        return result
+    cast = _new_tile(result.shape, dtype, psum)
+    isa.tensor_copy(cast, result)
+    return cast
+
+
+def matmul(x, y, transpose_x=False):
+    """``x @ y`` (or ``x.T @ y`` with ``transpose_x``) into a new float32 PSUM tile. Without
+    ``transpose_x``, x (M, K) is first transposed on TensorE and copied back to SBUF, because
+    nc_matmul contracts over the partition axis of both operands."""
+    if not transpose_x:
+        x = copy(transpose(x))
+    result = _new_tile((x.size // x.shape[0], y.size // y.shape[0]), float32, psum)
+    isa.nc_matmul(result, x, y)
+    return result
+
+
+from . import isa  # noqa: E402 -- last: nki.isa reads the operator functions defined above
