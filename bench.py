@@ -1,75 +1,324 @@
 """
-Steady-state training throughput and MFU of a model config on the current device.
+Throughput, MFU and kernel efficiency, measured on the device at hand.
 
-    python bench.py                          # train.py's default model
+    python bench.py                                   # train.py's default model: tokens/s and MFU
     python bench.py --n_layer=8 --n_embd=512 --json=bench.json
-    python bench.py --bench_steps=20 --bench_windows=5
+    torchrun --standalone --nproc_per_node=4 bench.py # per rank and for the whole job
+    python bench.py --kernels                         # each kernel against its PyTorch fallback
+    python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
 
-Runs the exact optimizer step train.py runs (same compile, autocast, optimizers) on random tokens,
-excludes the first --bench_warmup steps (compilation), synchronises the device before reading each timer,
-and reports the median and spread over several timed windows.
+Every train.py field is accepted as --field=value (so --preset=trn2 works too).
 
-MFU = model FLOPs per token x tokens/s / peak FLOP/s. Model FLOPs per token is GPT.flops_per_token():
-6 x matmul parameters + 12 x n_layer x n_head x head_dim x sequence_len (PaLM appendix B; attention at full,
-non-causal length). Peak: the device's dense bf16 datasheet number (train.PEAK_FLOPS); a CPU has none, so
-its peak is measured with a large matmul in the training dtype and labelled "measured".
+Training throughput runs train.py's own optimizer step (same compile, autocast and optimizers) on random
+tokens, leaves out --bench_warmup steps (compilation), synchronises the device before every timer read
+and reports the median and spread of --bench_windows timed windows.
+
+MFU = model FLOPs per token x tokens/s / peak FLOP/s of the ranks used. Model FLOPs per token is
+GPT.flops_per_token(): 6 x matmul parameters + 12 x n_layer x n_head x head_dim x sequence_len (PaLM
+appendix B; attention at full, non-causal length). Peaks: dense bf16 datasheet numbers per rank
+(train.PEAK_FLOPS; a Trn2 rank at NEURON_LOGICAL_NC_CONFIG=2 is two physical cores), a measured matmul
+on CPU, or --peak_tflops.
+
+Kernel estimates (--kernels without Trainium): the NKI kernels run under the CPU emulator, which counts
+their instructions; TensorE time is then estimated from the nc_matmul cost in the NKI ISA reference,
+max(min(64, M), N) cycles for a matmul with stationary width M and moving width N (4x that for fp32
+inputs), a TensorE transpose costing a matmul with the identity. Utilisation = matmul FLOPs /
+(cycles x 2 x 128 x 128). It is an estimate of the TensorE-bound time only: DMA, the other engines
+and their overlap are not modelled.
 """
 import argparse
+import csv
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
+if "--kernels" in sys.argv[1:]:
+    # Off Trainium the NKI kernels are run and counted under the emulator that the tests use; it has to
+    # stand in for `nki` before kernels.py imports it. (Where the Neuron SDK is installed it is used.)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    import nki_emulator
+
+    nki_emulator.install()
+
+import kernels  # noqa: E402
 import train
 from model import GPT
 
+PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
 
-def measure(cfg, model_cfg, steps, windows, warmup):
-    device = train.detect_device() if cfg.device == "auto" else cfg.device
+
+# -----------------------------------------------------------------------------
+# whole-model training throughput
+
+def autocast_for(cfg, device_type):
+    return torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+
+
+def timed_windows(run, steps, windows, warmup, sync):
+    """Seconds per window of `steps` calls, after `warmup` untimed calls; the device is synchronised
+    before each clock read so queued work is counted where it ran."""
+    for _ in range(warmup):
+        run()
+    sync()
+    seconds = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run()
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device):
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
     model = torch.compile(raw_model) if cfg.compile else raw_model
-    optimizers = train.make_optimizers(raw_model, cfg, device)
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    autocast = torch.autocast(device, dtype=dtype) if cfg.dtype == "bfloat16" else nullcontext()
+    if dist.is_initialized():
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizers = train.make_optimizers(raw_model, cfg, device_type)
+    autocast = autocast_for(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
 
-    def run(n):
-        for _ in range(n):
-            train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
-        train.synchronize(device)
+    def step():
+        train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
 
     t0 = time.perf_counter()
-    run(warmup)
-    warmup_s = time.perf_counter() - t0
-    rates = []
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        run(steps)
-        rates.append(steps * cfg.batch_size * model_cfg.sequence_len / (time.perf_counter() - t0))
-    tokens_per_s = statistics.median(rates)
+    seconds = timed_windows(step, steps, windows, warmup, lambda: train.synchronize(device_type))
+    tokens = steps * cfg.batch_size * model_cfg.sequence_len
+    rates = [tokens / s for s in seconds]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = statistics.median(rates)
+    if dist.is_initialized():  # the job's rate is the sum over ranks; each rank's median is reported too
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, per_rank)
+    else:
+        gathered = [per_rank]
     flops_per_token = raw_model.flops_per_token()
-    peak = train.peak_flops(device, dtype)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    peak = train.peak_flops(device_type, dtype, cfg.peak_tflops)
+    job_tokens_per_s = sum(gathered)
     return {
-        "device": device,
-        "peak_source": "measured matmul" if device == "cpu" else "datasheet",
+        "device": device_type,
+        "world_size": world_size,
+        "peak_source": "--peak_tflops" if cfg.peak_tflops else ("measured matmul" if device_type == "cpu" else "datasheet"),
         "params": raw_model.num_params(),
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_min": min(rates),
-        "tokens_per_s_max": max(rates),
+        "tokens_per_s": job_tokens_per_s,
+        "tokens_per_s_per_rank": gathered,
+        "tokens_per_s_min": min(rates) * world_size,
+        "tokens_per_s_max": max(rates) * world_size,
         "flops_per_token": flops_per_token,
-        "flops_per_s": tokens_per_s * flops_per_token,
-        "peak_flops": peak,
-        "mfu": tokens_per_s * flops_per_token / peak,
-        "warmup_s": warmup_s,
+        "flops_per_s": job_tokens_per_s * flops_per_token,
+        "peak_flops": peak * world_size,
+        "mfu": job_tokens_per_s * flops_per_token / (peak * world_size),
+        "warmup_and_timing_s": time.perf_counter() - t0,
         "model_config": dataclasses.asdict(model_cfg),
     }
 
+
+def print_training(r, steps, windows):
+    print(f"device            {r['device']} x {r['world_size']} rank(s)")
+    print(f"parameters        {r['params']:,}")
+    print(f"tokens/s          {r['tokens_per_s']:,.0f}  (median of {windows} windows of {steps} steps; "
+          f"min {r['tokens_per_s_min']:,.0f}, max {r['tokens_per_s_max']:,.0f})")
+    if r["world_size"] > 1:
+        print(f"tokens/s per rank {', '.join(f'{x:,.0f}' for x in r['tokens_per_s_per_rank'])}")
+    print(f"FLOPs/token       {r['flops_per_token'] / 1e6:.2f} M  (6 x matmul params + 12 x L x H x d x T)")
+    print(f"achieved FLOP/s   {r['flops_per_s'] / 1e12:.3f} T")
+    print(f"peak FLOP/s       {r['peak_flops'] / 1e12:.3f} T  ({r['peak_source']})")
+    print(f"MFU               {100 * r['mfu']:.1f}%")
+
+
+# -----------------------------------------------------------------------------
+# kernels: NKI against the PyTorch fallback
+
+def tensore_estimate(counts, peak_per_core):
+    """TensorE-bound time and utilisation of one kernel call from the emulator's counts (cost model in the
+    module docstring). peak_per_core sets the clock: peak = clock x 2 x 128 x 128."""
+    cycles = 0
+    for k, m, n, dtype in counts.matmul_shapes:
+        cycles += max(min(64, m), n) * (4 if "32" in str(dtype) else 1)
+    for partitions, free, dtype in counts.transposes:
+        cycles += max(min(64, free), partitions) * (4 if "32" in str(dtype) else 1)
+    clock = peak_per_core / PE_FLOPS_PER_CYCLE
+    return {
+        "tensore_cycles": cycles,
+        "tensore_time_s": cycles / clock,
+        "tensore_utilisation": counts.matmul_flops / (cycles * PE_FLOPS_PER_CYCLE) if cycles else 0.0,
+        "matmuls": len(counts.matmul_shapes),
+        "transposes": len(counts.transposes),
+        "instructions": dict(counts.instructions),
+        "dma_bytes": counts.dma_bytes,
+        "matmul_flops": counts.matmul_flops,
+    }
+
+
+def kernel_cases(model_cfg, batch_size, device, dtype):
+    """(name, useful FLOPs of forward, FLOPs of forward+backward, make_inputs, call) at the model's shapes.
+    Attention counts its causal half; RMSNorm has no matmul FLOPs (it is memory-bound)."""
+    B, T, C, H, Hkv, D = batch_size, model_cfg.sequence_len, model_cfg.n_embd, model_cfg.n_head, model_cfg.n_kv_head, model_cfg.head_dim
+    N, hidden = B * T, model_cfg.hidden_dim
+    n_up = 2 if model_cfg.mlp == "swiglu" else 1
+
+    def tensor(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype).requires_grad_()
+
+    attention_flops = 2 * B * H * T * T * D  # q k^T and p v over the causal half: 2 x (2 B H T^2 D) / 2
+    mlp_flops = 2 * N * C * hidden * (n_up + 1)
+    return [
+        ("attention", attention_flops, 3.5 * attention_flops,  # backward recomputes P: 5 matmuls to forward's 2
+         lambda: (tensor(B, H, T, D), tensor(B, Hkv, T, D), tensor(B, Hkv, T, D)),
+         lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode)),
+        (f"mlp ({model_cfg.mlp})", mlp_flops, 3 * mlp_flops,
+         lambda: (tensor(B, T, C), tensor(hidden, C, scale=C ** -0.5), tensor(C, hidden, scale=hidden ** -0.5),
+                  tensor(hidden, C, scale=C ** -0.5) if n_up == 2 else None),
+         lambda x, w_up, w_down, w_gate, mode: kernels.mlp(x, w_up, w_down, model_cfg.mlp, w_gate, mode=mode)),
+        ("rms_norm", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x, mode=mode)),
+    ]
+
+
+def time_call(call, inputs, backward, device_type, steps=5, windows=3):
+    def run():
+        out = call(*inputs)
+        if backward:
+            out.float().square().mean().backward()
+
+    return statistics.median(timed_windows(run, steps, windows, 2, lambda: train.synchronize(device_type))) / steps
+
+
+def emulate(call, inputs, backward):
+    """Runs the NKI path under the emulator on CPU and returns its counts."""
+    import nki_emulator
+
+    with nki_emulator.counting() as counts:
+        out = call(*inputs)
+        if backward:
+            out.float().square().mean().backward()
+    return counts
+
+
+def measure_kernels(cfg, model_cfg, device_type, device):
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    peak = train.peak_flops(device_type, dtype, cfg.peak_tflops)
+    on_trainium = device_type == "neuron"
+    trn2_core_peak = train.PEAK_FLOPS["trn2"]
+    rows = []
+    for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
+        for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
+            backward = direction == "fwd+bwd"
+            row = {"kernel": name, "direction": direction, "flops": flops}
+            seconds = time_call(lambda *a: call(*a, "torch"), make_inputs(), backward, device_type)
+            row.update(torch_s=seconds, torch_flops_per_s=flops / seconds, torch_fraction_of_peak=flops / seconds / peak)
+            if on_trainium:
+                seconds = time_call(lambda *a: call(*a, "nki"), make_inputs(), backward, device_type)
+                row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak)
+            else:
+                cpu_inputs = [t.detach().cpu().requires_grad_() if t is not None else None for t in make_inputs()]
+                try:
+                    counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
+                except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
+                    row["nki_unavailable"] = str(e).splitlines()[0]
+                else:
+                    row.update({f"estimate_{k}": v for k, v in tensore_estimate(counts, trn2_core_peak).items()})
+            rows.append(row)
+    return rows
+
+
+def print_kernels(rows, on_trainium):
+    print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
+          + ("NKI ms  TFLOP/s  of peak" if on_trainium else "NKI on Trn2 (ESTIMATE, TensorE-bound): us  util  matmuls  DMA MB"))
+    for r in rows:
+        line = (f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {r['torch_flops_per_s'] / 1e12:>8.3f} "
+                f"{100 * r['torch_fraction_of_peak']:>7.1f}%   ")
+        if on_trainium:
+            line += f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
+        elif "nki_unavailable" in r:
+            line += f"n/a: {r['nki_unavailable']}"
+        else:
+            line += (f"{1e6 * r['estimate_tensore_time_s']:.1f}  {100 * r['estimate_tensore_utilisation']:.0f}%  "
+                     f"{r['estimate_matmuls']}  {r['estimate_dma_bytes'] / 1e6:.2f}")
+        print(line)
+
+
+# -----------------------------------------------------------------------------
+# shape sweep
+
+SWEEPS = {  # one choice varied at a time around the base config; multiples of 128 and not
+    "default": {"n_embd": [192, 256, 320, 384, 512], "head_dim": [32, 64, 128], "n_kv_head": [1, 2, 4],
+                "mlp_hidden": [640, 768, 1024, 1536], "sequence_len": [128, 192, 256, 512]},
+    "tiny": {"n_embd": [64, 128], "head_dim": [32, 64], "sequence_len": [64, 128]},
+}
+
+
+def sweep_configs(model_cfg, grid):
+    """(axis, value, config) for each point: head_dim changes n_head (n_kv_head follows when it must)."""
+    for axis, values in SWEEPS[grid].items():
+        for value in values:
+            cfg = dataclasses.replace(model_cfg)
+            if axis == "head_dim":
+                cfg.n_head = cfg.n_embd // value
+                cfg.n_kv_head = cfg.n_head if cfg.n_head % cfg.n_kv_head else cfg.n_kv_head
+            elif axis == "n_kv_head":
+                cfg.n_kv_head = value
+            else:
+                setattr(cfg, axis, value)
+            try:
+                cfg.validate()
+            except ValueError as e:
+                print(f"sweep: skipping {axis}={value}: {e}")
+                continue
+            yield axis, value, cfg
+
+
+def run_sweep(cfg, model_cfg, args, device_type, device):
+    rows = []
+    for axis, value, point in sweep_configs(model_cfg, args.sweep_grid):
+        r = measure_training(cfg, point, args.bench_steps, args.bench_windows, args.bench_warmup, device_type, device)
+        rows.append({"axis": axis, "value": value, "n_embd": point.n_embd, "n_head": point.n_head,
+                     "n_kv_head": point.n_kv_head, "head_dim": point.head_dim, "mlp_hidden": point.hidden_dim,
+                     "sequence_len": point.sequence_len, "tokens_per_s": r["tokens_per_s"],
+                     "flops_per_token": r["flops_per_token"], "mfu": r["mfu"]})
+        print(f"{axis:>12} = {value:<6} {r['tokens_per_s']:>12,.0f} tok/s   MFU {100 * r['mfu']:5.1f}%")
+    return rows
+
+
+def write_sweep(rows, prefix):
+    with open(f"{prefix}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(f"{prefix}.json", "w") as f:
+        json.dump(rows, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {prefix}.csv and {prefix}.json (install matplotlib for {prefix}.png)")
+        return
+    axes_names = list(dict.fromkeys(r["axis"] for r in rows))
+    fig, axes = plt.subplots(1, len(axes_names), figsize=(3.2 * len(axes_names), 3), squeeze=False)
+    for ax, name in zip(axes[0], axes_names):
+        points = [r for r in rows if r["axis"] == name]
+        ax.plot([r["value"] for r in points], [100 * r["mfu"] for r in points], "o-")
+        ax.set_xlabel(name)
+        ax.set_ylabel("MFU %")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(f"{prefix}.png", dpi=100)
+    print(f"wrote {prefix}.csv, {prefix}.json and {prefix}.png")
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,24 +326,36 @@ def main(argv):
     parser.add_argument("--bench_steps", type=int, default=10, help="optimizer steps per timed window")
     parser.add_argument("--bench_windows", type=int, default=3, help="timed windows (median reported)")
     parser.add_argument("--bench_warmup", type=int, default=3, help="untimed steps first (compilation)")
+    parser.add_argument("--kernels", action="store_true", help="time each kernel against its PyTorch fallback")
+    parser.add_argument("--sweep", action="store_true", help="measure MFU over a grid of shape choices")
+    parser.add_argument("--sweep_grid", default="default", choices=list(SWEEPS))
+    parser.add_argument("--sweep_out", default="sweep", help="prefix of the sweep's .csv/.json/.png")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args, rest = parser.parse_known_args(argv)
     cfg, model_cfg = train.parse_args(rest)
     model_cfg.vocab_size = train.data.get_tokenizer(cfg.tokenizer).n_vocab
     model_cfg.validate()
-    r = measure(cfg, model_cfg, args.bench_steps, args.bench_windows, args.bench_warmup)
-    print(f"device            {r['device']}")
-    print(f"parameters        {r['params']:,}")
-    print(f"tokens/s          {r['tokens_per_s']:,.0f}  (median of {args.bench_windows} windows of "
-          f"{args.bench_steps} steps; min {r['tokens_per_s_min']:,.0f}, max {r['tokens_per_s_max']:,.0f})")
-    print(f"FLOPs/token       {r['flops_per_token'] / 1e6:.2f} M  (6 x matmul params + 12 x L x H x d x T)")
-    print(f"achieved FLOP/s   {r['flops_per_s'] / 1e12:.3f} T")
-    print(f"peak FLOP/s       {r['peak_flops'] / 1e12:.3f} T  ({r['peak_source']})")
-    print(f"MFU               {100 * r['mfu']:.1f}%")
-    if args.json:
+    device_type = train.detect_device() if cfg.device == "auto" else cfg.device
+    rank, world_size, device = train.setup_distributed(device_type)
+    if args.sweep:
+        results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device)}
+        if rank == 0:
+            write_sweep(results["sweep"], args.sweep_out)
+    elif args.kernels:
+        results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device)}
+        if rank == 0:
+            print_kernels(results["kernels"], device_type == "neuron")
+    else:
+        results = measure_training(cfg, model_cfg, args.bench_steps, args.bench_windows, args.bench_warmup, device_type, device)
+        if rank == 0:
+            print_training(results, args.bench_steps, args.bench_windows)
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return r
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ first `startup_steps` steps (compilation), evaluation and checkpointing.
 """
 import dataclasses
 import difflib
+import functools
 import glob
 import json
 import math
@@ -73,6 +74,7 @@ class TrainConfig:
     # system
     device: str = opt("auto", "auto | neuron | cuda | cpu")
     dtype: str = opt("bfloat16", "matmul precision under autocast: bfloat16 or float32 (weights stay fp32)")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)")
     compile_cache_dir: str = opt("neuron_cache", "persistent Neuron compilation cache (reused across runs)")
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
     seed: int = opt(1337, "seed of initialisation and data order")
@@ -127,8 +129,8 @@ def parse_args(argv):
 # -----------------------------------------------------------------------------
 # devices
 
-# Dense bf16 peak FLOP/s per rank (TRAINIUM.md). Trn2 ranks are logical cores: 2 physical cores each at
-# the default NEURON_LOGICAL_NC_CONFIG=2.
+# Dense bf16 peak FLOP/s of one physical NeuronCore or one GPU (TRAINIUM.md). On Trn2/Trn3 a rank drives a
+# logical core of NEURON_LOGICAL_NC_CONFIG physical cores (2 by default: 166.8 TFLOP/s per Trn2 rank).
 PEAK_FLOPS = {"trn1": 95e12, "trn2": 83.4e12, "trn3": 84e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
@@ -138,6 +140,20 @@ def detect_device():
         return "neuron"
     except ImportError:  # not installed, or the PyPI placeholder
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def setup_distributed(device_type):
+    """Under torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE) joins the process group with the device's
+    backend and binds one device per rank. Returns (rank, world_size, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, device_type
+    dist.init_process_group(backend={"neuron": "neuron", "cuda": "nccl"}.get(device_type, "gloo"))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return dist.get_rank(), dist.get_world_size(), f"cuda:{local_rank}"
+    # TorchNeuron gives each torchrun process its own logical core, addressed as plain "neuron"
+    return dist.get_rank(), dist.get_world_size(), device_type
 
 
 def configure_neuron_compiler(cfg):
@@ -157,11 +173,26 @@ def synchronize(device_type):
         torch.neuron.synchronize()
 
 
-def peak_flops(device_type, dtype=torch.bfloat16):
+def trainium_generation():
+    """trn1, trn2 or trn3, from the EC2 instance type that the DMI product name holds (e.g. trn2.3xlarge)."""
+    try:
+        with open("/sys/devices/virtual/dmi/id/product_name") as f:
+            product = f.read().strip()
+    except OSError:
+        product = ""
+    return next((g for g in ("trn1", "trn3", "trn2") if product.startswith(g)), "trn2")
+
+
+@functools.lru_cache  # measured once per process, so every MFU in a run divides by the same number
+def peak_flops(device_type, dtype=torch.bfloat16, override_tflops=0.0):
     """Peak FLOP/s of one rank's device. A CPU has no datasheet number here, so it is measured: the best
     of a few large matmuls in the training dtype."""
+    if override_tflops:
+        return override_tflops * 1e12
     if device_type == "neuron":
-        return PEAK_FLOPS["trn2"] * int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+        generation = trainium_generation()
+        cores_per_rank = 1 if generation == "trn1" else int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+        return PEAK_FLOPS[generation] * cores_per_rank
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
         return next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan"))
@@ -374,17 +405,8 @@ def main(argv):
     if device_type not in ("neuron", "cuda", "cpu"):
         raise ValueError(f"--device={device_type!r}: use auto, neuron, cuda or cpu")
 
-    # --- processes and devices: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-    ddp = "RANK" in os.environ
-    if ddp:
-        dist.init_process_group(backend={"neuron": "neuron", "cuda": "nccl"}.get(device_type, "gloo"))
-        rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
-    else:
-        rank, world_size, local_rank = 0, 1, 0
-    # TorchNeuron gives each torchrun process its own logical core, always addressed as "neuron"
-    device = f"cuda:{local_rank}" if device_type == "cuda" else device_type
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
+    rank, world_size, device = setup_distributed(device_type)
+    ddp = dist.is_initialized()
     if device_type == "neuron":
         configure_neuron_compiler(cfg)
     # every rank must agree each step on the clock and on a stop request; a CPU-side gloo group does that
@@ -438,10 +460,10 @@ def main(argv):
     else:
         model = raw_model
     if ddp:
-        model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
     flops_per_token = raw_model.flops_per_token()
-    peak = peak_flops(device_type, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32) * world_size
+    peak = peak_flops(device_type, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32, cfg.peak_tflops) * world_size
     log = Logger(cfg.out_dir, master, append=bool(cfg.resume))
     log("config", f"{raw_model.num_params():,} parameters, {flops_per_token / 1e6:.1f} MFLOP/token, {world_size} "
         f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step",

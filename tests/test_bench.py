@@ -1,0 +1,77 @@
+import json
+import types
+
+import pytest
+import torch
+
+import bench
+import train
+
+
+def test_training_numbers_are_consistent_with_the_stated_formula(tmp_path):
+    out = tmp_path / "bench.json"
+    r = bench.main(["--n_layer=1", "--n_embd=64", "--n_head=2", "--n_kv_head=2", "--sequence_len=64", "--batch_size=2",
+                    "--compile=false", "--bench_steps=2", "--bench_windows=2", "--bench_warmup=1",
+                    "--peak_tflops=0.5", f"--json={out}"])
+    saved = json.loads(out.read_text())
+    for key in ("device", "tokens_per_s", "flops_per_token", "flops_per_s", "peak_flops", "mfu"):
+        assert saved[key] == r[key]
+    c = r["model_config"]
+    matmul_params = c["n_layer"] * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 384  # attention, MLP, padded head
+    assert r["flops_per_token"] == 6 * matmul_params + 12 * 1 * 2 * 32 * 64
+    assert r["peak_flops"] == 0.5e12
+    assert r["flops_per_s"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"])
+    assert r["mfu"] == pytest.approx(r["flops_per_s"] / 0.5e12)
+    assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+
+
+def test_peak_per_rank_follows_the_logical_core_config(monkeypatch):
+    monkeypatch.setattr(train, "trainium_generation", lambda: "trn2")
+    for lnc, expected in (("1", 83.4e12), ("2", 166.8e12)):
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
+        train.peak_flops.cache_clear()
+        assert train.peak_flops("neuron") == pytest.approx(expected)
+    train.peak_flops.cache_clear()
+
+
+def counts(matmuls=(), transposes=()):
+    flops = sum(2 * k * m * n for k, m, n, _ in matmuls)
+    return types.SimpleNamespace(matmul_shapes=list(matmuls), transposes=list(transposes), matmul_flops=flops,
+                                 instructions={"tensor": len(matmuls) + len(transposes)}, dma_bytes=0)
+
+
+@pytest.mark.parametrize(
+    "matmuls, cycles, utilisation",
+    [
+        ([(128, 128, 512, "bfloat16")], 512, 1.0),  # a full tile streams one column per cycle
+        ([(128, 128, 32, "bfloat16")], 64, 0.5),  # narrow moving side: the fixed 64-cycle cost dominates
+        ([(128, 32, 512, "bfloat16")], 512, 0.25),  # narrow stationary: 3/4 of the array idles
+        ([(64, 128, 512, "bfloat16")], 512, 0.5),  # half the contraction rows
+        ([(128, 128, 512, "float32")], 2048, 0.25),  # fp32 inputs run at a quarter of the rate
+    ],
+)
+def test_tensore_estimate_cost_model(matmuls, cycles, utilisation):
+    estimate = bench.tensore_estimate(counts(matmuls), peak_per_core=2 * 128 * 128 * 1e9)
+    assert estimate["tensore_cycles"] == cycles
+    assert estimate["tensore_utilisation"] == pytest.approx(utilisation)
+    assert estimate["tensore_time_s"] == pytest.approx(cycles / 1e9)
+
+
+def test_transposes_cost_tensore_time_but_no_flops():
+    estimate = bench.tensore_estimate(counts([(128, 128, 512, "bfloat16")], [(128, 128, "bfloat16")]), 32768e9)
+    assert estimate["tensore_cycles"] == 512 + 128
+    assert estimate["tensore_utilisation"] == pytest.approx(512 / 640)
+
+
+def test_sweep_on_a_tiny_grid_writes_table_json_and_plot(tmp_path):
+    prefix = tmp_path / "sweep"
+    r = bench.main(["--sweep", "--sweep_grid=tiny", f"--sweep_out={prefix}", "--n_layer=1", "--n_embd=64",
+                    "--n_head=2", "--n_kv_head=2", "--sequence_len=64", "--batch_size=2", "--compile=false",
+                    "--bench_steps=1", "--bench_windows=1", "--bench_warmup=1"])
+    rows = r["sweep"]
+    assert {row["axis"] for row in rows} == {"n_embd", "head_dim", "sequence_len"}
+    assert all(row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 for row in rows)
+    assert [row["head_dim"] for row in rows if row["axis"] == "head_dim"] == [32, 64]
+    assert json.loads((tmp_path / "sweep.json").read_text()) == rows
+    assert (tmp_path / "sweep.csv").read_text().count("\n") == len(rows) + 1
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
