@@ -421,6 +421,11 @@ def main(argv):
             f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
         )
     accum_steps = total_tokens // micro_tokens
+    resume_path = resolve_resume(cfg) if cfg.resume else None
+    state = load_checkpoint(resume_path) if resume_path else None
+    if state and state["model_config"] != asdict(model_cfg):
+        diff = {k: (v, asdict(model_cfg).get(k)) for k, v in state["model_config"].items() if asdict(model_cfg).get(k) != v}
+        raise ValueError(f"{resume_path} holds a different model (field: (checkpoint, now) = {diff}); pass the same flags")
     torch.manual_seed(cfg.seed)
 
     # --- data: rank 0 prepares the shards once, the others wait for it
@@ -442,18 +447,14 @@ def main(argv):
     raw_model = GPT(model_cfg).to(device)
     optimizers = make_optimizers(raw_model, cfg, device_type)
     step, train_time = 0, 0.0
-    if cfg.resume:
-        path = resolve_resume(cfg)
-        state = load_checkpoint(path, device)
-        if state["model_config"] != asdict(model_cfg):
-            diff = {k: (v, asdict(model_cfg)[k]) for k, v in state["model_config"].items() if asdict(model_cfg).get(k) != v}
-            raise ValueError(f"{path} holds a different model (field: (checkpoint, now) = {diff}); pass the same flags")
+    if state:
         raw_model.load_state_dict(state["model"])
         for o, s in zip(optimizers, state["optimizers"]):
             o.load_state_dict(s)
         step, train_time = state["step"], state["train_time"]
         loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"].cpu())
+        torch.set_rng_state(state["rng"])
+        del state  # its tensors now live in the model and optimizers
     if cfg.compile:
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
