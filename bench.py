@@ -333,7 +333,7 @@ def main(argv):
     parser.add_argument("--json", help="also write the results to this JSON file")
     args, rest = parser.parse_known_args(argv)
     cfg, model_cfg = train.parse_args(rest)
-    model_cfg.vocab_size = train.data.get_tokenizer(cfg.tokenizer).n_vocab
+    model_cfg.vocab_size = train.data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
     rank, world_size, device = train.setup_distributed(device_type)
