@@ -1,47 +1,1207 @@
 """
 The three operations a GPT spends its time in: causal attention, the MLP and RMSNorm.
 
-model.py calls only `attention`, `mlp` and `rms_norm` from this file. Each is a seam: today every call
-runs its PyTorch path (F.scaled_dot_product_attention, F.rms_norm, plain matmuls), which is also the
-fallback on any machine without Trainium. The NKI kernels that replace them on Trainium plug in behind
-the same signatures.
+model.py calls only `attention`, `mlp` and `rms_norm` from this file. Each takes `mode`, the model's
+`kernels` setting, and picks its path with `_use_nki`:
+
+- "torch": always the PyTorch path (F.scaled_dot_product_attention, F.rms_norm, plain matmuls).
+- "auto": the NKI kernel on a Trainium ("neuron") device when the shapes fit; otherwise the PyTorch path,
+  logging why once per operation and reason.
+- "nki": the NKI kernel or a clear error. Off Trainium the kernel runs on the CPU under `nki.simulate`
+  (in the tests: the project's NKI emulator), which is how the kernels and their glue are tested here.
 
 Layouts follow PyTorch conventions at this boundary; a kernel that wants another layout (NKI attention
 wants the head dim on the partition axis) changes it inside its own wrapper.
+
+Each NKI kernel is a plain function over `nl`/`nisa`, launched by `_run_kernel` and registered as a
+PyTorch op pair (forward, backward, autograd) by `_register_kernel_ops`: through `torch_neuronx.nki_op`
+on Trainium, through `torch.library.custom_op` elsewhere.
 """
+import functools
+import logging
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 
+try:
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+
+    NKI_IMPORT_ERROR = None
+except ImportError as error:  # not installed, or PyPI's placeholder package (it raises "WRONG PACKAGE")
+    nki = nl = nisa = None
+    NKI_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+try:
+    import torch_neuronx  # registers the "neuron" device and provides nki_op
+except ImportError:
+    torch_neuronx = None
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "nki", "torch")
 MLP_ACTIVATIONS = ("relu2", "gelu", "swiglu")
 
+# -----------------------------------------------------------------------------
+# dispatch and registration, shared by every NKI kernel
 
-def attention(q, k, v):
+
+_fallbacks_logged = set()
+
+
+def _use_nki(op_name, mode, device_type, shape_problem=None):
+    """Whether `op_name` runs its NKI kernel, for kernels=`mode` on tensors of `device_type`.
+
+    shape_problem: None when the kernel takes these shapes, else a sentence saying which limit they break
+    and how to fix it. "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on
+    shapes); "auto" falls back to PyTorch and logs why, once per (op, reason): as a warning on a neuron
+    device, where the fallback costs speed, and as info elsewhere, where it is expected.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{op_name}: kernels={mode!r} is not one of {KERNEL_MODES}")
+    if mode == "torch":
+        return False
+    if nki is None:
+        if mode == "nki":
+            raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not importable ({NKI_IMPORT_ERROR}); "
+                               "use kernels='auto' or kernels='torch' on machines without the Neuron SDK")
+        reason = f"NKI is not importable ({NKI_IMPORT_ERROR})"
+    elif shape_problem is not None:
+        if mode == "nki":
+            raise ValueError(f"{op_name}: kernels='nki' cannot run the NKI kernel: {shape_problem}; or use "
+                             "kernels='auto' to fall back to PyTorch for such shapes")
+        reason = shape_problem
+    elif mode == "auto" and device_type != "neuron":
+        reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
+    else:
+        return True
+    if (op_name, reason) not in _fallbacks_logged:
+        _fallbacks_logged.add((op_name, reason))
+        level = logging.WARNING if device_type == "neuron" else logging.INFO
+        logger.log(level, "%s: using the PyTorch path: %s", op_name, reason)
+    return False
+
+
+def _logical_core_degree():
+    """LNC degree to launch kernels with; it must match the runtime's NEURON_LOGICAL_NC_CONFIG (Trn2
+    default 2). Off Trainium the emulator runs the programs one after the other, exercising the split."""
+    return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+
+
+@functools.cache
+def _jitted(kernel, lnc):
+    return nki.jit(kernel)[lnc]
+
+
+def _run_kernel(kernel, *args):
+    """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
+    outputs on the inputs' device. On a neuron device the jitted kernel runs on the NeuronCores; anywhere
+    else the tensors go to the CPU and the kernel runs under nki.simulate (the emulator in the tests)."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    launch = _jitted(kernel, _logical_core_degree())
+    if device.type == "neuron":
+        return launch(*args)
+    outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    return tuple(out.to(device) for out in outputs) if isinstance(outputs, tuple) else outputs.to(device)
+
+
+def _custom_op(name, impl, fake):
+    """Register `impl` (a function with type annotations, which calls `_run_kernel`) as the PyTorch op
+    nanogpt_trn::<name>: with `torch_neuronx.nki_op` on Trainium, with `torch.library.custom_op`
+    elsewhere. `fake` (same signature; returns empty tensors of the output shapes and dtypes) gives
+    torch.compile and meta tensors the shapes without running the kernel."""
+    qualname = f"nanogpt_trn::{name}"
+    if torch_neuronx is not None:
+        op = torch_neuronx.nki_op(qualname, mutates_args=())(impl)
+    else:
+        op = torch.library.custom_op(qualname, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def _register_kernel_ops(name, forward, forward_fake, backward, backward_fake, setup_context, vjp):
+    """Register a differentiable NKI operation as two PyTorch ops, <name>_fwd and <name>_bwd (see
+    `_custom_op` for impl/fake), and return the forward op, which autograd differentiates through
+    `vjp(backward_op, ctx, *output_grads)` after `setup_context(ctx, inputs, output)` saved what it needs."""
+    forward_op = _custom_op(f"{name}_fwd", forward, forward_fake)
+    backward_op = _custom_op(f"{name}_bwd", backward, backward_fake)
+    forward_op.register_autograd(functools.partial(vjp, backward_op), setup_context=setup_context)
+    return forward_op
+
+
+# -----------------------------------------------------------------------------
+# causal flash attention: NKI kernels
+#
+# Notation: S sequence length, d head dim, G = n_head / n_kv_head query heads per kv head. A "tile" is
+# 128 rows (queries or keys, one per partition); a "block" is up to 512 keys, the widest matmul moving
+# operand and one PSUM bank of fp32 scores. Tiles named *_cols hold a head as (d, S) (head dim on the
+# partitions, as TensorE contracts over partitions), *_rows as (128, S/128, d) (tile t, partition p =
+# position t*128 + p).
+
+TILE = 128  # queries per query tile, keys per key chunk: the partition count
+KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
+_MASKED_SCORE = -1e30  # added to scores above the diagonal; exp() of it scaled is exactly 0
+
+
+def _causal_mask_operands(dtype):
+    """Two 128x128 tiles whose matmul identity.T @ bias is the causal bias of a diagonal chunk: 0 where
+    key <= query (free index <= partition), _MASKED_SCORE above. TensorE adds it onto the scores in PSUM,
+    so masking costs one small matmul instead of a PSUM->SBUF copy plus a GpSimd affine_select (which
+    cannot read PSUM) on the engines that are already the busiest."""
+    identity = nl.ndarray((TILE, TILE), dtype=dtype)
+    nisa.affine_select(identity, [[-1, TILE]], 1, nl.ones((TILE, TILE), dtype=dtype), 0.0, cmp_op=nl.equal)
+    bias = nl.ndarray((TILE, TILE), dtype=dtype)
+    nisa.affine_select(bias, [[-1, TILE]], 1, nl.zeros((TILE, TILE), dtype=dtype), _MASKED_SCORE,
+                       cmp_op=nl.greater_equal)
+    return identity, bias
+
+
+def _load_rows(src, dtype):
+    """HBM (S, d) -> SBUF rows (128, S/128, d), one 128-row DMA per tile."""
+    seq_len, head_dim = src.shape
+    rows = nl.ndarray((TILE, seq_len // TILE, head_dim), dtype=dtype)
+    for t in range(seq_len // TILE):
+        nisa.dma_copy(rows[:, t, :], src[t * TILE:(t + 1) * TILE, :])
+    return rows
+
+
+def _store_rows(dst, rows):
+    for t in range(rows.shape[1]):
+        nisa.dma_copy(dst[t * TILE:(t + 1) * TILE, :], rows[:, t, :])
+
+
+def _transpose_to_rows(rows, cols):
+    """cols (P, n*128) -> rows (128, n, P): rows[:, t, :] = cols[:, t*128:(t+1)*128].T. TensorE
+    transposes up to 4 tiles into one PSUM bank; ScalarE copies them out (VectorE has more to do)."""
+    n_tiles, width = rows.shape[1], rows.shape[2]
+    for first in range(0, n_tiles, 4):
+        count = min(4, n_tiles - first)
+        transposed = nl.ndarray((TILE, count, width), dtype=rows.dtype, buffer=nl.psum)
+        for t in range(count):
+            nisa.nc_transpose(transposed[:, t, :], cols[:, (first + t) * TILE:(first + t + 1) * TILE])
+        nisa.activation(rows[:, first:first + count, :], nl.copy, transposed)
+
+
+def _transpose_to_cols(cols, rows):
+    """rows (128, n, P) -> cols (P, n*128), the inverse of _transpose_to_rows."""
+    n_tiles, width = rows.shape[1], rows.shape[2]
+    for first in range(0, n_tiles, 4):
+        count = min(4, n_tiles - first)
+        transposed = nl.ndarray((width, count * TILE), dtype=cols.dtype, buffer=nl.psum)
+        for t in range(count):
+            nisa.nc_transpose(transposed[:, t * TILE:(t + 1) * TILE], rows[:, first + t, :])
+        nisa.activation(cols[:, first * TILE:(first + count) * TILE], nl.copy, transposed)
+
+
+def _causal_scores(scores, q_tile, k_block, diagonal, mask):
+    """scores (128 queries, width keys, PSUM fp32) = q_tile.T @ k_block, unscaled; on the block that holds
+    the diagonal (always its last 128 keys) the causal bias is accumulated onto those keys."""
+    nisa.nc_matmul(scores, q_tile, k_block)
+    if diagonal:
+        identity, bias = mask
+        width = scores.shape[1]
+        nisa.nc_matmul(scores[:, width - TILE:width], identity, bias)
+
+
+def _attention_fwd_query_tile(out_rows, lse_col, q_tile, k_cols, v_rows, mask, scale, query_tile):
+    """One tile of 128 queries against every key block it can see, with an online softmax; writes its
+    128 output rows to HBM and its logsumexp to lse_col (128, 1)."""
+    head_dim, dtype = v_rows.shape[2], v_rows.dtype
+    n_keys = (query_tile + 1) * TILE  # causal: blocks wholly above the diagonal are never computed
+    for start in range(0, n_keys, KEY_BLOCK):
+        width = min(KEY_BLOCK, n_keys - start)
+        scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+        _causal_scores(scores, q_tile, k_cols[:, start:start + width], start + width == n_keys, mask)
+
+        block_max = nl.ndarray((TILE, 1), dtype=nl.float32)
+        nisa.tensor_reduce(block_max, nl.maximum, scores, axis=1)
+        if start == 0:
+            new_max = block_max
+        else:
+            new_max = nl.ndarray((TILE, 1), dtype=nl.float32)
+            nisa.tensor_tensor(new_max, running_max, block_max, nl.maximum)
+        neg_scaled_max = nl.ndarray((TILE, 1), dtype=nl.float32)
+        nisa.tensor_scalar(neg_scaled_max, new_max, nl.multiply, -scale)
+
+        # p = exp(scale * s - scale * max), its row sums fused in (ScalarE reads the scores from PSUM)
+        probs = nl.ndarray((TILE, width), dtype=dtype)
+        block_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
+        nisa.activation_reduce(probs, nl.exp, scores, reduce_op=nl.add, reduce_res=block_sum,
+                               bias=neg_scaled_max, scale=scale)
+
+        # p @ v contracts over keys, which must sit on the partitions: transpose p chunk by chunk
+        probs_t = nl.ndarray((TILE, width // TILE, TILE), dtype=dtype)
+        _transpose_to_rows(probs_t, probs)
+        block_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
+        for c in range(width // TILE):
+            nisa.nc_matmul(block_out, probs_t[:, c, :], v_rows[:, start // TILE + c, :])
+
+        if start == 0:
+            running_sum = block_sum
+            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32)
+            nisa.tensor_copy(out_acc, block_out)
+        else:  # rescale what the earlier blocks summed to the new max: alpha = exp(scale * (old - new))
+            alpha = nl.ndarray((TILE, 1), dtype=nl.float32)
+            nisa.activation(alpha, nl.exp, running_max, bias=neg_scaled_max, scale=scale)
+            nisa.scalar_tensor_tensor(running_sum, running_sum, nl.multiply, alpha, nl.add, block_sum)
+            nisa.scalar_tensor_tensor(out_acc, out_acc, nl.multiply, alpha, nl.add, block_out)
+        running_max = new_max
+
+    inv_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
+    nisa.reciprocal(inv_sum, running_sum)
+    out_tile = nl.ndarray((TILE, head_dim), dtype=dtype)
+    nisa.tensor_scalar(out_tile, out_acc, nl.multiply, inv_sum)
+    nisa.dma_copy(out_rows, out_tile)
+    log_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
+    nisa.activation(log_sum, nl.log, running_sum)  # running_sum >= 1: the max itself contributes exp(0)
+    nisa.scalar_tensor_tensor(lse_col, running_max, nl.multiply, scale, nl.add, log_sum)
+
+
+def flash_attention_fwd_kernel(q, k, v, scale):
+    """Causal flash attention forward, grouped-query heads.
+
+    Inputs (HBM): q (B, H, d, S) and k (B, Hkv, d, S) with the head dim d <= 128 on the partition axis;
+    v (B, Hkv, S, d); all bf16 (or all fp32: then every matmul runs in fp32, 4x slower, for testing).
+    S is a multiple of 128, Hkv divides H, query head h uses kv head h // (H / Hkv); scale is the softmax
+    scale. Returns out (B, H, S, d) in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of
+    the scaled scores of query t*128 + p at [b, h, p, t], which the backward needs.
+
+    Work: (batch, kv head) pairs are split over the programs of an LNC launch (kernel[2] on Trn2); K and V
+    of a pair are loaded once and serve its G query heads. For each 128-query tile i, keys [0, 128(i+1))
+    go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul into a PSUM bank), the
+    causal bias accumulated by TensorE onto the last 128 keys of the diagonal block only (blocks wholly
+    above the diagonal are skipped), online softmax with fp32 row max and sum (exp and row sum fused on
+    ScalarE, reading PSUM), P cast to the input dtype and transposed in 128x128 chunks on TensorE, then
+    P @ V as 128x128xd matmuls accumulating in PSUM; out = acc / sum, lse = scale * max + log(sum).
+
+    SBUF per partition (bf16, d = 128): K cols 2S + V rows 2S + Q cols 2S bytes (12 KiB at S = 2048) plus
+    ~3 KiB of per-block tiles. PSUM: scores 2 KiB, P^T 1 KiB, P @ V 0.5 KiB: 3 banks of 8.
+
+    TensorE: a full block (d = 128) costs 512 cycles of scores, 4 x 128 of P transposes and 4 x 128 of
+    P @ V, so 2/3 of TensorE time is useful matmul, every matmul with a full 128-wide stationary tile
+    (counted by the emulator at S = 2048, diagonal blocks and masks included: 68%). ScalarE is the
+    busiest engine (exp and the P^T copy: 2 x 512 elements per block at half TensorE's clock), so
+    TensorE is expected busy ~75% of the time, ~50% of its peak as useful matmul. At d = 64 the score
+    matmul fills half the PE rows: 43% of TensorE time is useful.
+    """
+    batch, n_heads, head_dim, seq_len = q.shape
+    n_kv_heads = k.shape[1]
+    group = n_heads // n_kv_heads
+    n_tiles = seq_len // TILE
+    dtype = q.dtype
+    out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
+    mask = _causal_mask_operands(dtype)
+    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(pair, n_kv_heads)
+        k_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+        nisa.dma_copy(k_cols, k[b, kv_head])
+        v_rows = _load_rows(v[b, kv_head], dtype)
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            q_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+            nisa.dma_copy(q_cols, q[b, h])
+            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+            for i in range(n_tiles):
+                _attention_fwd_query_tile(out[b, h, i * TILE:(i + 1) * TILE, :], lse_tile[:, i:i + 1],
+                                          q_cols[:, i * TILE:(i + 1) * TILE], k_cols, v_rows, mask, scale, i)
+            nisa.dma_copy(lse[b, h], lse_tile)
+    return out, lse
+
+
+def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
+    """Query tile i against the key block starting at `start`: adds dV and dK of the block's keys into
+    the PSUM accumulators dk_block, dv_block (128 keys, chunk, d) and dQ of the tile into the SBUF
+    accumulator dq_acc[:, i, :]. head and kv are the tuples built by _load_head_for_bwd and the kernel."""
+    q_cols, q_rows, do_cols, do_rows, neg_lse, delta = head
+    k_cols, k_rows, v_cols = kv
+    dtype, head_dim = k_rows.dtype, k_rows.shape[2]
+    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
+    n_keys = (query_tile + 1) * TILE
+    width = min(KEY_BLOCK, n_keys - start)
+    keys = slice(start, start + width)
+
+    scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    _causal_scores(scores, q_cols[:, queries], k_cols[:, keys], start + width == n_keys, mask)
+    probs = nl.ndarray((TILE, width), dtype=dtype)  # P recomputed from lse: exp(scale * s - lse)
+    nisa.activation(probs, nl.exp, scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
+    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T
+    nisa.nc_matmul(dprobs, do_cols[:, queries], v_cols[:, keys])
+    dscores = nl.ndarray((TILE, width), dtype=dtype)  # dS = P * (dP - D); the scale is applied at the end
+    nisa.scalar_tensor_tensor(dscores, dprobs, nl.subtract, delta[:, query_tile:query_tile + 1], nl.multiply, probs)
+
+    for c in range(width // TILE):  # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions
+        chunk = slice(c * TILE, (c + 1) * TILE)
+        nisa.nc_matmul(dv_block[:, c, :], probs[:, chunk], do_rows[:, query_tile, :])
+        nisa.nc_matmul(dk_block[:, c, :], dscores[:, chunk], q_rows[:, query_tile, :])
+
+    dscores_t = nl.ndarray((TILE, width // TILE, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
+    _transpose_to_rows(dscores_t, dscores)
+    dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
+    for c in range(width // TILE):
+        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :])
+    if start == 0:
+        nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
+    else:
+        nisa.tensor_tensor(dq_acc[:, query_tile, :], dq_acc[:, query_tile, :], dq_block, nl.add)
+
+
+def _load_head_for_bwd(q_cols_hbm, out_hbm, d_out_hbm, lse_hbm, dtype):
+    """What the backward needs of one query head, in SBUF: (Q cols, Q rows, dO cols, dO rows, -lse,
+    D = rowsum(dO * O)), the last two (128, S/128) fp32."""
+    head_dim, seq_len = q_cols_hbm.shape
+    n_tiles = seq_len // TILE
+    q_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+    nisa.dma_copy(q_cols, q_cols_hbm)
+    q_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+    _transpose_to_rows(q_rows, q_cols)
+    do_rows = _load_rows(d_out_hbm, dtype)
+    do_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+    _transpose_to_cols(do_cols, do_rows)
+
+    lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+    nisa.dma_copy(lse, lse_hbm)
+    neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+    nisa.tensor_scalar(neg_lse, lse, nl.multiply, -1.0)
+    products = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+    nisa.tensor_tensor(products, do_rows, _load_rows(out_hbm, dtype), nl.multiply)
+    delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+    nisa.tensor_reduce(delta, nl.add, products, axis=2)
+    return q_cols, q_rows, do_cols, do_rows, neg_lse, delta
+
+
+def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
+    """Causal flash attention backward, grouped-query heads: dQ, dK, dV.
+
+    Inputs (HBM): q, k, v, scale as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
+    (B, H, 128, S/128) from it; d_out (B, H, S, d), the gradient of out, in the input dtype. Returns dq
+    (B, H, S, d), dk and dv (B, Hkv, S, d) in the input dtype; dk and dv summed over the G query heads
+    that share each kv head. Same limits as the forward, and S <= 4096 in bf16 (2048 in fp32) for SBUF.
+
+    Work: (batch, kv head) pairs split over the LNC programs. Per pair: K as cols (for scores) and rows
+    (for dQ, transposed on TensorE), V as cols (for dP), fp32 SBUF accumulators for dK and dV. Per query
+    head: Q cols and rows, dO rows and cols, -lse, D = rowsum(dO * O), an fp32 dQ accumulator. Then key
+    blocks of up to 512 keys outside, the 128-query tiles that see them inside: recompute
+    P = exp(scale * q.T k - lse) (causal bias on the diagonal chunk only, blocks above the diagonal
+    skipped), dP = dO V^T, dS = P * (dP - D); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the
+    query tiles (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed
+    (4 TensorE transposes per block) and is added into SBUF. The softmax scale is applied once, when dQ
+    and dK are written.
+
+    SBUF per partition (bf16, d = 128): per pair K cols + K rows + V cols 6S bytes, dK and dV fp32 8S;
+    per head Q cols + rows, dO rows + cols 8S, O rows 2S (until D is made), dQ fp32 4S: ~26S bytes
+    (104 KiB at S = 4096) plus ~5 KiB of per-block tiles. PSUM: scores 2 KiB, dP 2 KiB, dS^T 1 KiB,
+    dQ 0.5 KiB, dK and dV accumulators 2 x 4*d*4 bytes (2 KiB each at d = 128): 6 banks.
+
+    TensorE: a full block (d = 128) costs 512 cycles each for scores and dP, 4 x 128 each for dV, dK,
+    dQ and the dS transposes: 5/6 of TensorE time is useful matmul, every matmul with a full 128-wide
+    stationary tile (counted by the emulator at S = 2048, with diagonal blocks, masks and the layout
+    transposes: 78%). Per block ScalarE (exp, dS^T copy: 2 x 512 elements) and VectorE (dS 512, dQ add
+    128) need ~2/3 and ~1/2 of TensorE's 3072 cycles at their clocks, so TensorE is the bottleneck and
+    ~78% useful is the expected ceiling. At d = 64: 53%.
+    """
+    batch, n_heads, head_dim, seq_len = q.shape
+    n_kv_heads = k.shape[1]
+    group = n_heads // n_kv_heads
+    n_tiles = seq_len // TILE
+    dtype = q.dtype
+    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
+    mask = _causal_mask_operands(dtype)
+    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(pair, n_kv_heads)
+        k_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+        nisa.dma_copy(k_cols, k[b, kv_head])
+        k_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+        _transpose_to_rows(k_rows, k_cols)
+        v_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
+        _transpose_to_cols(v_cols, _load_rows(v[b, kv_head], dtype))
+        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            head = _load_head_for_bwd(q[b, h], out[b, h], d_out[b, h], lse[b, h], dtype)
+            dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+            for start in range(0, seq_len, KEY_BLOCK):
+                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                n_chunks = chunks.stop - chunks.start
+                dk_block = nl.ndarray((TILE, n_chunks, head_dim), dtype=nl.float32, buffer=nl.psum)
+                dv_block = nl.ndarray((TILE, n_chunks, head_dim), dtype=nl.float32, buffer=nl.psum)
+                for i in range(start // TILE, n_tiles):  # only query tiles at or below the block see it
+                    _attention_bwd_block(dq_acc, dk_block, dv_block, head, (k_cols, k_rows, v_cols), mask,
+                                         scale, i, start)
+                for acc, block in ((dk_acc, dk_block), (dv_acc, dv_block)):
+                    if h == kv_head * group:
+                        nisa.tensor_copy(acc[:, chunks, :], block)
+                    else:  # later query heads of the group add onto the first one's dK, dV
+                        nisa.tensor_tensor(acc[:, chunks, :], acc[:, chunks, :], block, nl.add)
+            dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+            nisa.tensor_scalar(dq_rows, dq_acc, nl.multiply, scale)
+            _store_rows(dq[b, h], dq_rows)
+
+        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+        nisa.tensor_scalar(dk_rows, dk_acc, nl.multiply, scale)
+        _store_rows(dk[b, kv_head], dk_rows)
+        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+        nisa.tensor_copy(dv_rows, dv_acc)
+        _store_rows(dv[b, kv_head], dv_rows)
+    return dq, dk, dv
+
+
+# -----------------------------------------------------------------------------
+# causal flash attention: PyTorch ops around the kernels
+
+
+def _attention_shape_problem(q, k, v):
+    """None when the attention kernels take these tensors; else what is wrong and how to fix it."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:] or n_heads % k.shape[1]:
+        return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not causal self-attention "
+                "shapes (B, H, T, D) and (B, Hkv, T, D) with Hkv dividing H")
+    if head_dim > TILE:
+        return f"head_dim={head_dim} is over 128, the partitions the kernels keep it on; use more, smaller heads"
+    # The sequence length varies from call to call (generation, short evaluations), so these messages do
+    # not quote it: "auto" logs each distinct reason once.
+    if seq_len % TILE:
+        return "the sequence length is not a multiple of 128, the kernels' tile; use such a sequence_len"
+    if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; the kernels take all bfloat16 or all float32"
+    if seq_len * q.element_size() > 8192:
+        return ("the sequence length is over what the backward kernel's SBUF plan holds (4096 in bfloat16, "
+                "2048 in float32); use a shorter sequence_len")
+    return None
+
+
+def _flash_attention_forward(q_cols: torch.Tensor, k_cols: torch.Tensor, v: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(flash_attention_fwd_kernel, q_cols, k_cols, v, scale)
+
+
+def _flash_attention_forward_fake(q_cols, k_cols, v, scale):
+    batch, n_heads, head_dim, seq_len = q_cols.shape
+    return (q_cols.new_empty(batch, n_heads, seq_len, head_dim),
+            q_cols.new_empty(batch, n_heads, TILE, seq_len // TILE, dtype=torch.float32))
+
+
+def _flash_attention_backward(q_cols: torch.Tensor, k_cols: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                              d_out: torch.Tensor, lse: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_kernel(flash_attention_bwd_kernel, q_cols, k_cols, v, out, d_out, lse, scale)
+
+
+def _flash_attention_backward_fake(q_cols, k_cols, v, out, d_out, lse, scale):
+    return out.new_empty(out.shape), v.new_empty(v.shape), v.new_empty(v.shape)
+
+
+def _flash_attention_setup_context(ctx, inputs, output):
+    q_cols, k_cols, v, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q_cols, k_cols, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # an output only for the backward's sake
+    ctx.scale = scale
+
+
+def _flash_attention_vjp(backward_op, ctx, d_out, d_lse):  # d_lse: None, lse is non-differentiable
+    q_cols, k_cols, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = backward_op(q_cols, k_cols, v, out, d_out.to(out.dtype).contiguous(), lse, ctx.scale)
+    return dq.transpose(-1, -2), dk.transpose(-1, -2), dv, None  # q and k came in as (B, H, D, T)
+
+
+if nki is not None:
+    _flash_attention = _register_kernel_ops(
+        "flash_attention", _flash_attention_forward, _flash_attention_forward_fake, _flash_attention_backward,
+        _flash_attention_backward_fake, _flash_attention_setup_context, _flash_attention_vjp)
+
+
+# -----------------------------------------------------------------------------
+# MLP and RMSNorm: tiling helpers shared by their NKI kernels
+#
+# Both put tokens (rows) on the 128 partitions, TILE at a time; a program of an LNC launch takes a
+# contiguous share of the rows. Any row count works: the last tile may be short.
+
+BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving operand (Trn1/Trn2)
+SBUF_BUDGET = 192 * 1024  # bytes per partition the kernels may plan to use: Trn2 has 224 KiB (Trn1: 192)
+
+
+def _spans(start, stop, size):
+    """(offset, length) of the consecutive pieces of [start, stop), each at most `size` long."""
+    return [(offset, min(size, stop - offset)) for offset in range(start, stop, size)]
+
+
+def _program_rows(n_rows):
+    """The [start, stop) rows this program handles: whole 128-row tiles, split evenly between the
+    programs of an LNC launch (kernel[2] runs one program on each physical core)."""
+    tiles = math.ceil(n_rows / TILE)
+    per_program = math.ceil(tiles / nl.num_programs())
+    start = min(n_rows, nl.program_id(0) * per_program * TILE)
+    return start, min(n_rows, start + per_program * TILE)
+
+
+def _load_row_pieces(src, row_start, row_count):
+    """src[row_start : row_start + row_count, :] into SBUF as tiles of at most 128 rows, one row per
+    partition (one DMA each)."""
+    pieces = []
+    for start, count in _spans(row_start, row_start + row_count, TILE):
+        piece = nl.ndarray((count, src.shape[1]), src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=piece, src=src[start:start + count, :])
+        pieces.append(piece)
+    return pieces
+
+
+def _transpose_pieces_into(dst_tiles, dst_col, pieces):
+    """Write the transpose of the stacked row pieces (at most 512 rows in all) into columns
+    dst_col.. of dst_tiles, where dst_tiles[c] receives columns c*128 .. c*128+127 of the pieces.
+    TensorE flips the pieces' blocks of one column tile side by side into a PSUM bank (up to four
+    128x128 flips), and one copy per bank brings them back to SBUF."""
+    width = sum(piece.shape[0] for piece in pieces)
+    for c, dst in enumerate(dst_tiles):
+        flipped = nl.ndarray((TILE, width), dst.dtype, buffer=nl.psum)
+        offset = 0
+        for piece in pieces:
+            rows = piece.shape[0]
+            nisa.nc_transpose(dst=flipped[:, offset:offset + rows], data=piece[:, c * TILE:(c + 1) * TILE])
+            offset += rows
+        nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
+
+
+def _transposed_in_sbuf(matrix):
+    """matrix (R, C) from HBM into SBUF as C/128 tiles [128, R]: tile c holds matrix[:, c*128..].T, so
+    the contraction dim C lies on the partitions."""
+    rows, cols = matrix.shape
+    tiles = [nl.ndarray((TILE, rows), matrix.dtype, buffer=nl.sbuf) for _ in range(cols // TILE)]
+    for row_start, row_count in _spans(0, rows, BANK_FP32):
+        _transpose_pieces_into(tiles, row_start, _load_row_pieces(matrix, row_start, row_count))
+    return tiles
+
+
+def _matmul_into_psum(stationaries, movings):
+    """sum_k stationaries[k].T @ movings[k], accumulated in one fp32 PSUM tile [M, N]."""
+    result = nl.ndarray((stationaries[0].shape[1], movings[0].shape[1]), nl.float32, buffer=nl.psum)
+    for stationary, moving in zip(stationaries, movings):
+        nisa.nc_matmul(dst=result, stationary=stationary, moving=moving)
+    return result
+
+
+# -----------------------------------------------------------------------------
+# MLP: NKI kernels, y = act(x @ w_up.T) @ w_down.T forward and backward
+
+MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
+
+
+def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
+    """MLP forward on one NeuronCore (or, launched as kernel[2], half of the tokens on each core).
+
+    x (N, d); w_up, w_gate (hidden, d) and w_down (d, hidden) in nn.Linear layout, all one dtype (bf16
+    for speed; fp32 runs fp32 matmuls, 4x slower on TensorE); w_gate is None unless activation is
+    "swiglu". Returns y (N, d) in x's dtype and, when save_preactivation, the pre-activations for the
+    backward: x @ w_up.T (and x @ w_gate.T) as (hidden, N) arrays, the layout the kernel computes them in.
+
+    Layout: the hidden activation is computed transposed, hT = w_up @ x.T as [128 hidden, 512 tokens]
+    PSUM tiles (stationary: a 128x128 block of w_up.T, moving: 512 tokens of x.T, contracting d over
+    128-row tiles), activated on ScalarE/VectorE straight out of PSUM into SBUF in the matmul dtype,
+    and kept in SBUF for the whole 512-token block: it is exactly the stationary operand the down
+    projection wants (y[128 tokens, <=512 of d] += actT[128 hidden, 128 tokens].T @ w_down.T[128 hidden,
+    <=512]), so it never goes back to HBM (unless saved for the backward) and needs no transpose.
+    x.T is made on TensorE (128x128 transposes, four per PSUM bank). Both weights are transposed once
+    per call the same way and stay in SBUF, so the contraction dim is on the partitions.
+
+    SBUF per partition: weights (2, or 3 for SwiGLU) * d * hidden * itemsize / 128 (bf16, d=768,
+    hidden=3072: 72 KiB), plus one block's x.T and act.T: (d + hidden) * 512 * itemsize / 128 (30 KiB).
+    PSUM: one bank per live hidden tile (two for SwiGLU) and one for each y tile being accumulated.
+    Limits: d and hidden multiples of 128; the weights must fit SBUF (see _mlp_shape_problem); any N.
+
+    TensorE: all matmuls are full 128x128 stationary by 512-wide moving except the down projection's
+    (moving min(d, 512) wide) and the ragged last block; transposes add d/128 per 128 tokens, about
+    128 / (2 * hidden) of the matmul work (2% at hidden=3072). With the activation on ScalarE/VectorE
+    and DMA overlapping the matmuls, expect roughly 80-90% TensorE utilisation for d, hidden >= 512
+    (weight transposes, amortised over the call's tokens, aside).
+    """
+    n_tokens, dim = x.shape
+    hidden = w_up.shape[0]
+    gated = w_gate is not None
+    y = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
+    saved = ()
+    if save_preactivation:
+        saved = tuple(nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm) for _ in range(1 + gated))
+
+    w_up_t = _transposed_in_sbuf(w_up)  # d/128 tiles [128, hidden]
+    w_gate_t = _transposed_in_sbuf(w_gate) if gated else None
+    w_down_t = _transposed_in_sbuf(w_down)  # hidden/128 tiles [128, d]
+
+    program_start, program_stop = _program_rows(n_tokens)
+    for block_start, block_tokens in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
+        x_t = [nl.ndarray((TILE, block_tokens), x.dtype, buffer=nl.sbuf) for _ in range(dim // TILE)]
+        _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens))
+        act_t = []  # hidden/128 tiles [128 hidden, block_tokens]: the block's hidden activation
+        for j in range(hidden // TILE):
+            units = slice(j * TILE, (j + 1) * TILE)
+            up = _matmul_into_psum([w[:, units] for w in w_up_t], x_t)
+            gate = _matmul_into_psum([w[:, units] for w in w_gate_t], x_t) if gated else None
+            for preactivation, store in zip((up, gate), saved):
+                staged = nl.ndarray(preactivation.shape, x.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=staged, src=preactivation)
+                nisa.dma_copy(dst=store[units, block_start:block_start + block_tokens], src=staged)
+            act_t.append(_mlp_activation(activation, up, gate, x.dtype))
+
+        for offset, tokens in _spans(0, block_tokens, TILE):
+            out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
+            for col, width in _spans(0, dim, BANK_FP32):
+                acc = _matmul_into_psum([a[:, offset:offset + tokens] for a in act_t],
+                                        [w[:, col:col + width] for w in w_down_t])
+                nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
+            row = block_start + offset
+            nisa.dma_copy(dst=y[row:row + tokens, :], src=out)
+    return (y,) + saved
+
+
+def _mlp_activation(activation, up, gate, dtype):
+    """act of one [128, tokens] tile of pre-activations (fp32 PSUM), into SBUF in `dtype`."""
+    act = nl.ndarray(up.shape, dtype, buffer=nl.sbuf)
+    if activation == "gelu":
+        nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
+    elif activation == "relu2":
+        relu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=relu, op=nl.relu, data=up)
+        nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
+    else:  # swiglu: silu(gate) * up
+        silu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=silu, op=nl.silu, data=gate)
+        nisa.tensor_tensor(dst=act, data1=silu, data2=up, op=nl.multiply)
+    return act
+
+
+def _mlp_bwd_block_tokens(dim):
+    """Tokens per backward block: dx for the whole block stays in PSUM while the hidden dim is
+    swept, 128 tokens x <=512 of d per bank, and we give it at most 4 of the 8 banks."""
+    return TILE * (4 // math.ceil(dim / BANK_FP32))
+
+
+def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation):
+    """MLP backward from the pre-activations the forward saved (gate_saved, like w_gate, None unless
+    SwiGLU). dy, x (N, d); weights as in the forward; up_saved, gate_saved (hidden, N).
+
+    Returns dx (N, d) in x's dtype and per-program partial weight gradients in fp32, which the caller
+    sums over the first axis: dw_up (and dw_gate) (programs, hidden, d) and dw_down TRANSPOSED,
+    (programs, hidden, d). Each program (core) takes half of the tokens, so each holds only its share
+    of the weight gradients, and no core waits for the other.
+
+    Saving versus recomputing the pre-activation: we save it (hidden x N in the matmul dtype per MLP,
+    twice for SwiGLU: 2 * N * hidden bytes in bf16, 100 MB per layer at N=16k tokens, hidden=3072;
+    PyTorch's own autograd keeps about twice that for the same MLP). Recomputing it would cost one
+    more up (and gate) projection in the backward, about +20% TensorE work for the MLP backward, and
+    would need w_up.T in SBUF as well; on Trainium, HBM (24 GiB per logical core) is plentiful at the
+    scale this kit trains, TensorE time is not, so we spend memory.
+
+    Per block of B tokens (512 for d <= 512, 256 for d <= 1024, 128 for d <= 2048) and 128 hidden
+    units j, weights streamed from HBM (a block's weights cost 2 * B FLOPs per byte of DMA, well above
+    the HBM roofline):
+      daT[j, tokens]   = sum over 128-row tiles c of w_down[c, j].T @ dyT[c, tokens]   (PSUM, 512 wide)
+      dhT              = daT * act'(hT)   from the saved hT, on ScalarE/VectorE, SBUF
+      dx[tokens, :]   += dhT[j, 128 tokens].T @ w_up[j, :]  accumulated in PSUM over all of hidden
+      dw_up[j, :]     += dh[tokens, j].T @ x[tokens, :]    accumulated in PSUM over the block's
+      dw_down.T[j, :] += act[tokens, j].T @ dy[tokens, :]  128-token tiles, then added to fp32 SBUF
+    The weight gradients contract over tokens, so dhT and actT are flipped on TensorE (128x128 each).
+
+    SBUF per partition: the fp32 weight-gradient accumulators, (2, or 3) * d * hidden * 4 / 128 (d=768,
+    hidden=3072: 144 KiB), plus the working tiles, 3 * d * B * itemsize / 128 + 4 * d * itemsize + 32 * B
+    bytes (20 KiB there; _mlp_sbuf_bytes). PSUM: dx (4 banks), daT, one weight-gradient tile and the
+    transposes: 8 banks. Limits: d (<= 2048) and hidden multiples of 128, the accumulators within SBUF
+    (see _mlp_shape_problem); any N.
+
+    TensorE: per 128 hidden units and B tokens, 4 matmul groups of 2*B*d*128 FLOPs each (6 for SwiGLU)
+    run with full 128-deep contractions and moving operands of 512 (or d) columns, plus 2 (3) B/128
+    transposes, about 128 / (2 d) of the matmul time (8% at d=768). The elementwise work (3 passes for
+    ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM evictions and the
+    gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
+    so expect about 70-85% TensorE utilisation; at d = 128-256 VectorE, not TensorE, sets the pace.
+    """
+    n_tokens, dim = x.shape
+    hidden = w_up.shape[0]
+    gated = w_gate is not None
+    programs, program = nl.num_programs(), nl.program_id(0)
+    dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
+    grads = tuple(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm) for _ in range(2 + gated))
+    accumulators = []  # per gradient, hidden/128 fp32 tiles [128 hidden, d]
+    for _ in grads:
+        tiles = [nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf) for _ in range(hidden // TILE)]
+        for tile in tiles:
+            nisa.memset(dst=tile, value=0.0)
+        accumulators.append(tiles)
+
+    program_start, program_stop = _program_rows(n_tokens)
+    for block_start, block_tokens in _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)):
+        block = slice(block_start, block_start + block_tokens)
+        dy_pieces = _load_row_pieces(dy, block_start, block_tokens)
+        x_pieces = _load_row_pieces(x, block_start, block_tokens)
+        dy_t = [nl.ndarray((TILE, block_tokens), x.dtype, buffer=nl.sbuf) for _ in range(dim // TILE)]
+        _transpose_pieces_into(dy_t, 0, dy_pieces)
+        piece_spans = _spans(0, block_tokens, TILE)
+        column_spans = _spans(0, dim, BANK_FP32)
+        dx_acc = [[nl.ndarray((tokens, width), nl.float32, buffer=nl.psum) for _, width in column_spans]
+                  for _, tokens in piece_spans]
+
+        for j in range(hidden // TILE):
+            units = slice(j * TILE, (j + 1) * TILE)
+            w_down_cols = []  # w_down[:, units] as d/128 stationary tiles [128, 128]
+            for c in range(dim // TILE):
+                tile = nl.ndarray((TILE, TILE), x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=tile, src=w_down[c * TILE:(c + 1) * TILE, units])
+                w_down_cols.append(tile)
+            d_act = _matmul_into_psum(w_down_cols, dy_t)
+            up, gate = (_load_tile(saved, units, block) if saved is not None else None
+                        for saved in (up_saved, gate_saved))
+            act, d_up, d_gate = _mlp_activation_backward(activation, up, gate, d_act, x.dtype)
+
+            for d_pre, weight in ((d_up, w_up), (d_gate, w_gate))[:1 + gated]:
+                weight_rows = _load_tile(weight, units, slice(0, dim))
+                for (offset, tokens), dx_row in zip(piece_spans, dx_acc):
+                    for (col, width), acc in zip(column_spans, dx_row):
+                        nisa.nc_matmul(dst=acc, stationary=d_pre[:, offset:offset + tokens],
+                                       moving=weight_rows[:, col:col + width])
+            # weight gradients, in the order of `grads`: dw_up, dw_down.T, dw_gate
+            for acc, hidden_t, pieces in zip(accumulators, (d_up, act, d_gate), (x_pieces, dy_pieces, x_pieces)):
+                _accumulate_weight_grad(acc[j], hidden_t, pieces)
+
+        for (offset, tokens), dx_row in zip(piece_spans, dx_acc):
+            out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
+            for (col, width), acc in zip(column_spans, dx_row):
+                nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
+            row = block_start + offset
+            nisa.dma_copy(dst=dx[row:row + tokens, :], src=out)
+
+    for grad, tiles in zip(grads, accumulators):
+        for j, tile in enumerate(tiles):
+            nisa.dma_copy(dst=grad[program, j * TILE:(j + 1) * TILE, :], src=tile)
+    return (dx,) + grads
+
+
+def _load_tile(src, rows, cols):
+    """src[rows, cols] (two slices) into a new SBUF tile, one DMA."""
+    tile = nl.ndarray((rows.stop - rows.start, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src[rows, cols])
+    return tile
+
+
+def _accumulate_weight_grad(acc, hidden_t, pieces):
+    """acc [128 hidden, d] (fp32 SBUF) += hidden_t [128 hidden, tokens] @ the stacked token pieces
+    [tokens, d]. TensorE contracts over partitions, so each 128-token slice of hidden_t is first flipped
+    to put its tokens there (up to four flips share a PSUM bank and one ScalarE eviction; only the last
+    piece of all may be short). The pieces' products accumulate in PSUM, then one add per bank."""
+    flipped = nl.ndarray((TILE, len(pieces) * TILE), hidden_t.dtype, buffer=nl.psum)
+    token_major = nl.ndarray(flipped.shape, hidden_t.dtype, buffer=nl.sbuf)
+    stationaries = []
+    offset = 0
+    for i, piece in enumerate(pieces):
+        tokens, slot = piece.shape[0], slice(i * TILE, (i + 1) * TILE)
+        nisa.nc_transpose(dst=flipped[:tokens, slot], data=hidden_t[:, offset:offset + tokens])
+        stationaries.append(token_major[:tokens, slot])
+        offset += tokens
+    full = sum(piece.shape[0] == TILE for piece in pieces) * TILE
+    if full:
+        nisa.activation(dst=token_major[:, :full], op=nl.copy, data=flipped[:, :full])
+    if full < flipped.shape[1]:
+        tokens = pieces[-1].shape[0]
+        nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:])
+    for col, width in _spans(0, acc.shape[1], BANK_FP32):
+        grad = _matmul_into_psum(stationaries, [piece[:, col:col + width] for piece in pieces])
+        nisa.tensor_tensor(dst=acc[:, col:col + width], data1=acc[:, col:col + width], data2=grad, op=nl.add)
+
+
+_GELU_C = math.sqrt(2 / math.pi)  # gelu_tanh(x) = x * sigmoid(2c (x + k x^3))
+_GELU_K = 0.044715
+
+
+def _mlp_activation_backward(activation, up, gate, d_act, dtype):
+    """From the saved pre-activations (SBUF [128, tokens]) and dL/d act (fp32 PSUM): act itself (for
+    dw_down) and the pre-activations' gradients d_up, d_gate (None unless SwiGLU), in `dtype`.
+    Intermediates stay fp32."""
+    shape = up.shape
+
+    def scratch(dtype=nl.float32):
+        return nl.ndarray(shape, dtype, buffer=nl.sbuf)
+
+    act, d_up, d_gate = scratch(dtype), scratch(dtype), None
+    if activation == "relu2":  # act = relu(u)^2, act' = 2 relu(u)
+        relu = scratch()
+        nisa.activation(dst=relu, op=nl.relu, data=up)
+        nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
+        nisa.scalar_tensor_tensor(dst=d_up, data=relu, op0=nl.multiply, operand0=2.0, op1=nl.multiply, operand1=d_act)
+    elif activation == "gelu":
+        # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
+        # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
+        nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
+        u2, cubic, s, one_minus_s, poly, slope, s_d_act = (scratch() for _ in range(7))
+        nisa.activation(dst=u2, op=nl.square, data=up)
+        nisa.scalar_tensor_tensor(dst=cubic, data=u2, op0=nl.add, operand0=1 / _GELU_K, op1=nl.multiply,
+                                  operand1=up)  # (u + k u^3) / k
+        nisa.activation(dst=s, op=nl.sigmoid, data=cubic, scale=2 * _GELU_C * _GELU_K)
+        nisa.activation(dst=one_minus_s, op=nl.sigmoid, data=cubic, scale=-2 * _GELU_C * _GELU_K)
+        nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply,
+                                  operand1=up)  # (u + 3k u^3) / (3k)
+        nisa.scalar_tensor_tensor(dst=slope, data=one_minus_s, op0=nl.multiply, operand0=6 * _GELU_C * _GELU_K,
+                                  op1=nl.multiply, operand1=poly)  # (1 - s) 2c u (1 + 3k u^2)
+        nisa.tensor_tensor(dst=s_d_act, data1=s, data2=d_act, op=nl.multiply)
+        nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=s_d_act)
+    else:  # swiglu: act = silu(g) u; d_up = d_act silu(g); d_gate = d_act u silu'(g)
+        d_gate = scratch(dtype)
+        silu, silu_dx, u_d_act = scratch(), scratch(), scratch()
+        nisa.activation(dst=silu, op=nl.silu, data=gate)
+        nisa.activation(dst=silu_dx, op=nl.silu_dx, data=gate)
+        nisa.tensor_tensor(dst=act, data1=silu, data2=up, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_up, data1=silu, data2=d_act, op=nl.multiply)
+        nisa.tensor_tensor(dst=u_d_act, data1=up, data2=d_act, op=nl.multiply)
+        nisa.tensor_tensor(dst=d_gate, data1=u_d_act, data2=silu_dx, op=nl.multiply)
+    return act, d_up, d_gate
+
+
+# -----------------------------------------------------------------------------
+# RMSNorm: NKI kernels, y = x / sqrt(mean(x^2) + eps) * weight over the last dim, forward and backward
+
+RMS_NORM_MAX_DIM = 2048  # the backward's weight gradient accumulates in PSUM, 512 per bank, 4 banks
+
+
+def rms_norm_fwd_kernel(x, weight, eps):
+    """RMSNorm forward. x (N, d) bf16 or fp32; weight None or (d,) fp32. Returns y (N, d) in x's dtype.
+
+    Rows go on the partitions, 128 per tile, the whole of d along the free axis, so the statistic is a
+    per-partition reduction: ScalarE squares the tile and sums each row in the same instruction (fp32),
+    then one tiny ScalarE rsqrt gives 1/rms; a single VectorE pass writes x * rstd * weight (ScalarE
+    x * rstd without a weight). The weight is broadcast to all partitions once per call with a K=1
+    matmul against a row of ones. One read of x and one write of y: the HBM traffic of a copy.
+    Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
+
+    SBUF per partition: x and y tiles (2 * d * itemsize) and the fp32 squares (4d), double-buffered by
+    the compiler, plus 4d for the weight: under 40 KiB at d = 2048. PSUM: only the one-off broadcast.
+    Limits: d <= 2048; any N (the last tile may be partial); programs of an LNC launch split the rows.
+    TensorE is idle (pure memory traffic); ScalarE and VectorE each make one pass per tile, which keeps
+    pace with the DMA, so the kernel runs at about HBM bandwidth.
+    """
+    n_rows, dim = x.shape
+    y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
+    eps_column = _constant_column(eps)
+    weight_rows = _broadcast_to_partitions(weight) if weight is not None else None
+    program_start, program_stop = _program_rows(n_rows)
+    for row, rows in _spans(program_start, program_stop, TILE):
+        x_tile = _load_tile(x, slice(row, row + rows), slice(0, dim))
+        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(x_tile, eps_column, squares=out)
+        if weight_rows is None:
+            nisa.activation(dst=out, op=nl.copy, data=x_tile, scale=rstd)
+        else:
+            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=weight_rows[:rows])
+        nisa.dma_copy(dst=y[row:row + rows, :], src=out)
+    return y
+
+
+def rms_norm_bwd_kernel(dy, x, weight, eps):
+    """RMSNorm backward. dy, x (N, d); weight None or (d,) fp32. Returns dx (N, d) in x's dtype and,
+    with a weight, per-program partial weight gradients (programs, d) in fp32 for the caller to sum.
+
+    With r = rstd and g = r * dy * weight:  dx = g - r^2 * mean(x * g) * x,  dweight = sum_rows(dy * x * r).
+    Per 128-row tile: recompute r (one ScalarE pass, as in the forward), g (VectorE with a weight,
+    else ScalarE), x * g / d (VectorE) summed per row by ScalarE's accumulator, dx (VectorE). The
+    weight gradient sums over rows, which lie on the partitions: a matmul with a column of ones does that
+    cross-partition sum on TensorE, accumulating over all of a program's tiles in PSUM (fp32 operands:
+    exact, and the matmul is only one row tall). One read of x and dy and one write of dx.
+
+    SBUF per partition: x, dy, dx tiles and three fp32 [128, d] intermediates, about 18 * d bytes,
+    double-buffered. PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
+    Engines per tile: without a weight (the model's case) ScalarE 3 passes, VectorE 2, about the time
+    of the tile's DMA (x, dy, dx); with a weight VectorE makes 4 (g, x g, dx, dy x r), about twice the
+    DMA time at bf16, so that variant is VectorE-bound.
+    """
+    n_rows, dim = x.shape
+    programs, program = nl.num_programs(), nl.program_id(0)
+    dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
+    eps_column = _constant_column(eps)
+    weighted = weight is not None
+    if weighted:
+        dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
+        weight_rows = _broadcast_to_partitions(weight)
+        ones_column = _constant_column(1.0)
+        column_spans = _spans(0, dim, BANK_FP32)
+        dweight_acc = [nl.ndarray((1, width), nl.float32, buffer=nl.psum) for _, width in column_spans]
+
+    program_start, program_stop = _program_rows(n_rows)
+    for row, rows in _spans(program_start, program_stop, TILE):
+        tile_rows = slice(row, row + rows)
+        x_tile = _load_tile(x, tile_rows, slice(0, dim))
+        dy_tile = _load_tile(dy, tile_rows, slice(0, dim))
+        scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(x_tile, eps_column, squares=scratch)
+        g = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+        if weighted:
+            nisa.scalar_tensor_tensor(dst=g, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=weight_rows[:rows])
+        else:
+            nisa.activation(dst=g, op=nl.copy, data=dy_tile, scale=rstd)
+        # coefficient of x in dx: -r^2 mean(x g); ScalarE's accumulator sums the rows of x g / d
+        nisa.scalar_tensor_tensor(dst=scratch, data=x_tile, op0=nl.multiply, operand0=1.0 / dim, op1=nl.multiply,
+                                  operand1=g)
+        neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean, scale=-1.0)
+        x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=rstd)
+        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add, operand1=g)
+        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
+        if weighted:
+            normed_dy = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=dy_tile)
+            for (col, width), acc in zip(column_spans, dweight_acc):
+                nisa.nc_matmul(dst=acc, stationary=ones_column[:rows], moving=normed_dy[:, col:col + width])
+
+    if not weighted:
+        return (dx,)
+    partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
+    if program_start == program_stop:  # this program got no rows
+        nisa.memset(dst=partial, value=0.0)
+    else:
+        for (col, width), acc in zip(column_spans, dweight_acc):
+            nisa.tensor_copy(dst=partial[:, col:col + width], src=acc)
+    nisa.dma_copy(dst=dweight[program], src=partial)
+    return dx, dweight
+
+
+def _constant_column(value):
+    """A [128, 1] fp32 column of `value`: a per-partition operand (activation bias, ones for a matmul)."""
+    column = nl.ndarray((TILE, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=column, value=value)
+    return column
+
+
+def _reciprocal_rms(x_tile, eps_column, squares):
+    """1 / sqrt(mean(x^2) + eps) of each row of x_tile, a fp32 (rows, 1) column. ScalarE squares and sums
+    in one instruction; `squares` (rows, d) receives the squares, which nobody reads."""
+    rows, dim = x_tile.shape
+    sum_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=squares, op=nl.square, data=x_tile, reduce_op=nl.add, reduce_res=sum_sq)
+    rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=sum_sq, bias=eps_column[:rows], scale=1.0 / dim)
+    return rstd
+
+
+def _broadcast_to_partitions(vector):
+    """A (d,) fp32 vector from HBM copied into all 128 partitions of an SBUF tile [128, d]: a K=1 matmul of
+    a row of ones (stationary) with the vector (moving), one PSUM bank at a time."""
+    dim = vector.shape[0]
+    row = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=vector)
+    ones_row = nl.ndarray((1, TILE), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_row, value=1.0)
+    rows = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
+    for col, width in _spans(0, dim, BANK_FP32):
+        nisa.tensor_copy(dst=rows[:, col:col + width], src=_matmul_into_psum([ones_row], [row[:, col:col + width]]))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# MLP and RMSNorm: PyTorch ops around the kernels
+
+
+def _mlp_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor | None,
+                 activation: str, save_preactivation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, *saved = _run_kernel(mlp_fwd_kernel, x, w_up, w_down, w_gate, activation, save_preactivation)
+    saved += [x.new_empty(0) for _ in range(2 - len(saved))]  # the op always returns three tensors
+    return y, *saved
+
+
+def _mlp_forward_fake(x, w_up, w_down, w_gate, activation, save_preactivation):
+    saved = [x.new_empty(w_up.size(0), x.size(0)) if save_preactivation and weight is not None else x.new_empty(0)
+             for weight in (w_up, w_gate)]
+    return torch.empty_like(x), *saved
+
+
+def _mlp_backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  w_gate: torch.Tensor | None, up_saved: torch.Tensor, gate_saved: torch.Tensor | None,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, *grads = _run_kernel(mlp_bwd_kernel, dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation)
+    grads += [x.new_empty(0) for _ in range(3 - len(grads))]
+    return dx, *grads
+
+
+def _mlp_backward_fake(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation):
+    partials = (_logical_core_degree(), w_up.size(0), x.size(1))
+    grads = [x.new_empty(partials, dtype=torch.float32) if weight is not None else x.new_empty(0)
+             for weight in (w_up, w_down, w_gate)]
+    return torch.empty_like(x), *grads
+
+
+def _mlp_setup_context(ctx, inputs, output):
+    x, w_up, w_down, w_gate, activation, _ = inputs
+    _, up_saved, gate_saved = output
+    ctx.save_for_backward(x, w_up, w_down, w_gate, up_saved, gate_saved if w_gate is not None else None)
+    ctx.mark_non_differentiable(up_saved, gate_saved)  # outputs only for the backward's sake
+    ctx.set_materialize_grads(False)  # so autograd does not allocate (hidden, N) zero gradients for them
+    ctx.activation = activation
+
+
+def _mlp_vjp(backward_op, ctx, dy, _up_saved_grad, _gate_saved_grad):
+    x, w_up, w_down, w_gate, up_saved, gate_saved = ctx.saved_tensors
+    dx, dw_up, dw_down_t, dw_gate = backward_op(dy.to(x.dtype).contiguous(), x, w_up, w_down, w_gate, up_saved,
+                                                gate_saved, ctx.activation)
+    # the kernel returns each core's share of the weight gradients (fp32), and w_down's transposed
+    dw_gate = dw_gate.sum(0).to(w_gate.dtype) if w_gate is not None else None
+    return dx, dw_up.sum(0).to(w_up.dtype), dw_down_t.sum(0).t().to(w_down.dtype), dw_gate, None, None
+
+
+if nki is not None:
+    _mlp_op = _register_kernel_ops("mlp", _mlp_forward, _mlp_forward_fake, _mlp_backward, _mlp_backward_fake,
+                                   _mlp_setup_context, _mlp_vjp)
+
+
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _run_kernel(rms_norm_fwd_kernel, x, weight, eps)
+
+
+def _rms_norm_forward_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, *dweight = _run_kernel(rms_norm_bwd_kernel, dy, x, weight, eps)
+    return dx, dweight[0] if dweight else x.new_empty(0)
+
+
+def _rms_norm_backward_fake(dy, x, weight, eps):
+    dweight = x.new_empty((_logical_core_degree(), x.size(1)), dtype=torch.float32) if weight is not None \
+        else x.new_empty(0)
+    return torch.empty_like(x), dweight
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_vjp(backward_op, ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dweight = backward_op(dy.to(x.dtype).contiguous(), x, weight, ctx.eps)
+    return dx, dweight.sum(0) if weight is not None else None, None  # summed over the cores' shares
+
+
+if nki is not None:
+    _rms_norm_op = _register_kernel_ops("rms_norm", _rms_norm_forward, _rms_norm_forward_fake, _rms_norm_backward,
+                                        _rms_norm_backward_fake, _rms_norm_setup_context, _rms_norm_vjp)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _matmul_dtype(x):
+    """The dtype F.linear would multiply x in: autocast's, where autocast is on for x's device, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _mlp_sbuf_bytes(dim, hidden, gated, itemsize, backward):
+    """Bytes per SBUF partition the MLP kernels keep live (the accounting in their docstrings, rounded
+    up; the emulator measures 20-40 KiB less at d = 768, which leaves room for the compiler's buffering)."""
+    projections = 3 if gated else 2
+    if backward:
+        block = _mlp_bwd_block_tokens(dim)
+        resident = projections * dim * hidden * 4 // TILE  # fp32 weight-gradient accumulators
+        # dy, dy.T and x of one block; one hidden tile's weight slices; fp32 elementwise scratch
+        working = 3 * dim * block * itemsize // TILE + 4 * dim * itemsize + 32 * block
+    else:
+        resident = projections * dim * hidden * itemsize // TILE  # transposed weights
+        working = max(4 * max(dim, hidden) * itemsize,  # row pieces staged while the weights are transposed
+                      (2 * dim + hidden) * MLP_BLOCK_TOKENS * itemsize // TILE  # x, x.T, act.T of a block
+                      + 8 * MLP_BLOCK_TOKENS)  # fp32 activation scratch
+    return resident + working + 8 * 1024
+
+
+def _mlp_shape_problem(x, w_up, w_gate, dtype, training):
+    """None if the NKI MLP takes these shapes, else what stops it."""
+    dim, hidden = x.size(-1), w_up.size(0)
+    if dtype not in _KERNEL_DTYPES:
+        return f"the kernels multiply in bfloat16 or float32, not {dtype}"
+    if dim % TILE or hidden % TILE:
+        return (f"d={dim} and hidden={hidden} must be multiples of {TILE}, the partition tile; choose n_embd and "
+                "mlp_hidden so")
+    if x.numel() == 0:
+        return "there are no tokens"
+    if training and dim > 4 * BANK_FP32:
+        return (f"d={dim} is over {4 * BANK_FP32}, as wide as the backward's dx accumulators in PSUM go; use a "
+                "smaller n_embd")
+    for backward in (False, True)[:1 + training]:
+        needed = _mlp_sbuf_bytes(dim, hidden, w_gate is not None, dtype.itemsize, backward)
+        if needed > SBUF_BUDGET:
+            what = "backward's fp32 weight-gradient accumulators" if backward else "forward's weights"
+            return (f"the {what} need {needed // 1024} KiB of SBUF per partition at d={dim}, hidden={hidden}, "
+                    f"{dtype}, over the {SBUF_BUDGET // 1024} KiB the kernels plan for; use a smaller n_embd or "
+                    "mlp_hidden")
+    return None
+
+
+def _rms_norm_shape_problem(x):
+    """None if the NKI RMSNorm takes x, else what stops it."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32, not {x.dtype}"
+    if x.size(-1) > RMS_NORM_MAX_DIM:
+        return (f"rows of {x.size(-1)} are over {RMS_NORM_MAX_DIM}, as wide as the weight gradient's PSUM "
+                "accumulators go; use a smaller n_embd")
+    if x.numel() == 0:
+        return "there are no rows"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# the operations model.py calls
+
+
+def attention(q, k, v, mode="auto"):
     """Causal self-attention with grouped-query heads.
 
     q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
-    Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim).
+    Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T a multiple
+    of 128 and head_dim <= 128 (see `_attention_shape_problem`).
     """
+    if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
+        q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
+        out, _ = _flash_attention(q_cols, k_cols, v.contiguous(), 1.0 / math.sqrt(q.size(-1)))
+        return out
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) != q.size(1))
 
 
-def mlp(x, w_up, w_down, activation, w_gate=None):
+def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
 
     activation: "relu2" (relu(h)^2), "gelu" (tanh approximation) or "swiglu" (silu(x @ w_gate.T) *
-    (x @ w_up.T); needs w_gate).
+    (x @ w_up.T); needs w_gate). Matmuls run in the autocast dtype where autocast is on, as F.linear's do.
+    The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
     """
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
+    if (activation == "swiglu") != (w_gate is not None):
+        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
+    dtype = _matmul_dtype(x)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
+    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, w_gate, dtype, training)):
+        rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
+        weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
+        y, _, _ = _mlp_op(rows, *weights, activation, training)
+        return y.view(*x.shape[:-1], y.size(-1))
     h = F.linear(x, w_up)
     if activation == "relu2":
         h = F.relu(h).square()
     elif activation == "gelu":
         h = F.gelu(h, approximate="tanh")
-    elif activation == "swiglu":
-        h = F.silu(F.linear(x, w_gate)) * h
     else:
-        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
+        h = F.silu(F.linear(x, w_gate)) * h
     return F.linear(h, w_down)
 
 
-def rms_norm(x, weight=None, eps=1e-6):
-    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype."""
+def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
+    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
+    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
+    if _use_nki("rms_norm", mode, x.device.type, _rms_norm_shape_problem(x)):
+        rows = x.reshape(-1, x.size(-1)).contiguous()
+        return _rms_norm_op(rows, weight.float() if weight is not None else None, eps).view(x.shape)
     return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)

@@ -33,6 +33,7 @@ class GPTConfig:
     mlp_hidden: int = 0  # 0: 4 * n_embd (swiglu: 8/3 * n_embd rounded up to a multiple of 128)
     rope_base: float = 10000.0
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap); 0 disables
+    kernels: str = "auto"  # auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)
 
     @property
     def head_dim(self):
@@ -54,13 +55,21 @@ class GPTConfig:
         """Fail fast, with the fix, on shapes the model cannot take."""
         problems = []
         if self.n_embd % self.n_head:
-            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (head_dim = n_embd / n_head)")
         if self.n_head % self.n_kv_head:
-            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head)")
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         if self.mlp not in kernels.MLP_ACTIVATIONS:
             problems.append(f"mlp={self.mlp!r} is not one of {kernels.MLP_ACTIVATIONS}")
+        if self.kernels not in kernels.KERNEL_MODES:
+            problems.append(f"kernels={self.kernels!r} is not one of {kernels.KERNEL_MODES}")
+        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
+            problems.append(f"kernels='nki' needs head_dim <= 128 (NKI attention keeps it on the 128 partitions), "
+                            f"got {self.head_dim}; raise n_head or use kernels='auto'")
+        if self.kernels == "nki" and self.sequence_len % 128:
+            problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
+                            f"got {self.sequence_len}; or use kernels='auto'")
         for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
@@ -68,8 +77,8 @@ class GPTConfig:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
 
-def norm(x):
-    return kernels.rms_norm(x)
+def norm(x, mode="auto"):
+    return kernels.rms_norm(x, mode=mode)
 
 
 def rotary_tables(seq_len, head_dim, base):
@@ -90,6 +99,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.kernels = config.kernels
         self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
@@ -101,22 +111,22 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k = norm(q), norm(k)  # QK-norm keeps attention logits bounded without a tuned scale
-        y = kernels.attention(q, k, v)  # (B, H, T, D)
+        q, k = norm(q, self.kernels), norm(k, self.kernels)  # QK-norm bounds the logits without a tuned scale
+        y = kernels.attention(q, k, v, mode=self.kernels)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.activation = config.mlp
+        self.activation, self.kernels = config.mlp, config.kernels
         self.c_fc = nn.Linear(config.n_embd, config.hidden_dim, bias=False)
         self.c_gate = nn.Linear(config.n_embd, config.hidden_dim, bias=False) if config.mlp == "swiglu" else None
         self.c_proj = nn.Linear(config.hidden_dim, config.n_embd, bias=False)
 
     def forward(self, x):
         w_gate = self.c_gate.weight if self.c_gate is not None else None
-        return kernels.mlp(x, self.c_fc.weight, self.c_proj.weight, self.activation, w_gate)
+        return kernels.mlp(x, self.c_fc.weight, self.c_proj.weight, self.activation, w_gate, mode=self.kernels)
 
 
 class Block(nn.Module):
@@ -124,10 +134,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config)
         self.mlp = MLP(config)
+        self.kernels = config.kernels
 
     def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
-        x = x + self.mlp(norm(x))
+        x = x + self.attn(norm(x, self.kernels), cos, sin)
+        x = x + self.mlp(norm(x, self.kernels))
         return x
 
 
@@ -169,10 +180,10 @@ class GPT(nn.Module):
         if T > self.config.sequence_len:
             raise ValueError(f"sequence of {T} tokens is longer than sequence_len={self.config.sequence_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = norm(self.wte(idx))
+        x = norm(self.wte(idx), self.config.kernels)
         for block in self.blocks:
             x = block(x, cos, sin)
-        x = norm(x)
+        x = norm(x, self.config.kernels)
         logits = self.lm_head(x)[..., : self.config.vocab_size].float()  # padding columns never win
         if self.config.logit_softcap:
             cap = self.config.logit_softcap

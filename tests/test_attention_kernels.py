@@ -1,0 +1,246 @@
+"""The NKI causal flash-attention kernels, run under nki.simulate (the CPU emulator here), through the
+same PyTorch op and autograd glue that training on Trainium uses (kernels.attention with mode="nki").
+
+Tolerances. The references run in float64 on the very inputs the kernels get (bf16 cases: the bf16-rounded
+values), so the differences are the kernels' own error:
+- float32 inputs: every matmul in fp32 and statistics in fp32; only summation order differs from the
+  reference: rtol 1e-4, atol 1e-5.
+- bfloat16 inputs: P and dS are rounded to bf16 before their matmuls and outputs are bf16 (relative
+  step 2^-8): rtol 2e-2, atol 2e-2 on outputs and gradients of unit scale.
+- logsumexp: fp32 whatever the inputs (scores accumulate in fp32 PSUM): rtol 1e-5, atol 1e-4.
+"""
+import logging
+import math
+
+import pytest
+import torch
+
+import kernels
+import nki_emulator
+from model import GPT, GPTConfig
+from reference import attention_logsumexp_reference, attention_reference
+
+TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+LSE_TOLERANCE = dict(rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """Names of the NKI kernels launched while the test runs."""
+    launched, run = [], kernels._run_kernel
+
+    def run_and_record(kernel, *args):
+        launched.append(kernel.__name__)
+        return run(kernel, *args)
+
+    monkeypatch.setattr(kernels, "_run_kernel", run_and_record)
+    return launched
+
+
+def random_qkv(batch, n_heads, n_kv_heads, seq_len, head_dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, n_heads, seq_len, head_dim)] + [(batch, n_kv_heads, seq_len, head_dim)] * 2
+    return [torch.randn(shape, generator=generator).to(dtype).requires_grad_() for shape in shapes]
+
+
+# Every listed value of each dimension appears, in mixed combinations: S 128/256/384/1024 (384: a key
+# block narrower than 512; 1024: two full blocks), d 64/128, heads (4,4)/(4,1)/(8,2), B 1/2, both dtypes.
+# The two S=1024 cases are the slowest (~1 s each); the others take a fraction of that.
+CASES = [
+    # B, H, Hkv, S, d, dtype
+    (1, 4, 4, 128, 64, torch.float32),
+    (2, 4, 1, 256, 128, torch.bfloat16),
+    (2, 8, 2, 384, 64, torch.float32),
+    (1, 4, 1, 384, 128, torch.bfloat16),
+    (2, 4, 4, 256, 64, torch.bfloat16),
+    (1, 4, 1, 1024, 64, torch.float32),
+    (1, 8, 2, 1024, 128, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("batch, n_heads, n_kv_heads, seq_len, head_dim, dtype", CASES,
+                         ids=[f"B{b}-H{h}-kv{kv}-S{s}-d{d}-{str(t)[6:]}" for b, h, kv, s, d, t in CASES])
+def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_dim, dtype):
+    q, k, v = random_qkv(batch, n_heads, n_kv_heads, seq_len, head_dim, dtype)
+    out = kernels.attention(q, k, v, mode="nki")
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(d_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = attention_reference(q64, k64, v64)
+    expected.backward(d_out.double())
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+    with torch.no_grad():  # the logsumexp the forward op hands to the backward: lse[b, h, p, t] is query t*128+p
+        q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
+        _, lse = kernels._flash_attention(q_cols, k_cols, v, 1.0 / math.sqrt(head_dim))
+    assert lse.dtype == torch.float32 and lse.shape == (batch, n_heads, 128, seq_len // 128)
+    lse_by_query = lse.transpose(-1, -2).reshape(batch, n_heads, seq_len)
+    torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
+
+
+def test_one_logical_core_launch_gives_the_same_result(monkeypatch):
+    """The tests run kernel[2] (the Trn2 default, programs split the (batch, kv head) pairs); kernel[1]
+    must agree bit for bit, including an odd number of pairs."""
+    q, k, v = random_qkv(3, 2, 1, 256, 64, torch.bfloat16)
+    two_cores = kernels.attention(q, k, v, mode="nki")
+    two_cores.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    for t in (q, k, v):
+        t.grad = None
+    one_core = kernels.attention(q, k, v, mode="nki")
+    one_core.sum().backward()
+    assert torch.equal(one_core, two_cores)
+    for before, t in zip(grads, (q, k, v)):
+        assert torch.equal(t.grad, before)
+
+
+def test_ops_pass_torch_library_opcheck():
+    """Schema, fake (meta) implementations and autograd registration of both ops, as torch.compile
+    relies on them."""
+    q, k, v = random_qkv(1, 2, 1, 128, 64, torch.float32)
+    q_cols, k_cols = q.detach().transpose(-1, -2).contiguous(), k.detach().transpose(-1, -2).contiguous()
+    args = (q_cols.requires_grad_(), k_cols.requires_grad_(), v, 0.125)
+    torch.library.opcheck(kernels._flash_attention, args)
+    out, lse = kernels._flash_attention(*args)
+    backward_op = torch.ops.nanogpt_trn.flash_attention_bwd
+    torch.library.opcheck(backward_op, (q_cols.detach(), k_cols.detach(), v.detach(), out.detach(),
+                                        torch.randn_like(out), lse, 0.125))
+
+
+@pytest.mark.skipif(kernels.nki is not nki_emulator, reason="counts what the emulator runs")
+def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full():
+    """What the kernels issue, counted by the emulator (d = 64 tells the matmul kinds apart): scores only
+    for keys at or below the diagonal, in blocks of up to 512; the causal mask as one 128x128x128 matmul
+    per query tile and nothing else (the only affine_selects build its two operands); every matmul
+    128 wide on the stationary side; transposes only where a contraction needs keys on the partitions."""
+    head_dim, seq_len = 64, 1024
+    n_tiles = seq_len // 128
+    visible_chunks = n_tiles * (n_tiles + 1) // 2  # (query tile, key chunk) pairs at or below the diagonal
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 1, seq_len, head_dim, torch.bfloat16))
+    q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
+
+    def tally(counts):
+        shapes = [(kk, m, n) for kk, m, n, _ in counts.matmul_shapes]
+        assert all(m == 128 for _, m, _ in shapes) and max(n for _, _, n in shapes) == 512
+        assert counts.by_instruction["affine_select"] == 2
+        return (sum(n for kk, _, n in shapes if kk == head_dim), shapes.count((128, 128, 128)),
+                shapes.count((128, 128, head_dim)), len(counts.transposes))
+
+    with nki_emulator.counting() as counts:
+        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q_cols, k_cols, v, 0.125)
+    # score columns, mask matmuls, P @ V chunk matmuls, P transposes
+    assert tally(counts) == (visible_chunks * 128, n_tiles, visible_chunks, visible_chunks)
+
+    with nki_emulator.counting() as counts:
+        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q_cols, k_cols, v, out, torch.randn_like(out),
+                                                                  lse, 0.125)
+    # scores and dP columns, mask matmuls, dV/dK/dQ chunk matmuls, dS transposes + 4 layout changes per head
+    assert tally(counts) == (2 * visible_chunks * 128, n_tiles, 3 * visible_chunks, visible_chunks + 4 * n_tiles)
+
+
+# ---- the model with kernels="nki" against kernels="torch" --------------------------------------------
+
+
+def small_config(**overrides):
+    base = dict(sequence_len=128, vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=256)
+    return GPTConfig(**{**base, **overrides})
+
+
+def loss_and_grads(config, idx, targets, autocast):
+    torch.manual_seed(0)
+    model = GPT(config)
+    for block in model.blocks:  # the zero init of output projections would cut attention off from the loss
+        torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
+        torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("autocast, tolerance", [(False, dict(rtol=1e-4, atol=1e-5)),
+                                                 (True, dict(rtol=5e-2, atol=5e-3))], ids=["fp32", "bf16-autocast"])
+def test_model_with_nki_kernels_matches_torch(autocast, tolerance, kernel_launches):
+    """Same loss and gradients of every parameter, in fp32 and under bf16 autocast (where both paths
+    round differently: the torch path runs SDPA in bf16 too)."""
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 100, (2, 128), generator=generator)
+    targets = torch.randint(0, 100, (2, 128), generator=generator)
+    loss_nki, grads_nki = loss_and_grads(small_config(kernels="nki"), idx, targets, autocast)
+    attention_launches = sorted(name for name in kernel_launches if "attention" in name)
+    assert attention_launches == ["flash_attention_bwd_kernel"] * 2 + ["flash_attention_fwd_kernel"] * 2
+    loss_torch, grads_torch = loss_and_grads(small_config(kernels="torch"), idx, targets, autocast)
+    torch.testing.assert_close(loss_nki, loss_torch, **tolerance)
+    for name, grad in grads_torch.items():
+        assert grad.abs().max() > 0, f"{name} gets no gradient: the test would not see attention errors"
+        torch.testing.assert_close(grads_nki[name], grad, **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+# ---- dispatch: which path runs, and the errors and logs when NKI cannot ---------------------------------
+
+
+@pytest.fixture
+def fresh_fallback_log(monkeypatch):
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+
+
+def test_torch_mode_and_auto_off_trainium_never_run_the_kernel(fresh_fallback_log, caplog, kernel_launches):
+    q, k, v = random_qkv(1, 4, 2, 128, 64, torch.float32)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        assert torch.equal(kernels.attention(q, k, v, mode="torch"), expected)
+        assert not caplog.records
+        for _ in range(2):
+            assert torch.equal(kernels.attention(q, k, v, mode="auto"), expected)
+    assert not kernel_launches
+    assert len(caplog.records) == 1 and "not on a Trainium 'neuron' device" in caplog.records[0].getMessage()
+
+
+def test_auto_on_trainium_falls_back_on_shapes_with_one_warning(fresh_fallback_log, caplog):
+    q, k, v = random_qkv(1, 2, 2, 100, 64, torch.float32)
+    problem = kernels._attention_shape_problem(q, k, v)
+    assert "multiple of 128" in problem
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        assert not kernels._use_nki("attention", "auto", "neuron", problem)
+        assert not kernels._use_nki("attention", "auto", "neuron", problem)
+        assert kernels._use_nki("attention", "auto", "neuron", None)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+@pytest.mark.parametrize("shape, message", [((1, 2, 100, 64), "multiple of 128"),
+                                            ((1, 2, 128, 256), "head_dim=256 is over 128")])
+def test_nki_mode_refuses_shapes_the_kernels_cannot_take(shape, message):
+    q = torch.randn(shape)
+    with pytest.raises(ValueError, match=message):
+        kernels.attention(q, q, q, mode="nki")
+
+
+def test_nki_mode_without_nki_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(kernels, "nki", None)
+    monkeypatch.setattr(kernels, "NKI_IMPORT_ERROR", "ModuleNotFoundError: No module named 'nki'")
+    q = torch.randn(1, 2, 128, 64)
+    with pytest.raises(RuntimeError, match="not importable.*kernels='auto' or kernels='torch'"):
+        kernels.attention(q, q, q, mode="nki")
+    assert torch.equal(kernels.attention(q, q, q, mode="auto"), kernels.attention(q, q, q, mode="torch"))
+
+
+def test_unknown_mode_is_refused():
+    q = torch.randn(1, 2, 128, 64)
+    with pytest.raises(ValueError, match="kernels='fast' is not one of"):
+        kernels.attention(q, q, q, mode="fast")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"kernels": "fast"}, "kernels='fast' is not one of"),
+    ({"kernels": "nki", "sequence_len": 200}, "sequence_len to be a multiple of 128"),
+    ({"kernels": "nki", "n_embd": 1024, "n_head": 4, "n_kv_head": 4}, "head_dim <= 128"),
+])
+def test_config_refuses_kernel_settings_that_cannot_work(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPT(small_config(**overrides))
