@@ -1,0 +1,211 @@
+"""The NKI MLP and RMSNorm kernels, run under nki.simulate (the CPU emulator here), through the same
+PyTorch op and autograd glue that training on Trainium uses (kernels.mlp / kernels.rms_norm, mode="nki").
+
+Tolerances. The references run in float64 on the very inputs the kernels get (bf16 cases: the bf16-rounded
+values), so the differences are the kernels' own error. Values are compared against the largest reference
+value (|got - want| <= tol * (|want| + max|want|)), since weight gradients sum over tokens and grow with N:
+- float32: every matmul and every elementwise op in fp32; only summation order differs: tol 1e-5
+  (observed: under 1e-6).
+- bfloat16: matmul inputs bf16 (the activation and its gradient are rounded to bf16 before the matmuls
+  that take them) and outputs bf16 (relative step 2^-8): tol 2e-2 (observed: about 5e-3).
+"""
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nki_emulator
+from kernels import mlp, rms_norm
+from model import GPT, GPTConfig
+from reference import mlp_reference, rms_norm_reference
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+emulated = pytest.mark.skipif(sys.modules["nki"] is not nki_emulator, reason="counts instructions in the emulator")
+
+
+def assert_close(got, want, dtype, name):
+    assert got.dtype == dtype and got.shape == want.shape, name
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item(),
+                               msg=lambda m: f"{name}: {m}")
+
+
+def random_mlp(n_tokens, dim, hidden, activation, dtype, seed=0):
+    """x as (2, n_tokens / 2, dim) and nn.Linear-layout weights scaled so that every activation is O(1)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [((2, n_tokens // 2, dim), 1.0), ((hidden, dim), dim ** -0.5), ((dim, hidden), hidden ** -0.5)]
+    if activation == "swiglu":
+        shapes.append(((hidden, dim), dim ** -0.5))
+    tensors = [(torch.randn(shape, generator=generator) * scale).to(dtype).requires_grad_() for shape, scale in shapes]
+    return tensors + [None] * (4 - len(tensors))
+
+
+def check_mlp(x, w_up, w_down, w_gate, activation, dtype):
+    """Forward and every gradient of the NKI MLP against the float64 reference on the same inputs."""
+    out = mlp(x, w_up, w_down, activation, w_gate, mode="nki")
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    out.backward(d_out)
+    leaves = [t for t in (x, w_up, w_down, w_gate) if t is not None]
+    leaves64 = [t.detach().to(dtype).double().requires_grad_() for t in leaves]
+    expected = mlp_reference(*leaves64[:3], activation, *leaves64[3:])
+    expected.backward(d_out.double())
+    assert_close(out, expected, dtype, "y")
+    for name, leaf, leaf64 in zip(("dx", "dw_up", "dw_down", "dw_gate"), leaves, leaves64):
+        assert_close(leaf.grad.to(dtype), leaf64.grad, dtype, name)
+
+
+# Every listed value appears, in mixed combinations: d 128/256/384, hidden 512/1024/1536, N 128/256/640
+# (640: five 128-token tiles, three for one program, two for the other), each activation in both dtypes.
+# Each case takes about 0.3-1 s on the emulator.
+MLP_CASES = [
+    # N, d, hidden, activation, dtype
+    (640, 384, 512, "swiglu", torch.bfloat16),
+    (128, 128, 512, "relu2", torch.float32),
+    (256, 256, 1024, "gelu", torch.float32),
+    (640, 128, 1536, "relu2", torch.bfloat16),
+    (128, 384, 512, "gelu", torch.bfloat16),
+    (256, 128, 1024, "swiglu", torch.float32),
+    (640, 256, 512, "gelu", torch.float32),
+    (256, 384, 1024, "relu2", torch.bfloat16),
+    (128, 256, 1536, "swiglu", torch.float32),
+]
+
+
+@pytest.mark.parametrize("n_tokens, dim, hidden, activation, dtype", MLP_CASES,
+                         ids=[f"N{n}-d{d}-h{h}-{a}-{str(t)[6:]}" for n, d, h, a, t in MLP_CASES])
+def test_mlp_matches_reference(n_tokens, dim, hidden, activation, dtype):
+    check_mlp(*random_mlp(n_tokens, dim, hidden, activation, dtype), activation, dtype)
+
+
+def test_mlp_takes_ragged_token_counts_and_one_logical_core(monkeypatch):
+    """200 tokens: a partial 72-token tile at the end; kernel[1]: one program does all the tokens."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    check_mlp(*random_mlp(200, 128, 512, "swiglu", torch.bfloat16), "swiglu", torch.bfloat16)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    check_mlp(*random_mlp(200, 256, 512, "gelu", torch.float32), "gelu", torch.float32)
+
+
+def test_mlp_under_autocast_multiplies_in_bf16_and_returns_fp32_weight_grads():
+    """As in the model: fp32 activations and weights, bf16 autocast; the op casts like F.linear does."""
+    x, w_up, w_down, _ = random_mlp(256, 128, 512, "relu2", torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mlp(x, w_up, w_down, "relu2", mode="nki")
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(t.grad.dtype == torch.float32 for t in (x, w_up, w_down))
+    leaves64 = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in (x, w_up, w_down)]
+    expected = mlp_reference(*leaves64, "relu2")
+    expected.sum().backward()
+    assert_close(out, expected, torch.bfloat16, "y")
+    for name, leaf, leaf64 in zip(("dx", "dw_up", "dw_down"), (x, w_up, w_down), leaves64):
+        assert_close(leaf.grad.to(torch.bfloat16), leaf64.grad, torch.bfloat16, name)
+
+
+@emulated
+def test_mlp_hidden_activation_stays_on_chip():
+    """HBM traffic is x, the weights (each core loads them once) and y; only with gradients on does the
+    forward also write the pre-activation, once. Every matmul contracts a full 128 partitions, moving
+    operands are up to 512 wide, and no matmul work is wasted."""
+    n_tokens, dim, hidden, programs = 1024, 128, 512, 2
+    x, w_up, w_down, _ = random_mlp(n_tokens, dim, hidden, "relu2", torch.bfloat16)
+    for training in (False, True):
+        with torch.set_grad_enabled(training), nki_emulator.counting() as counts:
+            mlp(x, w_up, w_down, "relu2", mode="nki")
+        saved = n_tokens * hidden if training else 0
+        assert counts.dma_bytes == 2 * (2 * n_tokens * dim + programs * 2 * dim * hidden + saved)
+        assert counts.matmul_flops == 2 * 2 * n_tokens * dim * hidden
+        assert {k for k, *_ in counts.matmul_shapes} == {128}
+        assert max(n for _, _, n, _ in counts.matmul_shapes) == 512
+
+
+def test_mlp_shape_limits():
+    x, w_up, w_down, _ = random_mlp(256, 192, 512, "relu2", torch.float32)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        mlp(x, w_up, w_down, "relu2", mode="nki")
+    with nki_emulator.counting() as counts:  # auto falls back to PyTorch (here: not on a neuron device)
+        y = mlp(x, w_up, w_down, "relu2", mode="auto")
+    assert sum(counts.instructions.values()) == 0
+    torch.testing.assert_close(y, mlp_reference(x, w_up, w_down, "relu2"))
+    with pytest.raises(ValueError, match="SBUF"):  # fp32 weights of 2 x 32 MiB do not fit one core's SBUF
+        mlp(torch.zeros(1, 128, 2048), torch.zeros(4096, 2048), torch.zeros(2048, 4096), "relu2", mode="nki")
+    with pytest.raises(ValueError, match="w_gate"):
+        mlp(x, w_up, w_down, "swiglu", mode="torch")
+
+
+# RMSNorm: d 64 (a head, for QK-norm) to 384, N ragged and not, with and without a weight, both dtypes.
+NORM_CASES = [
+    # shape, weighted, dtype
+    ((2, 320, 384), True, torch.float32),
+    ((128, 128), False, torch.bfloat16),
+    ((2, 128, 256), True, torch.bfloat16),
+    ((2, 4, 25, 64), False, torch.float32),
+    ((5, 20, 384), True, torch.bfloat16),
+    ((640, 128), False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("shape, weighted, dtype", NORM_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{'w' if w else 'now'}-{str(t)[6:]}" for s, w, t in NORM_CASES])
+def test_rms_norm_matches_reference(shape, weighted, dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=generator)).to(dtype).requires_grad_()
+    weight = (1 + 0.5 * torch.randn(shape[-1], generator=generator)).requires_grad_() if weighted else None
+    out = rms_norm(x, weight, mode="nki")
+    d_out = torch.randn(shape, generator=generator).to(dtype)
+    out.backward(d_out)
+    x64 = x.detach().double().requires_grad_()
+    weight64 = weight.detach().double().requires_grad_() if weighted else None
+    expected = rms_norm_reference(x64, weight64)
+    expected.backward(d_out.double())
+    assert_close(out, expected, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    if weighted:
+        assert_close(weight.grad, weight64.grad, torch.float32, "dweight")
+
+
+@emulated
+def test_rms_norm_makes_one_pass_over_the_data():
+    """Forward: read x, write y; backward: read x and dy, write dx (plus the weight and its gradient)."""
+    rows, dim, programs = 512, 256, 2
+    x = torch.randn(rows, dim, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(dim, requires_grad=True)
+    with nki_emulator.counting() as forward:
+        out = rms_norm(x, weight, mode="nki")
+    with nki_emulator.counting() as backward:
+        out.sum().backward()
+    weight_bytes = programs * dim * 4
+    assert forward.dma_bytes == 2 * rows * dim * 2 + weight_bytes
+    assert backward.dma_bytes == 3 * rows * dim * 2 + 2 * weight_bytes
+
+
+def test_rms_norm_shape_limits():
+    with pytest.raises(ValueError, match="2048"):
+        rms_norm(torch.zeros(4, 4096), mode="nki")
+    x = torch.randn(4, 4096)
+    torch.testing.assert_close(rms_norm(x, mode="auto"), rms_norm_reference(x))
+
+
+def test_gpt_with_every_kernel_on_nki_matches_torch():
+    """A small GPT, every attention, MLP and norm on the NKI kernels, against kernels="torch": same loss
+    and gradients in fp32. (Its output projections start at zero; randomise them so that every gradient
+    is nonzero.)"""
+    config = dict(sequence_len=128, vocab_size=257, n_layer=2, n_head=2, n_kv_head=1, n_embd=128, mlp="relu2")
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(**config, kernels="torch"))
+    for block in reference.blocks:
+        for linear in (block.attn.c_proj, block.mlp.c_proj):
+            nn.init.normal_(linear.weight, std=0.02)
+    model = GPT(GPTConfig(**config, kernels="nki"))
+    model.load_state_dict(reference.state_dict())
+    idx = torch.randint(0, 257, (2, 128), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(idx, -1, dims=1)
+    losses = []
+    for net in (reference, model):
+        loss = net(idx, targets)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4 * want.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
