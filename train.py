@@ -42,8 +42,8 @@ def opt(default, help):
 @dataclass
 class TrainConfig:
     # data
-    dataset: str = opt("shakespeare", "built-in corpus to prepare into token shards")
-    tokenizer: str = opt("bytes", "bytes (257 ids, offline) or gpt2")
+    dataset: str = opt("shakespeare", "shakespeare (built in) or a dataset prepared by data.py")
+    tokenizer: str = opt("bytes", "bytes (257 ids, offline) | gpt2 | bpe<N> | competition (see data.py)")
     data_dir: str = opt("data_cache", "where token shards are prepared and read")
     # batch: tokens per optimizer step = batch_size * sequence_len * world_size * accumulation steps
     batch_size: int = opt(16, "sequences per micro-batch per rank")
@@ -312,13 +312,20 @@ def load_checkpoint(path, device="cpu"):
     return torch.load(path, map_location=device, weights_only=True)
 
 
+def inference_model(weights, model_config, device):
+    """A single-device GPT in eval mode for evaluation and sampling. Its kernels are "auto" whatever the
+    training run chose: prompts come in any length, and "nki" would refuse lengths that are not a
+    multiple of 128 (or any machine without NKI)."""
+    model = GPT(GPTConfig(**{**model_config, "kernels": "auto"}))
+    model.load_state_dict(weights)
+    return model.to(device).eval()
+
+
 def load_for_eval(checkpoint_path, device="cpu"):
     """The competition's entry point: a single-device model in eval mode whose forward(idx) returns
     causal next-token logits, from any checkpoint this script wrote."""
     state = load_checkpoint(checkpoint_path, device)
-    model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval()
+    return inference_model(state["model"], state["model_config"], device)
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +399,7 @@ def resolve_resume(cfg):
 def main(argv):
     cfg, model_cfg = parse_args(argv)
     # --- checks that need no data, model or device: fail before any expensive work
-    enc = data.get_tokenizer(cfg.tokenizer)
+    enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
     model_cfg.vocab_size = enc.n_vocab
     model_cfg.validate()
     if not (cfg.max_steps or cfg.time_budget_s):
@@ -549,8 +556,9 @@ def main(argv):
         startup_time=startup_time, **final_eval)
     if master and cfg.sample_tokens:
         prompt = torch.tensor([[enc.eot_token]], device=device)
+        sampler = inference_model(raw_model.state_dict(), asdict(model_cfg), device)
         with autocast:
-            out = raw_model.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator(device).manual_seed(cfg.seed))
+            out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator(device).manual_seed(cfg.seed))
         print("-" * 40 + "\n" + enc.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
     if ddp:
         dist.destroy_process_group()

@@ -75,3 +75,22 @@ def test_sweep_on_a_tiny_grid_writes_table_json_and_plot(tmp_path):
     assert json.loads((tmp_path / "sweep.json").read_text()) == rows
     assert (tmp_path / "sweep.csv").read_text().count("\n") == len(rows) + 1
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_kernel_estimates_are_deterministic_and_labelled():
+    from model import GPTConfig
+
+    config = GPTConfig(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1)
+    estimates = []
+    for _ in range(2):
+        cases = bench.kernel_cases(config, batch_size=1, device="cpu", dtype=torch.bfloat16)
+        run = []
+        for name, _, _, make_inputs, call in cases:
+            counts = bench.emulate(lambda *a: call(*a, "nki"), make_inputs(), backward=True)
+            run.append((name, bench.tensore_estimate(counts, train.PEAK_FLOPS["trn2"])))
+        estimates.append(run)
+    assert estimates[0] == estimates[1]
+    by_name = dict(estimates[0])
+    assert by_name["attention"]["matmuls"] > 0 and 0 < by_name["attention"]["tensore_utilisation"] <= 1
+    assert by_name["mlp (relu2)"]["matmul_flops"] >= 3 * 2 * 2 * 128 * 128 * 512  # fwd + bwd of both matmuls
+    assert by_name["rms_norm"]["dma_bytes"] > 0

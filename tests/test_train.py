@@ -103,3 +103,12 @@ def test_batch_that_does_not_divide_is_refused_before_training(tmp_path, data_di
     with pytest.raises(ValueError, match="not a multiple of batch_size"):
         run(tmp_path, data_dir, "--max_steps=1", "--total_batch_tokens=1000")
     assert not os.path.exists(tmp_path / "log.jsonl")
+
+
+def test_a_run_with_nki_kernels_evaluates_and_samples_at_any_length(tmp_path, data_dir):
+    # trained under the emulator with kernels="nki"; evaluation lengths need not be multiples of 128
+    run(tmp_path, data_dir, "--max_steps=2", "--kernels=nki", "--sequence_len=128", "--n_embd=128",
+        "--batch_size=2", "--sample_tokens=5")
+    model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
+    with torch.no_grad():
+        assert model(torch.randint(0, 257, (1, 50))).shape == (1, 50, 257)
