@@ -18,6 +18,7 @@ import difflib
 import functools
 import glob
 import json
+import logging
 import math
 import os
 import shutil
@@ -398,6 +399,7 @@ def resolve_resume(cfg):
 
 def main(argv):
     cfg, model_cfg = parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
     # --- checks that need no data, model or device: fail before any expensive work
     enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
     model_cfg.vocab_size = enc.n_vocab
@@ -420,6 +422,8 @@ def main(argv):
     # without making the host wait for the accelerator
     control = dist.new_group(backend="gloo") if ddp else None
     master = rank == 0
+    if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
+        logging.getLogger("kernels").setLevel(logging.INFO)
     micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
     total_tokens = cfg.total_batch_tokens or micro_tokens
     if total_tokens % micro_tokens:
