@@ -215,8 +215,12 @@ def measure_kernels(cfg, model_cfg, device_type, device):
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
             row = {"kernel": name, "direction": direction, "flops": flops}
-            seconds = time_call(lambda *a: call(*a, "torch"), make_inputs(), backward, device_type)
+            inputs = make_inputs()
+            seconds = time_call(lambda *a: call(*a, "torch"), inputs, backward, device_type)
             row.update(torch_s=seconds, torch_flops_per_s=flops / seconds, torch_fraction_of_peak=flops / seconds / peak)
+            if not flops:  # RMSNorm does no matmul work: its figure of merit is bandwidth
+                x = inputs[0]
+                row["torch_bytes_per_s"] = (5 if backward else 2) * x.numel() * x.element_size() / seconds
             if on_trainium:
                 seconds = time_call(lambda *a: call(*a, "nki"), make_inputs(), backward, device_type)
                 row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak)
@@ -236,8 +240,11 @@ def print_kernels(rows, on_trainium):
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
           + ("NKI ms  TFLOP/s  of peak" if on_trainium else "NKI on Trn2 (ESTIMATE, TensorE-bound): us  util  matmuls  DMA MB"))
     for r in rows:
-        line = (f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {r['torch_flops_per_s'] / 1e12:>8.3f} "
-                f"{100 * r['torch_fraction_of_peak']:>7.1f}%   ")
+        if r["flops"]:
+            rate = f"{r['torch_flops_per_s'] / 1e12:>8.3f} {100 * r['torch_fraction_of_peak']:>7.1f}%"
+        else:  # x read and y written forward; x, dy read and dx written again backward
+            rate = f"{r['torch_bytes_per_s'] / 1e9:>5.1f} GB/s        "
+        line = f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {rate}   "
         if on_trainium:
             line += f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
         elif "nki_unavailable" in r:
