@@ -408,6 +408,8 @@ def main(argv):
         raise ValueError("set --max_steps or --time_budget_s (or both), otherwise training never stops")
     if cfg.matrix_optimizer not in ("muon", "adamw"):
         raise ValueError(f"--matrix_optimizer={cfg.matrix_optimizer!r}: use muon or adamw")
+    if cfg.keep_checkpoints < 1:
+        raise ValueError(f"--keep_checkpoints={cfg.keep_checkpoints}: keep at least 1 (the one just written)")
     if cfg.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--dtype={cfg.dtype!r}: use bfloat16 or float32")
     device_type = detect_device() if cfg.device == "auto" else cfg.device
@@ -544,8 +546,8 @@ def main(argv):
                 run_eval()
             if do_checkpoint:
                 checkpoint(os.path.join(cfg.out_dir, f"ckpt_{step:07d}.pt"))
-                for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints or None]:
-                    if master:
+                if master:
+                    for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
                         os.remove(old)
             if stopping:
                 log("stopped", f"stopped by a signal at step {step}; resume with --resume=latest", step=step)
