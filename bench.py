@@ -34,7 +34,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -57,10 +56,6 @@ PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of
 # -----------------------------------------------------------------------------
 # whole-model training throughput
 
-def autocast_for(cfg, device_type):
-    return torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
-
-
 def timed_windows(run, steps, windows, warmup, sync):
     """Seconds per window of `steps` calls, after `warmup` untimed calls; the device is synchronised
     before each clock read so queued work is counted where it ran."""
@@ -80,11 +75,9 @@ def timed_windows(run, steps, windows, warmup, sync):
 def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device):
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if dist.is_initialized():
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = train.wrap_for_training(raw_model, cfg, device_type, device)
     optimizers = train.make_optimizers(raw_model, cfg, device_type)
-    autocast = autocast_for(cfg, device_type)
+    autocast = train.autocast_context(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
 
@@ -103,8 +96,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     else:
         gathered = [per_rank]
     flops_per_token = raw_model.flops_per_token()
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    peak = train.peak_flops(device_type, dtype, cfg.peak_tflops)
+    peak = train.peak_flops(device_type, train.compute_dtype(cfg), cfg.peak_tflops)
     job_tokens_per_s = sum(gathered)
     return {
         "device": device_type,
@@ -206,7 +198,7 @@ def emulate(call, inputs, backward):
 
 
 def measure_kernels(cfg, model_cfg, device_type, device):
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    dtype = train.compute_dtype(cfg)
     peak = train.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     trn2_core_peak = train.PEAK_FLOPS["trn2"]
@@ -344,6 +336,8 @@ def main(argv):
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
     rank, world_size, device = train.setup_distributed(device_type)
+    if device_type == "neuron":
+        train.configure_neuron_compiler(cfg)
     if args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device)}
         if rank == 0:

@@ -242,6 +242,26 @@ def lr_multiplier(cfg, step, progress):
     return warmup * (cfg.final_lr_frac + (1 - cfg.final_lr_frac) * left)
 
 
+def compute_dtype(cfg):
+    return torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+
+
+def autocast_context(cfg, device_type):
+    """bf16 matmuls under autocast; weights and optimizer state stay fp32."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+
+
+def wrap_for_training(raw_model, cfg, device_type, device):
+    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun."""
+    model = raw_model
+    if cfg.compile:
+        # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
+        model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
+    if dist.is_initialized():
+        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
+    return model
+
+
 def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip):
     """One optimizer step: gradients accumulated over the micro-batches, clipped, applied. Returns the
     mean loss and the gradient norm as device tensors, so nothing here waits for the device."""
@@ -446,10 +466,11 @@ def main(argv):
         os.makedirs(cfg.out_dir, exist_ok=True)
         with torch.device("meta"):  # parameter count without allocating anything
             check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
-        data_path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
-    if ddp:
-        dist.barrier()
+    elif ddp:
+        dist.barrier()  # released below, once rank 0 has the shards
     data_path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+    if master and ddp:
+        dist.barrier()
     loader = data.TokenLoader(data.shard_paths(data_path, "train"), cfg.batch_size, model_cfg.sequence_len,
                               rank, world_size, cfg.seed, enc.n_vocab)
     val_batches = data.eval_batches(data.shard_paths(data_path, "val"), cfg.batch_size, model_cfg.sequence_len,
@@ -468,16 +489,10 @@ def main(argv):
         loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         del state  # its tensors now live in the model and optimizers
-    if cfg.compile:
-        # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
-        model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
-    else:
-        model = raw_model
-    if ddp:
-        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
+    model = wrap_for_training(raw_model, cfg, device_type, device)
+    autocast = autocast_context(cfg, device_type)
     flops_per_token = raw_model.flops_per_token()
-    peak = peak_flops(device_type, torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32, cfg.peak_tflops) * world_size
+    peak = peak_flops(device_type, compute_dtype(cfg), cfg.peak_tflops) * world_size
     log = Logger(cfg.out_dir, master, append=bool(cfg.resume))
     log("config", f"{raw_model.num_params():,} parameters, {flops_per_token / 1e6:.1f} MFLOP/token, {world_size} "
         f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step",
