@@ -76,7 +76,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
     model = train.wrap_for_training(raw_model, cfg, device_type, device)
-    optimizers = train.make_optimizers(raw_model, cfg, device_type)
+    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
     autocast = train.autocast_context(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
@@ -101,7 +101,8 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     return {
         "device": device_type,
         "world_size": world_size,
-        "peak_source": "--peak_tflops" if cfg.peak_tflops else ("measured matmul" if device_type == "cpu" else "datasheet"),
+        "dtype": cfg.dtype,
+        "peak_source": "--peak_tflops" if cfg.peak_tflops else (f"measured {cfg.dtype} matmul" if device_type == "cpu" else f"{cfg.dtype} datasheet"),
         "params": raw_model.num_params(),
         "tokens_per_s": job_tokens_per_s,
         "tokens_per_s_per_rank": gathered,
@@ -336,6 +337,9 @@ def main(argv):
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
     rank, world_size, device = train.setup_distributed(device_type)
+    dtype_reason = train.choose_dtype(cfg, device_type, dist.new_group(backend="gloo") if dist.is_initialized() else None)
+    if rank == 0:
+        print(f"computing in {cfg.dtype} because {dtype_reason}")
     if device_type == "neuron":
         train.configure_neuron_compiler(cfg)
     if args.sweep:

@@ -50,11 +50,16 @@ class TrainConfig:
     batch_size: int = opt(16, "sequences per micro-batch per rank")
     total_batch_tokens: int = opt(0, "tokens per optimizer step; 0 = one micro-batch per rank")
     # optimisation: Muon for hidden matrices, AdamW for embedding and head
-    matrix_optimizer: str = opt("muon", "muon | adamw, for the attention and MLP matrices")
+    matrix_optimizer: str = opt("muon", "muon (the kit's own) | adamw, for the attention and MLP matrices")
     matrix_lr: float = opt(0.02, "learning rate of the attention and MLP matrices")
     embedding_lr: float = opt(0.3, "AdamW learning rate of the token embedding")
     head_lr: float = opt(0.004, "AdamW learning rate of lm_head")
-    weight_decay: float = opt(0.0, "decoupled weight decay of every optimizer")
+    scalar_lr: float = opt(0.2, "AdamW learning rate of 0-D/1-D parameters (gates, residual scalars), if any")
+    weight_decay: float = opt(0.0, "weight decay of the matrices (Muon: cautious, decayed to 0 with progress)")
+    muon_momentum: float = opt(0.95, "Muon's Nesterov momentum after its warm-up")
+    muon_momentum_start: float = opt(0.85, "Muon's momentum at step 0")
+    muon_momentum_warmup_steps: int = opt(300, "steps over which Muon's momentum rises to muon_momentum")
+    muon_beta2: float = opt(0.9, "NorMuon's decay of the per-row second moment; 0 turns NorMuon off")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables")
     warmup_steps: int = opt(10, "linear learning-rate warmup, in optimizer steps")
     warmdown_frac: float = opt(0.4, "final fraction of progress over which the lr decays linearly")
@@ -74,7 +79,7 @@ class TrainConfig:
     resume: str = opt("", "'latest' (newest checkpoint in out_dir) or a checkpoint path")
     # system
     device: str = opt("auto", "auto | neuron | cuda | cpu")
-    dtype: str = opt("bfloat16", "matmul precision under autocast: bfloat16 or float32 (weights stay fp32)")
+    dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)")
     compile_cache_dir: str = opt("neuron_cache", "persistent Neuron compilation cache (reused across runs)")
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
@@ -167,6 +172,53 @@ def configure_neuron_compiler(cfg):
     os.environ.setdefault("NEURON_COMPILE_CACHE_URL", cache)
 
 
+def cpu_matmul_gflops(n=256, repeats=3):
+    """{dtype: GFLOP/s} of an n x n matmul in bf16 and fp32 on one thread, the two interleaved and the best
+    of `repeats` kept, so a busy machine slows both alike (~0.1 s even where bf16 is slow)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    operands = {dtype: (torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)) for dtype in (torch.bfloat16, torch.float32)}
+    best = dict.fromkeys(operands, float("inf"))
+    for _ in range(repeats + 1):  # the first round pays for library set-up, and is as good as any other
+        for dtype, (a, b) in operands.items():
+            t0 = time.perf_counter()
+            a @ b
+            best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return {dtype: 2 * n**3 / seconds / 1e9 for dtype, seconds in best.items()}
+
+
+def resolve_dtype(requested, device_type):
+    """(bfloat16 | float32, why). auto picks bf16 only where the device multiplies it fast: always on
+    Trainium (TensorE runs fp32 at a quarter of the bf16 rate), on GPUs that support it, and on CPUs that
+    measure bf16 at least as fast as fp32 (AMX or AVX512-BF16). Elsewhere (AVX2, most ARM) bf16 falls to
+    a scalar path ~50x slower than fp32. CPUs are measured rather than recognised by their flags because
+    what counts is the path this torch build takes."""
+    if requested != "auto":
+        return requested, "--dtype asked for it"
+    if device_type == "neuron":
+        return "bfloat16", "Trainium's TensorEngine runs bf16 at 4x its fp32 rate"
+    if device_type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", f"{torch.cuda.get_device_name()} supports bf16"
+        return "float32", f"{torch.cuda.get_device_name()} has no bf16"
+    rates = cpu_matmul_gflops()
+    bf16, fp32 = rates[torch.bfloat16], rates[torch.float32]
+    return "bfloat16" if bf16 >= fp32 else "float32", (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) multiplies bf16 at {bf16:.1f} GFLOP/s and fp32 at "
+        f"{fp32:.1f} (one thread, measured now)")
+
+
+def choose_dtype(cfg, device_type, group=None):
+    """Resolves cfg.dtype in place, rank 0's choice binding every rank (`group`: a gloo group under
+    torchrun), and returns the reason."""
+    choice = [resolve_dtype(cfg.dtype, device_type)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0, group=group)
+    cfg.dtype, reason = choice[0]
+    return reason
+
+
 def synchronize(device_type):
     if device_type == "cuda":
         torch.cuda.synchronize()
@@ -187,7 +239,7 @@ def trainium_generation():
 @functools.lru_cache  # measured once per process, so every MFU in a run divides by the same number
 def peak_flops(device_type, dtype=torch.bfloat16, override_tflops=0.0):
     """Peak FLOP/s of one rank's device. A CPU has no datasheet number here, so it is measured: the best
-    of a few large matmuls in the training dtype."""
+    of a few large matmuls in the compute dtype (so MFU compares like with like)."""
     if override_tflops:
         return override_tflops * 1e12
     if device_type == "neuron":
@@ -197,38 +249,128 @@ def peak_flops(device_type, dtype=torch.bfloat16, override_tflops=0.0):
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
         return next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan"))
-    n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    n = 256  # grown until one matmul takes 50 ms (2048 at most), so a slow dtype costs a second, not minutes
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        if best > 0.05 or n >= 2048:
+            return 2 * n**3 / best
+        n *= 2
 
 
 # -----------------------------------------------------------------------------
 # optimisation
 
-def make_optimizers(model, cfg, device_type):
-    """Muon orthogonalises the update of each hidden 2-D matrix; AdamW trains the lookup table and the
-    head, whose rows see very different gradient scales."""
+# Polar Express coefficients for five iterations (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932;
+# the values nanochat and the Trainium Frontier baseline use): each step's odd quintic is tuned to pull
+# every singular value towards 1 as fast as possible, where Newton-Schulz keeps one fixed polynomial.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def orthogonalize(g, dtype):
+    """The nearest semi-orthogonal matrix to each g (B, m, n): U V^T of its SVD, approximately, by the
+    Polar Express iteration in `dtype` (bf16 where the device multiplies it fast, else fp32). Works on the
+    wide orientation so X @ X^T is the smaller Gram matrix."""
+    x = g.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)  # singular values into (0, 1)
+    for a, b, c in POLAR_EXPRESS:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the hidden matrices, as the Trainium Frontier baseline (nanochat, Jan 2026) runs it:
+
+    1. Nesterov momentum on the gradient;
+    2. orthogonalisation by Polar Express (`orthogonalize`), in the compute dtype;
+    3. NorMuon (arXiv:2510.05491): each row (of the longer side) divided by the root of a running mean
+       of its squared update (beta2), then the whole update rescaled back to its norm before the step;
+    4. the step, lr x sqrt(max(1, rows / cols)) so tall matrices move as much per entry as square ones,
+       with cautious weight decay: decay only the entries where the update and the weight agree in sign.
+
+    Matrices of one shape are stacked and updated together (batched matmuls, fewer ops). lr, momentum
+    and weight_decay are 0-d tensors on the parameters' device that `apply_schedule` rewrites each step,
+    so the ops of a step never see a changed Python number (see `apply_schedule`). torch.optim.Muon has
+    none of 2-4 and always orthogonalises in bf16, which is ~50x slower than fp32 on CPUs without bf16
+    hardware.
+    """
+
+    def __init__(self, params, lr, momentum, beta2, weight_decay, dtype):
+        params = list(params)
+        shapes = sorted({tuple(p.shape) for p in params})
+        device = params[0].device
+        groups = [dict(params=[p for p in params if tuple(p.shape) == s]) for s in shapes]
+        defaults = dict(lr=torch.tensor(lr, device=device), momentum=torch.tensor(momentum, device=device),
+                        weight_decay=torch.tensor(weight_decay, device=device), beta2=beta2)
+        super().__init__(groups, defaults)
+        for group in self.param_groups:  # each group its own tensors (defaults are shared by reference)
+            for key in ("lr", "momentum", "weight_decay"):
+                group[key] = group[key].clone()
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params = group["params"]
+            grads = torch.stack([p.grad for p in params])  # (K, rows, cols)
+            state = self.state[params[0]]  # the group's stacked state lives with its first matrix
+            if not state:
+                state["momentum"] = torch.zeros_like(grads)
+                # NorMuon's second moment: one value per row of the longer side
+                rows_longer = grads.size(-2) >= grads.size(-1)
+                state["second_moment"] = torch.zeros_like(grads[..., :1] if rows_longer else grads[..., :1, :])
+            buf, second = state["momentum"], state["second_moment"]
+            momentum = group["momentum"]
+            buf.lerp_(grads, 1 - momentum)
+            update = orthogonalize(grads.lerp_(buf, momentum), self.dtype).float()
+            if group["beta2"]:
+                norm = update.norm(dim=(-2, -1), keepdim=True)
+                second.lerp_(update.square().mean(dim=-1 if second.size(-1) == 1 else -2, keepdim=True), 1 - group["beta2"])
+                update = update * second.clamp_min(1e-10).rsqrt()
+                update = update * (norm / update.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+            weights = torch.stack(params)
+            decay = group["weight_decay"] * weights * ((update * weights) >= 0)
+            lr = group["lr"] * max(1.0, grads.size(-2) / grads.size(-1)) ** 0.5
+            torch._foreach_copy_(params, list((weights - lr * (update + decay)).unbind(0)))
+
+
+def make_optimizers(model, cfg, device_type, dtype):
+    """Muon for the hidden matrices; AdamW for the lookup table and the head (whose rows see very different
+    gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
+    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron)."""
     named = dict(model.named_parameters())
     embedding, head = named.pop("wte.weight"), named.pop("lm_head.weight")
-    assert all(p.ndim == 2 for p in named.values()), "Muon takes only matrices"
+    matrices = [p for p in named.values() if p.ndim == 2]
+    scalars = [p for p in named.values() if p.ndim < 2]
+    device = embedding.device
     fused = device_type in ("cpu", "cuda")
-    adamw = torch.optim.AdamW(
-        [{"params": [embedding], "lr": cfg.embedding_lr}, {"params": [head], "lr": cfg.head_lr}],
-        betas=(0.8, 0.95), eps=1e-10, weight_decay=cfg.weight_decay, fused=fused,
-    )
+    adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=fused or None,
+                        capturable=not fused, foreach=None if fused else True)
+    groups = [{"params": [embedding], "lr": cfg.embedding_lr}, {"params": [head], "lr": cfg.head_lr}]
+    if scalars:
+        groups.append({"params": scalars, "lr": cfg.scalar_lr})
+    if cfg.matrix_optimizer == "adamw":
+        groups.append({"params": matrices, "lr": cfg.matrix_lr, "weight_decay": cfg.weight_decay})
+    optimizers = [torch.optim.AdamW([{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups], **adamw_kwargs)]
     if cfg.matrix_optimizer == "muon":
-        matrices = torch.optim.Muon(list(named.values()), lr=cfg.matrix_lr, momentum=0.95, weight_decay=cfg.weight_decay)
-    else:  # AdamW everywhere: the fp32 baseline (Muon's Newton-Schulz iteration runs in bf16)
-        matrices = torch.optim.AdamW(list(named.values()), lr=cfg.matrix_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
-    optimizers = [adamw, matrices]
+        optimizers.append(Muon(matrices, cfg.matrix_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.weight_decay, dtype))
     for o in optimizers:
         for group in o.param_groups:
-            group["peak_lr"] = group["lr"]
+            group["peak_lr"] = group["lr"].item()
     return optimizers
 
 
@@ -240,6 +382,29 @@ def lr_multiplier(cfg, step, progress):
         return warmup
     left = max(0.0, 1 - progress) / cfg.warmdown_frac
     return warmup * (cfg.final_lr_frac + (1 - cfg.final_lr_frac) * left)
+
+
+def schedule(cfg, step, progress):
+    """This step's scheduled values: the lr multiplier, Muon's momentum (warmed up from
+    muon_momentum_start over muon_momentum_warmup_steps, as the baseline does) and Muon's weight decay
+    (linearly to zero at the end of training, nanochat's rule)."""
+    warm = min(1.0, step / cfg.muon_momentum_warmup_steps) if cfg.muon_momentum_warmup_steps else 1.0
+    return {"lr_scale": lr_multiplier(cfg, step, progress),
+            "momentum": cfg.muon_momentum_start + warm * (cfg.muon_momentum - cfg.muon_momentum_start),
+            "weight_decay": cfg.weight_decay * (1 - progress)}
+
+
+def apply_schedule(optimizers, values):
+    """Writes this step's values into the 0-d device tensors the optimizers read, each by a copy from a
+    host tensor. Nothing in the step then takes a Python number that changes from step to step: on Neuron
+    a changed scalar argument re-traces and recompiles (a competitor measured 408 vs 918 steps in 900 s
+    on Trn2 until their hyperparameters became device tensors; CONTEST.md)."""
+    for o in optimizers:
+        for group in o.param_groups:
+            group["lr"].copy_(torch.tensor(group["peak_lr"] * values["lr_scale"]), non_blocking=True)
+            if isinstance(o, Muon):
+                group["momentum"].copy_(torch.tensor(values["momentum"]), non_blocking=True)
+                group["weight_decay"].copy_(torch.tensor(values["weight_decay"]), non_blocking=True)
 
 
 def compute_dtype(cfg):
@@ -430,19 +595,20 @@ def main(argv):
         raise ValueError(f"--matrix_optimizer={cfg.matrix_optimizer!r}: use muon or adamw")
     if cfg.keep_checkpoints < 1:
         raise ValueError(f"--keep_checkpoints={cfg.keep_checkpoints}: keep at least 1 (the one just written)")
-    if cfg.dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"--dtype={cfg.dtype!r}: use bfloat16 or float32")
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(f"--dtype={cfg.dtype!r}: use auto, bfloat16 or float32")
     device_type = detect_device() if cfg.device == "auto" else cfg.device
     if device_type not in ("neuron", "cuda", "cpu"):
         raise ValueError(f"--device={device_type!r}: use auto, neuron, cuda or cpu")
 
     rank, world_size, device = setup_distributed(device_type)
     ddp = dist.is_initialized()
-    if device_type == "neuron":
-        configure_neuron_compiler(cfg)
     # every rank must agree each step on the clock and on a stop request; a CPU-side gloo group does that
     # without making the host wait for the accelerator
     control = dist.new_group(backend="gloo") if ddp else None
+    dtype_reason = choose_dtype(cfg, device_type, control)
+    if device_type == "neuron":
+        configure_neuron_compiler(cfg)
     master = rank == 0
     if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
         logging.getLogger("kernels").setLevel(logging.INFO)
@@ -479,7 +645,7 @@ def main(argv):
 
     # --- model and optimizers, fresh or from a checkpoint
     raw_model = GPT(model_cfg).to(device)
-    optimizers = make_optimizers(raw_model, cfg, device_type)
+    optimizers = make_optimizers(raw_model, cfg, device_type, compute_dtype(cfg))
     step, train_time = 0, 0.0
     if state:
         raw_model.load_state_dict(state["model"])
@@ -495,8 +661,9 @@ def main(argv):
     peak = peak_flops(device_type, compute_dtype(cfg), cfg.peak_tflops) * world_size
     log = Logger(cfg.out_dir, master, append=bool(cfg.resume))
     log("config", f"{raw_model.num_params():,} parameters, {flops_per_token / 1e6:.1f} MFLOP/token, {world_size} "
-        f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step",
-        train_config=asdict(cfg), model_config=asdict(model_cfg), world_size=world_size, device=device_type)
+        f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step; computing in "
+        f"{cfg.dtype} because {dtype_reason}", train_config=asdict(cfg), model_config=asdict(model_cfg),
+        world_size=world_size, device=device_type, dtype_reason=dtype_reason)
 
     def run_eval():
         # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
@@ -517,10 +684,9 @@ def main(argv):
             if progress >= 1:
                 break
             t0 = time.perf_counter()
-            lr_scale = lr_multiplier(cfg, step, progress)
-            for o in optimizers:
-                for group in o.param_groups:
-                    group["lr"] = group["peak_lr"] * lr_scale
+            scheduled = schedule(cfg, step, progress)
+            apply_schedule(optimizers, scheduled)
+            lr_scale = scheduled["lr_scale"]
             micro_batches = [next(loader) for _ in range(accum_steps)]
             loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, device, autocast, cfg.grad_clip)
             step, steps_this_run = step + 1, steps_this_run + 1
