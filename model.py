@@ -9,6 +9,10 @@ Architecture (the Trainium Frontier baseline's choices):
 - untied lm_head, logits squashed by a tanh softcap
 - vocab padded to a multiple of 128 so the head's matmul tiles evenly
 
+Optional levers competitors measured on Trn2 (all off by default; train.py's --preset=frontier turns them on):
+value embeddings with gates, residual/x0 scalars, a multi-token-prediction auxiliary loss, and a chunked
+softcap cross-entropy that never holds the (tokens, vocab) fp32 logits.
+
 Attention, MLP and norm run through kernels.py, which picks NKI kernels or PyTorch.
 """
 import math
@@ -34,6 +38,14 @@ class GPTConfig:
     rope_base: float = 10000.0
     logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap); 0 disables
     kernels: str = "auto"  # auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)
+    # initialisation
+    wte_init_std: float = 1.0  # std of the token embedding
+    matrix_init_scale: float = 1.0  # multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices
+    # levers (see the module docstring); their schedules and optimizers live in train.py
+    value_embeds: bool = False  # a gated per-token value table on alternate layers (the last always)
+    residual_scalars: bool = False  # learned per-layer x = resid[i] * x + x0[i] * embedding before each block
+    mtp_extra: int = 0  # training loss also scores tokens t+2 .. t+1+mtp_extra from the same logits
+    loss_chunks: int = 0  # 0: plain cross-entropy; N: fused softcap cross-entropy over N row chunks
 
     @property
     def head_dim(self):
@@ -73,8 +85,24 @@ class GPTConfig:
         for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
+            problems.append(f"value_embeds gates read the first {VE_GATE_CHANNELS} channels; n_embd={self.n_embd} is smaller")
+        if self.mtp_extra < 0 or self.mtp_extra >= self.sequence_len:
+            problems.append(f"mtp_extra={self.mtp_extra} must be in 0..sequence_len-1 (extra future tokens scored)")
+        if self.loss_chunks < 0:
+            problems.append(f"loss_chunks={self.loss_chunks} must be >= 0 (0 = plain cross-entropy)")
+        if self.wte_init_std <= 0 or self.matrix_init_scale <= 0:
+            problems.append("wte_init_std and matrix_init_scale must be positive")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+
+VE_GATE_CHANNELS = 32  # a value embedding's gate reads this many residual channels (nanochat's choice)
+
+
+def has_value_embed(layer, n_layer):
+    """Alternate layers, always including the last (nanochat, and karpathy/autoresearch train.py has_ve)."""
+    return layer % 2 == (n_layer - 1) % 2
 
 
 def norm(x, mode="auto"):
@@ -96,7 +124,7 @@ def apply_rotary(x, cos, sin):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ve=False):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.kernels = config.kernels
@@ -104,12 +132,17 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_head * config.head_dim, config.n_embd, bias=False)
+        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False) if ve else None
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, ve=None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:  # each kv head mixes in the token's own value vector, by a gate in (0, 2) that starts at 1
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, Hkv)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+        v = v.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = norm(q, self.kernels), norm(k, self.kernels)  # QK-norm bounds the logits without a tuned scale
         y = kernels.attention(q, k, v, mode=self.kernels)  # (B, H, T, D)
@@ -130,14 +163,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ve=False):
         super().__init__()
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, ve)
         self.mlp = MLP(config)
         self.kernels = config.kernels
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x, self.kernels), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(norm(x, self.kernels), cos, sin, ve)
         x = x + self.mlp(norm(x, self.kernels))
         return x
 
@@ -148,8 +181,17 @@ class GPT(nn.Module):
         config.validate()
         self.config = config
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        ve_layers = [i for i in range(config.n_layer) if config.value_embeds and has_value_embed(i, config.n_layer)]
+        self.blocks = nn.ModuleList([Block(config, i in ve_layers) for i in range(config.n_layer)])
+        kv_dim = config.n_kv_head * config.head_dim
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.padded_vocab_size, kv_dim) for i in ve_layers})
+        if config.residual_scalars:
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
+        # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
+        self.register_buffer("mtp_weights", torch.zeros(config.mtp_extra), persistent=False)
         cos, sin = rotary_tables(config.sequence_len, config.head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -159,32 +201,48 @@ class GPT(nn.Module):
     def reset_parameters(self):
         """nanochat's init: unit-variance embedding, 1/sqrt(fan_in) matrices, zero output projections
         (each block starts as the identity), and a near-zero head so the first loss is ln(vocab)."""
-        nn.init.normal_(self.wte.weight, std=1.0)
+        c = self.config
+        nn.init.normal_(self.wte.weight, std=c.wte_init_std)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         for block in self.blocks:
             for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc, block.mlp.c_gate):
                 if linear is not None:
-                    bound = math.sqrt(3.0 / linear.in_features)  # uniform with std 1/sqrt(fan_in)
+                    bound = c.matrix_init_scale * math.sqrt(3.0 / linear.in_features)  # uniform, std scale/sqrt(fan_in)
                     nn.init.uniform_(linear.weight, -bound, bound)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+            if block.attn.ve_gate is not None:
+                nn.init.zeros_(block.attn.ve_gate.weight)  # gates start at 2 * sigmoid(0) = 1
+        for table in self.value_embeds.values():
+            bound = math.sqrt(3.0 / c.n_embd)
+            nn.init.uniform_(table.weight, -bound, bound)
+        if c.residual_scalars:  # start as the plain residual stream plus a little of the embedding (nanochat: 1, 0.1)
+            self.resid_lambdas.fill_(1.0)
+            self.x0_lambdas.fill_(0.1)
 
     def forward(self, idx, targets=None, loss_reduction="mean"):
         """idx: (B, T) token ids, T <= sequence_len.
 
         Without targets: logits (B, T, vocab_size). With targets (B, T): the mean cross-entropy in nats,
         or with loss_reduction="none" the per-token loss (B, T), which bits-per-byte needs.
-        Targets equal to -1 are ignored.
+        Targets equal to -1 are ignored. In training with mtp_extra > 0 the mean loss adds the weighted
+        losses of the later targets (multi-token prediction); evaluation always scores the next token only.
         """
         B, T = idx.shape
-        if T > self.config.sequence_len:
-            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={self.config.sequence_len}")
+        c = self.config
+        if T > c.sequence_len:
+            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={c.sequence_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = norm(self.wte(idx), self.config.kernels)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        x = norm(x, self.config.kernels)
-        logits = self.lm_head(x)[..., : self.config.vocab_size].float()  # padding columns never win
+        x = x0 = norm(self.wte(idx), c.kernels)
+        for i, block in enumerate(self.blocks):
+            if c.residual_scalars:
+                x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            x = block(x, cos, sin, ve)
+        x = norm(x, c.kernels)
+        if targets is not None and (c.mtp_extra or c.loss_chunks):
+            return self.lever_loss(x, targets, loss_reduction)
+        logits = self.lm_head(x)[..., : c.vocab_size].float()  # padding columns never win
         if self.config.logit_softcap:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits / cap)
@@ -193,10 +251,32 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=loss_reduction)
         return loss.view(B, T) if loss_reduction == "none" else loss
 
+    def lever_loss(self, x, targets, loss_reduction):
+        """Cross-entropy for the levers: the next token, plus (training only) the tokens mtp_extra further
+        on, all scored from the same logits, the later ones weighted by the mtp_weights buffer. Shapes
+        are fixed: a target past the row's end is -1, never a shorter tensor."""
+        c = self.config
+        extra = c.mtp_extra if self.training and loss_reduction == "mean" else 0
+        later = [F.pad(targets[:, j:], (0, j), value=-1) for j in range(1, extra + 1)]  # t+1+j, -1 past the end
+        stacked = torch.stack([targets, *later], dim=-1)  # (B, T, 1 + extra)
+        head = self.lm_head.weight[: c.vocab_size]
+        if c.loss_chunks:
+            nll = chunked_softcap_nll(x.flatten(0, 1), head, stacked.flatten(0, 1), c.logit_softcap, c.loss_chunks)
+            nll = nll.view(stacked.shape)
+        else:
+            nll = softcap_nll(x @ head.T, stacked, c.logit_softcap)
+        if loss_reduction == "none":
+            return nll[..., 0]
+        per_target = nll.sum(dim=(0, 1)) / (stacked >= 0).sum(dim=(0, 1)).clamp_min(1)  # mean over valid targets
+        weights = torch.cat([torch.ones(1, device=nll.device), self.mtp_weights])[: 1 + extra]
+        return (per_target * weights).sum()
+
     def num_params(self, matmul_only=False):
         """All parameters, or only those that multiply activations in a matmul (everything except the
-        embedding table, which is a lookup)."""
-        params = self.parameters() if not matmul_only else (p for n, p in self.named_parameters() if n != "wte.weight")
+        embedding and value-embedding tables, which are lookups)."""
+        if not matmul_only:
+            return sum(p.numel() for p in self.parameters())
+        params = (p for n, p in self.named_parameters() if n != "wte.weight" and not n.startswith("value_embeds."))
         return sum(p.numel() for p in params)
 
     def flops_per_token(self):
@@ -228,3 +308,53 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, next_id], dim=1)
         return idx
+
+
+# -----------------------------------------------------------------------------
+# cross-entropy over several targets per position, plain and chunked
+
+def softcap_nll(logits, targets, cap):
+    """logits (..., V), targets (..., K) with -1 = ignore: the negative log-likelihood (..., K) of each
+    target under softcap(logits), in fp32; ignored targets give 0."""
+    logits = logits.float()
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    picked = logits.gather(-1, targets.clamp_min(0))
+    return (logits.logsumexp(dim=-1, keepdim=True) - picked) * (targets >= 0)
+
+
+class ChunkedSoftcapNLL(torch.autograd.Function):
+    """softcap_nll(x @ w.T, targets, cap) computed `chunks` rows at a time: forward keeps only the
+    (N, K) losses and backward recomputes each chunk's logits, so the (N, V) fp32 logits, softmax and
+    their gradient never exist at once (FrontierForge's fused chunked CE, -2.8% step time on Trn2,
+    marker2601/trainium-simulator docs/FINDINGS.md). The chunk loop has a fixed trip count, so a
+    compiled step unrolls it without data-dependent control flow."""
+
+    @staticmethod
+    def forward(ctx, x, w, targets, cap, chunks):
+        ctx.save_for_backward(x, w, targets)
+        ctx.cap, ctx.chunks = cap, chunks
+        return torch.cat([softcap_nll(xc @ w.T, tc, cap) for xc, tc in zip(x.chunk(chunks), targets.chunk(chunks))])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, targets = ctx.saved_tensors
+        cap, chunks = ctx.cap, ctx.chunks
+        grad_x, grad_w = [], torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        w_x = w.to(x.dtype)  # forward ran under autocast when x is bf16; backward runs outside it
+        for xc, tc, gc in zip(x.chunk(chunks), targets.chunk(chunks), grad.chunk(chunks)):
+            raw = (xc @ w_x.T).float()
+            squash = torch.tanh(raw / cap) if cap else None
+            probs = torch.softmax(cap * squash if cap else raw, dim=-1)
+            gc = gc * (tc >= 0)  # d nll_k / d logits = softmax - onehot(target_k), for each valid target k
+            d_logits = probs * gc.sum(dim=-1, keepdim=True)
+            d_logits.scatter_add_(-1, tc.clamp_min(0), -gc)
+            d_raw = d_logits * (1 - squash * squash) if cap else d_logits
+            grad_x.append(d_raw.to(xc.dtype) @ w_x)
+            grad_w += d_raw.T @ xc.float()
+        return torch.cat(grad_x), grad_w.to(w.dtype), None, None, None
+
+
+def chunked_softcap_nll(x, w, targets, cap, chunks):
+    """x (N, C), w (V, C), targets (N, K) -> (N, K); see ChunkedSoftcapNLL."""
+    return ChunkedSoftcapNLL.apply(x, w, targets, cap, chunks)

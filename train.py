@@ -84,16 +84,77 @@ class TrainConfig:
     compile_cache_dir: str = opt("neuron_cache", "persistent Neuron compilation cache (reused across runs)")
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
     seed: int = opt(1337, "seed of initialisation and data order")
+    # recipe levers (README "Presets"): all off by default, on in --preset=frontier
+    adamw_width_lr_scaling: bool = opt(False, "scale embedding and head AdamW lrs by (n_embd / 768)^-0.5, as the baseline does")
+    data_order: str = opt("shuffled", "shuffled (every window, random order) | stream (in order, as the contest's loader)")
+    row_pool: int = opt(0, "with data_order=stream: draw rows from a pool of about this many micro-batches; 0 = off")
+    mask_bos_targets: bool = opt(False, "ignore training targets that are the document separator (unpredictable)")
+    batch_warmup: str = opt("", "smaller steps early: FRACTION@PROGRESS,... e.g. 0.25@0.06,0.5@0.2 (of total_batch_tokens)")
+    mtp_weights: str = opt("", "initial loss weights of the extra targets t+2, t+3, ... (model's mtp_extra of them)")
+    mtp_fade: str = opt("", "progress at which each extra target's weight has faded to 0, e.g. 0.45,0.2")
+    ema_decay: float = opt(0.0, "per-step decay of an EMA of the weights blended into the final model; 0 = off")
+    ema_every: int = opt(1, "update the EMA every N steps (with decay^N)")
+    ema_blend: float = opt(1.0, "final weights = (1 - blend) * live + blend * EMA")
 
 
-# One-flag configurations. trn2: the Trainium Frontier baseline's shape (depth 10, width 640, 2048 context,
-# ~60M parameters with its 8,192-token vocabulary) for one Trn2 chip and a 30-minute budget:
-#   NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py --preset=trn2
-# 524,288 tokens per step = 8 sequences x 2048 x 4 ranks x 8 micro-steps (or 8 ranks x 4 micro-steps).
+# One-flag configurations, applied before any other --field=value.
+#
+# baseline: the organiser's Trainium Frontier baseline (aws-neuron/trainium-frontier train.py, which is not
+# public), as far as public sources establish it. Sources, cited per value:
+#   [R] the organiser's README, embedded in poojithdevan4D/trainium-research-context
+#       01-governing-rules-protocol-and-mission.md
+#   [L] that team's "unmodified baseline, real reference run", 03-experiment-log.jsonl, first row: 1 rank,
+#       eager, seq_len 1024, 800 steps, 52.4M tokens, 59.6M params, ~51k tokens/s
+#   [K] marker2601/trainium-simulator recipes/K82s4/train.py, [P] poojithdevan4D/trainium-research-context
+#       04-train-research-35c9.py: both are modified baselines; a value is taken from them when both agree,
+#       or when one keeps it as an untouched constant
+#   [?] not established; the value is nanochat's (the baseline's ancestor) and may differ from the baseline
+# Launch on one Trn2 chip, 30 minutes:
+#   NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py --preset=baseline --dataset=... 
+BASELINE = dict(
+    n_layer=10, n_embd=640, n_head=5, n_kv_head=5,  # depth 10, 5 full-MHA heads of 128: 59.6M params at vocab 8192 [R, L]
+    mlp="relu2", logit_softcap=15.0,  # ReLU^2 MLP 4x, tanh softcap 15 [R; K, P: LOGIT_SOFTCAP = 15.0]
+    sequence_len=1024,  # [L: seq_len 1024; K: SEQ_LEN = 1024]; the scorer evaluates at 1024 (CONTEST.md)
+    rope_base=100000.0,  # [K, P: ROPE_BASE = 100000]
+    wte_init_std=0.8, matrix_init_scale=0.68,  # wte N(0, 0.8) [K: FF_WTE_STD 0.8], q/k/v/fc init x0.68 [issue 16]; head N(0, 0.001) is the kit's too [K: FF_HEAD_STD]
+    total_batch_tokens=65536,  # 52.4M tokens / 800 steps [L]
+    batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; FINDINGS.md "one 65,536-token micro-batch"]
+    embedding_lr=0.3, head_lr=0.006, scalar_lr=0.2,  # AdamW [K: 0.30, 0.006, 0.20; P: 0.3, 0.006, 0.2]
+    adamw_width_lr_scaling=True,  # embedding and head lr x (640/768)^-0.5 [R lineage: nanochat's dmodel_lr_scale; issue 16]
+    matrix_lr=0.025,  # Muon [K: MATRIX_LR = 0.025, an untouched constant; P has 0.02, which that team tuned]
+    matrix_optimizer="muon", muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,  # [P: MUON_MOMENTUM_WARMUP_STEPS = 300; issue 16]
+    muon_beta2=0.9,  # NorMuon [P: MUON_BETA2 = 0.9]; Polar Express, cautious WD, lr x sqrt(max(1, rows/cols)): the kit's Muon
+    weight_decay=0.2,  # cautious, decayed linearly to 0 [P: WEIGHT_DECAY = 0.2, WD_DECAY_TO_ZERO = True; K's 0.02 is tuned] [?]
+    warmup_steps=0,  # [P: WARMUP_STEPS = 0; K's 20 is tuned] [?]
+    warmdown_frac=0.2, final_lr_frac=0.0,  # [?: K's docstring calls its origin "the organizer baseline ... with a 20% cooldown"; nanochat 0.2 / 0.0]
+    grad_clip=1.0,  # [P: GRAD_CLIP = 1.0] [?]
+    # AdamW betas (0.8, 0.95), eps 1e-10, no weight decay: make_optimizers [?: nanochat's; K and P both keep beta2 0.95]
+    time_budget_s=1800.0, startup_steps=5,  # 30 minutes [R]; prepare.py's TRAIN_STARTUP_STEPS_EXCLUDED = 5 [K, P]
+    compile=False,  # "The baseline is eager-mode" [R]
+    data_order="stream",  # the contest's loader streams documents in order, every epoch alike [P: _document_batches docstring]
+    eval_tokens=1048576, log_every=20, checkpoint_every=250, sample_tokens=200,
+)
+
+# frontier: the baseline plus the levers competitors measured on Trn2 near the baseline's scale (val_bpb deltas
+# from FrontierForge, marker2601/trainium-simulator docs/FINDINGS.md). Not tuned together at this scale.
+FRONTIER = dict(
+    BASELINE,
+    mtp_extra=2, mtp_weights="0.5,0.25", mtp_fade="0.45,0.2",  # 3-token MTP (1, 0.5, 0.25), t+3 faded out by 20%, t+2 by 45% of the run: -0.0043
+    data_order="stream", row_pool=256,  # row pool of 256 micro-batches: -0.0023
+    batch_warmup="0.25@0.06,0.5@0.2", batch_size=2,  # 1/4 then 1/2 of the batch until 6% then 20% of the run: -0.0019;
+    # batch_size 2 so a quarter-step is whole micro-batches on 1, 4 or 8 ranks
+    mlp="leaky_relu2",  # LeakyReLU(0.35)^2: -0.0017 (kernels.py's leaky_relu2)
+    ema_decay=0.99, ema_every=32, ema_blend=0.6,  # EMA every 32 steps, 0.6 blend at the end: -0.0005
+    value_embeds=True, residual_scalars=True,  # both forks have them (nanochat's design); not measured alone
+    mask_bos_targets=True,  # both forks' loaders; not measured alone
+    loss_chunks=8,  # fused chunked softcap CE: -2.8% step time
+    compile=True,  # both forks compile the step ("compile and static-loss work", FINDINGS.md)
+)
+
 PRESETS = {
-    "trn2": dict(n_layer=10, n_embd=640, n_head=5, n_kv_head=5, sequence_len=2048, batch_size=8,
-                 total_batch_tokens=524288, time_budget_s=1800.0, startup_steps=2, eval_tokens=1048576,
-                 log_every=20, checkpoint_every=250, sample_tokens=200),
+    "baseline": BASELINE,
+    "frontier": FRONTIER,
+    "trn2": BASELINE,  # the old name of the baseline's shape
 }
 
 
@@ -349,20 +410,26 @@ class Muon(torch.optim.Optimizer):
 
 
 def make_optimizers(model, cfg, device_type, dtype):
-    """Muon for the hidden matrices; AdamW for the lookup table and the head (whose rows see very different
+    """Muon for the hidden matrices; AdamW for the lookup tables and the head (whose rows see very different
     gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
     tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron)."""
     named = dict(model.named_parameters())
-    embedding, head = named.pop("wte.weight"), named.pop("lm_head.weight")
+    head = named.pop("lm_head.weight")
+    embeddings = [named.pop(n) for n in list(named) if n == "wte.weight" or n.startswith("value_embeds.")]
+    residual = [named.pop("resid_lambdas")] if "resid_lambdas" in named else []
     matrices = [p for p in named.values() if p.ndim == 2]
     scalars = [p for p in named.values() if p.ndim < 2]
-    device = embedding.device
+    device = head.device
     fused = device_type in ("cpu", "cuda")
     adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=fused or None,
                         capturable=not fused, foreach=None if fused else True)
-    groups = [{"params": [embedding], "lr": cfg.embedding_lr}, {"params": [head], "lr": cfg.head_lr}]
+    # nanochat's dmodel_lr_scale: AdamW's lrs were tuned at width 768, and a wider model's tables take smaller steps
+    width_scale = (model.config.n_embd / 768) ** -0.5 if cfg.adamw_width_lr_scaling else 1.0
+    groups = [{"params": embeddings, "lr": cfg.embedding_lr * width_scale}, {"params": [head], "lr": cfg.head_lr * width_scale}]
     if scalars:
         groups.append({"params": scalars, "lr": cfg.scalar_lr})
+    if residual:  # nanochat: the residual scalars scale the whole stream, so they move 100x slower than the others
+        groups.append({"params": residual, "lr": cfg.scalar_lr * 0.01})
     if cfg.matrix_optimizer == "adamw":
         groups.append({"params": matrices, "lr": cfg.matrix_lr, "weight_decay": cfg.weight_decay})
     optimizers = [torch.optim.AdamW([{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups], **adamw_kwargs)]
@@ -386,25 +453,101 @@ def lr_multiplier(cfg, step, progress):
 
 def schedule(cfg, step, progress):
     """This step's scheduled values: the lr multiplier, Muon's momentum (warmed up from
-    muon_momentum_start over muon_momentum_warmup_steps, as the baseline does) and Muon's weight decay
-    (linearly to zero at the end of training, nanochat's rule)."""
+    muon_momentum_start over muon_momentum_warmup_steps, as the baseline does), Muon's weight decay
+    (linearly to zero at the end of training, nanochat's rule), the MTP weights and the batch fraction."""
     warm = min(1.0, step / cfg.muon_momentum_warmup_steps) if cfg.muon_momentum_warmup_steps else 1.0
     return {"lr_scale": lr_multiplier(cfg, step, progress),
             "momentum": cfg.muon_momentum_start + warm * (cfg.muon_momentum - cfg.muon_momentum_start),
-            "weight_decay": cfg.weight_decay * (1 - progress)}
+            "weight_decay": cfg.weight_decay * (1 - progress),
+            "mtp_weights": mtp_weights(cfg, progress),
+            "batch_fraction": next((f for f, until in batch_warmup_phases(cfg) if progress < until), 1.0)}
 
 
-def apply_schedule(optimizers, values):
-    """Writes this step's values into the 0-d device tensors the optimizers read, each by a copy from a
-    host tensor. Nothing in the step then takes a Python number that changes from step to step: on Neuron
-    a changed scalar argument re-traces and recompiles (a competitor measured 408 vs 918 steps in 900 s
-    on Trn2 until their hyperparameters became device tensors; CONTEST.md)."""
+def floats(text):
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def mtp_weights(cfg, progress):
+    """Each extra target's weight fades linearly to 0 by its mtp_fade progress, the farthest target first
+    and each fade starting where the farther one's ended (FrontierForge: t+3 over 0-20% of the run, t+2
+    over 20-45%, then plain next-token prediction; they step the fade in 4 levels per phase)."""
+    weights, ends = floats(cfg.mtp_weights), floats(cfg.mtp_fade)
+    starts = ends[1:] + [0.0]
+    return tuple(w * min(1.0, max(0.0, (end - progress) / (end - start))) for w, end, start in zip(weights, ends, starts))
+
+
+def batch_warmup_phases(cfg):
+    """[(fraction of total_batch_tokens, progress until which it holds), ...] from FRACTION@PROGRESS,..."""
+    phases = []
+    for part in filter(None, cfg.batch_warmup.split(",")):
+        fraction, _, until = part.partition("@")
+        phases.append((float(fraction), float(until)))
+    return phases
+
+
+def validate_levers(cfg, model_cfg, accum_steps):
+    """The recipe levers' settings, checked before any data or model is built."""
+    problems = []
+    if cfg.data_order not in ("shuffled", "stream"):
+        problems.append(f"--data_order={cfg.data_order!r}: use shuffled or stream")
+    if cfg.row_pool < 0 or (cfg.row_pool and cfg.data_order != "stream"):
+        problems.append(f"--row_pool={cfg.row_pool} needs --data_order=stream (shuffled data is already fully mixed) and >= 0")
+    try:
+        weights, ends, phases = floats(cfg.mtp_weights), floats(cfg.mtp_fade), batch_warmup_phases(cfg)
+    except ValueError as e:
+        raise ValueError(f"--mtp_weights, --mtp_fade and --batch_warmup are numbers like 0.5,0.25 / 0.45,0.2 / 0.25@0.06 ({e})")
+    if len(weights) != model_cfg.mtp_extra or len(ends) != model_cfg.mtp_extra:
+        problems.append(f"--mtp_weights and --mtp_fade need one value per extra target (--mtp_extra={model_cfg.mtp_extra}), "
+                        f"got {len(weights)} and {len(ends)}")
+    if any(not 0 < e <= 1 for e in ends) or ends != sorted(ends, reverse=True) or len(set(ends)) != len(ends):
+        problems.append(f"--mtp_fade={cfg.mtp_fade!r}: progress points in (0, 1], decreasing (the farthest target fades first)")
+    for fraction, until in phases:
+        micro = fraction * accum_steps
+        if not (0 < until < 1 and 0 < fraction < 1 and abs(micro - round(micro)) < 1e-9 and round(micro) >= 1):
+            problems.append(f"--batch_warmup phase {fraction}@{until}: the fraction of the step's {accum_steps} micro-batch(es) "
+                            f"must be a whole number >= 1 and 0 < progress < 1; lower --batch_size for more micro-batches per step")
+    if [u for _, u in phases] != sorted(u for _, u in phases):
+        problems.append(f"--batch_warmup={cfg.batch_warmup!r}: phases in order of progress")
+    if not (0 <= cfg.ema_decay < 1 and cfg.ema_every >= 1 and 0 <= cfg.ema_blend <= 1):
+        problems.append("--ema_decay in [0, 1), --ema_every >= 1, --ema_blend in [0, 1]")
+    if problems:
+        raise ValueError("invalid recipe: " + "; ".join(problems))
+
+
+def apply_schedule(optimizers, values, model=None):
+    """Writes this step's values into the 0-d device tensors the optimizers read (and the model's MTP
+    weights), each by a copy from a host tensor. Nothing in the step then takes a Python number that
+    changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
+    measured 408 vs 918 steps in 900 s on Trn2 until their hyperparameters became device tensors;
+    CONTEST.md)."""
     for o in optimizers:
         for group in o.param_groups:
             group["lr"].copy_(torch.tensor(group["peak_lr"] * values["lr_scale"]), non_blocking=True)
             if isinstance(o, Muon):
                 group["momentum"].copy_(torch.tensor(values["momentum"]), non_blocking=True)
                 group["weight_decay"].copy_(torch.tensor(values["weight_decay"]), non_blocking=True)
+    if model is not None and model.mtp_weights.numel():
+        model.mtp_weights.copy_(torch.tensor(values["mtp_weights"]), non_blocking=True)
+
+
+class WeightEMA:
+    """An exponential moving average of the weights, updated every `every` steps with decay^every (the span
+    of a per-step EMA at 1/every of its cost); finish() makes the model (1 - blend) * live + blend * EMA.
+    FrontierForge: decay 0.99 every 32 steps, blend 0.6, -0.0005 val_bpb (docs/FINDINGS.md). Its Python
+    numbers are fixed for the run, so each update is the same ops with the same constants."""
+
+    def __init__(self, model, decay, every, blend):
+        self.params = list(model.parameters())
+        self.average = [p.detach().clone() for p in self.params]
+        self.weight, self.blend = 1 - decay**every, blend
+
+    @torch.no_grad()
+    def update(self):
+        torch._foreach_lerp_(self.average, [p.detach() for p in self.params], self.weight)
+
+    @torch.no_grad()
+    def finish(self):
+        torch._foreach_lerp_([p.detach() for p in self.params], self.average, self.blend)
 
 
 def compute_dtype(cfg):
@@ -432,13 +575,15 @@ def train_step(model, raw_model, optimizers, micro_batches, device, autocast, gr
     mean loss and the gradient norm as device tensors, so nothing here waits for the device."""
     ddp = isinstance(model, DDP)
     loss_sum = torch.zeros((), device=device)
+    # a tensor, not a Python number: batch warm-up changes how many micro-batches a step has
+    share = torch.tensor(1 / len(micro_batches)).to(device, non_blocking=True)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         # with DDP, gradients are all-reduced only on the last micro-step
         sync = model.no_sync() if ddp and i < len(micro_batches) - 1 else nullcontext()
         with sync:
             with autocast:
-                loss = model(x, y) / len(micro_batches)
+                loss = model(x, y) * share
             loss.backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
@@ -620,6 +765,7 @@ def main(argv):
             f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
         )
     accum_steps = total_tokens // micro_tokens
+    validate_levers(cfg, model_cfg, accum_steps)
     resume_path = resolve_resume(cfg) if cfg.resume else None
     state = load_checkpoint(resume_path) if resume_path else None
     if state and state["model_config"] != asdict(model_cfg):
@@ -638,7 +784,8 @@ def main(argv):
     if master and ddp:
         dist.barrier()
     loader = data.TokenLoader(data.shard_paths(data_path, "train"), cfg.batch_size, model_cfg.sequence_len,
-                              rank, world_size, cfg.seed, enc.n_vocab)
+                              rank, world_size, cfg.seed, enc.n_vocab, shuffle=cfg.data_order == "shuffled",
+                              row_pool=cfg.row_pool, ignore_target=enc.eot_token if cfg.mask_bos_targets else None)
     val_batches = data.eval_batches(data.shard_paths(data_path, "val"), cfg.batch_size, model_cfg.sequence_len,
                                     cfg.eval_tokens, rank, world_size, enc.n_vocab)
     token_bytes = data.token_bytes(enc).to(device)
@@ -655,6 +802,7 @@ def main(argv):
         loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         del state  # its tensors now live in the model and optimizers
+    ema = WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     model = wrap_for_training(raw_model, cfg, device_type, device)
     autocast = autocast_context(cfg, device_type)
     flops_per_token = raw_model.flops_per_token()
@@ -685,11 +833,13 @@ def main(argv):
                 break
             t0 = time.perf_counter()
             scheduled = schedule(cfg, step, progress)
-            apply_schedule(optimizers, scheduled)
+            apply_schedule(optimizers, scheduled, raw_model)
             lr_scale = scheduled["lr_scale"]
-            micro_batches = [next(loader) for _ in range(accum_steps)]
+            micro_batches = [next(loader) for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
             loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, device, autocast, cfg.grad_clip)
             step, steps_this_run = step + 1, steps_this_run + 1
+            if ema and step % cfg.ema_every == 0:
+                ema.update()
             dt, stopping = time.perf_counter() - t0, stop_signal.received
             if ddp:  # the slowest rank's step time and any rank's signal, so all ranks decide alike
                 agreed = torch.tensor([dt, float(stopping)], dtype=torch.float64)
@@ -714,7 +864,7 @@ def main(argv):
             else:
                 train_time += dt
                 interval_time += dt
-                interval_tokens += total_tokens
+                interval_tokens += len(micro_batches) * micro_tokens
             if do_log:
                 tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
                 mfu = tokens_per_s * flops_per_token / peak
@@ -736,6 +886,8 @@ def main(argv):
                     dist.destroy_process_group()
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
 
+    if ema:
+        ema.finish()
     final_eval = run_eval()
     checkpoint(os.path.join(cfg.out_dir, "final.pt"))
     log("done", f"{step} steps in {train_time:.1f}s of training (+{startup_time:.1f}s start-up steps); val_bpb "
