@@ -6,8 +6,9 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     torchrun --standalone --nproc_per_node=4 bench.py # per rank and for the whole job
     python bench.py --kernels                         # each kernel against its PyTorch fallback
     python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
+    OMP_NUM_THREADS=1 python bench.py --ablation      # val_bpb: baseline, frontier, each lever alone (CPU)
 
-Every train.py field is accepted as --field=value (so --preset=trn2 works too).
+Every train.py field is accepted as --field=value (so --preset=baseline works too).
 
 Training throughput runs train.py's own optimizer step (same compile, autocast and optimizers) on random
 tokens, leaves out --bench_warmup steps (compilation), synchronises the device before every timer read
@@ -319,6 +320,61 @@ def write_sweep(rows, prefix):
 
 
 # -----------------------------------------------------------------------------
+# ablation: does each frontier lever train, and is it wired right?
+
+# A small model on the built-in Shakespeare (bytes), fp32 on one CPU thread: a few minutes for all rows.
+ABLATION_SHAPE = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=2", "--sequence_len=64", "--batch_size=8",
+                  "--total_batch_tokens=2048", "--time_budget_s=0", "--eval_tokens=16384", "--sample_tokens=0",
+                  "--compile=false", "--dtype=float32", "--device=cpu", "--log_every=100000", "--checkpoint_every=0"]
+FULL_RUN_STEPS = 2400  # about what FrontierForge's 30-minute runs did, which the step-counted settings assume
+
+
+def ablation_rows(steps):
+    """(name, train.py arguments) for the baseline, the frontier and the baseline with each lever alone. The
+    settings counted in steps (Muon's momentum warm-up, the EMA's span) shrink with the run, so they cover
+    the same share of it as in a full run; everything else is the presets' own values."""
+    scale = steps / FULL_RUN_STEPS
+    short = {"muon_momentum_warmup_steps": max(1, round(300 * scale))}
+    short_ema = {"ema_every": max(1, round(32 * scale)), "ema_decay": round(0.99 ** (1 / scale), 4)}
+    rows = [("baseline", {}), ("frontier", {name: train.FRONTIER[name] for fields in train.FRONTIER_LEVERS.values() for name in fields})]
+    rows += [(f"+ {lever}", {f: train.FRONTIER[f] for f in fields}) for lever, fields in train.FRONTIER_LEVERS.items()]
+    args = []
+    for name, levers in rows:
+        levers = {**levers, **short, **(short_ema if levers.get("ema_decay") else {})}
+        levers.pop("batch_size", None)  # the ablation's shape fixes the micro-batch
+        args.append((name, ["--preset=baseline", *(f"--{k}={v}" for k, v in levers.items())]))
+    return args
+
+
+def run_ablation(seeds, steps, extra=()):
+    """val_bpb of every ablation row for each seed: a markdown table of mean, spread and change from the
+    baseline. It checks that each lever trains and is wired right at this scale; it measures nothing about
+    Trn2, where the levers' gains were measured at far larger scale (README, "Ablation")."""
+    import contextlib
+    import io
+    import tempfile
+    started = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, args in ablation_rows(steps):
+            for seed in range(1, seeds + 1):
+                argv = [*args, *ABLATION_SHAPE, f"--max_steps={steps}", f"--seed={seed}",
+                        f"--out_dir={os.path.join(out, 'run')}", *extra]
+                with contextlib.redirect_stdout(io.StringIO()):
+                    final = train.main(argv)["final_eval"]["val_bpb"]
+                results.setdefault(name, []).append(final)
+            print(f"{name:>16}: {' '.join(f'{v:.4f}' for v in results[name])}", file=sys.stderr, flush=True)
+    base = statistics.mean(results["baseline"])
+    print(f"| config | val_bpb (mean of {seeds} seeds) | spread (sd) | vs baseline | per seed |")
+    print("|---|---|---|---|---|")
+    for name, values in results.items():
+        mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        delta = "" if name == "baseline" else f"{mean - base:+.4f}"
+        print(f"| {name} | {mean:.4f} | {sd:.4f} | {delta} | {', '.join(f'{v:.4f}' for v in values)} |")
+    print(f"\n{seeds} seeds x {len(results)} configs, {steps} steps of 2,048 tokens each, in "
+          f"{time.perf_counter() - started:.0f} s (torch.get_num_threads() = {torch.get_num_threads()})")
+    return results
+
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -331,7 +387,12 @@ def main(argv):
     parser.add_argument("--sweep_grid", default="default", choices=list(SWEEPS))
     parser.add_argument("--sweep_out", default="sweep", help="prefix of the sweep's .csv/.json/.png")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--ablation", action="store_true", help="val_bpb of baseline, frontier and each lever alone (CPU)")
+    parser.add_argument("--ablation_seeds", type=int, default=3)
+    parser.add_argument("--ablation_steps", type=int, default=80)
     args, rest = parser.parse_known_args(argv)
+    if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
+        return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
     model_cfg.vocab_size = train.data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()

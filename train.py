@@ -151,6 +151,18 @@ FRONTIER = dict(
     compile=True,  # both forks compile the step ("compile and static-loss work", FINDINGS.md)
 )
 
+# The frontier's levers by name, each the fields it sets (bench.py --ablation turns them on one at a time).
+FRONTIER_LEVERS = {
+    "mtp": ("mtp_extra", "mtp_weights", "mtp_fade"),
+    "row_pool": ("row_pool",),
+    "batch_warmup": ("batch_warmup", "batch_size"),
+    "leaky_relu2": ("mlp",),
+    "ema": ("ema_decay", "ema_every", "ema_blend"),
+    "value_embeds": ("value_embeds", "residual_scalars"),
+    "mask_bos": ("mask_bos_targets",),
+    "chunked_ce": ("loss_chunks",),
+}
+
 PRESETS = {
     "baseline": BASELINE,
     "frontier": FRONTIER,

@@ -190,3 +190,22 @@ def test_weight_ema_blends_the_average_into_the_model():
     assert torch.allclose(ema.average[0], torch.full((2, 2), 3.0))
     ema.finish()
     assert torch.allclose(model.weight, torch.full((2, 2), 0.4 * 4.0 + 0.6 * 3.0))
+
+
+def test_frontier_differs_from_baseline_only_by_its_named_levers():
+    lever_fields = {f for fields in train.FRONTIER_LEVERS.values() for f in fields}
+    changed = {k for k, v in train.FRONTIER.items() if train.BASELINE.get(k) != v}
+    assert changed == lever_fields | {"compile"}
+
+
+def test_every_ablation_row_is_a_valid_run():
+    import bench
+    rows = dict(bench.ablation_rows(80))
+    assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in train.FRONTIER_LEVERS}
+    for name, args in rows.items():
+        cfg, model_cfg = train.parse_args([*args, *bench.ABLATION_SHAPE, "--max_steps=80"])
+        train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
+        assert cfg.muon_momentum_warmup_steps == 10 and (cfg.ema_every, cfg.ema_decay) in ((1, 0.0), (1, 0.7397))
+    frontier_cfg, frontier_model = train.parse_args(rows["frontier"])
+    assert (frontier_cfg, frontier_model) == train.parse_args(["--preset=frontier", "--compile=false", "--batch_size=8",
+                                                               *rows["frontier"][1:]])
