@@ -108,7 +108,10 @@ class TrainConfig:
 #   [K] marker2601/trainium-simulator recipes/K82s4/train.py, [P] poojithdevan4D/trainium-research-context
 #       04-train-research-35c9.py: both are modified baselines; a value is taken from them when both agree,
 #       or when one keeps it as an untouched constant
-#   [?] not established; the value is nanochat's (the baseline's ancestor) and may differ from the baseline
+#   [A] karpathy/autoresearch train.py, which the baseline's names and shape follow (DEPTH x ASPECT_RATIO 64 =
+#       640, HEAD_DIM 128, EMBEDDING_LR, WARMDOWN_RATIO, ...; CONTEST.md: autoresearch's prepare.py is the
+#       contest's ancestor)
+#   [?] not established: the value is the best guess named with it and may differ from the baseline
 # Launch on one Trn2 chip, 30 minutes:
 #   NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py --preset=baseline --dataset=... 
 BASELINE = dict(
@@ -120,15 +123,19 @@ BASELINE = dict(
     total_batch_tokens=65536,  # 52.4M tokens / 800 steps [L]
     batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; FINDINGS.md "one 65,536-token micro-batch"]
     embedding_lr=0.3, head_lr=0.006, scalar_lr=0.2,  # AdamW [K: 0.30, 0.006, 0.20; P: 0.3, 0.006, 0.2]
+    # AdamW betas (0.8, 0.95) for embedding and head [P: EMBED_ADAMW_BETA2 = 0.95; A], (0.9, 0.95) for scalars
+    # [K, P], eps 1e-10, no weight decay [A; K's small decays are tuned] (fixed in make_optimizers)
+    residual_scalars=True,  # per-layer resid/x0 scalars: the README's AdamW "scalars" [R]; K builds them in every
+    # block (init 1 and 0.05; the kit keeps nanochat's 0.1 [?]) and trains them at scalar_lr with the other scalars
     adamw_width_lr_scaling=True,  # embedding and head lr x (640/768)^-0.5 [R lineage: nanochat's dmodel_lr_scale; issue 16]
     matrix_lr=0.025,  # Muon [K: MATRIX_LR = 0.025, an untouched constant; P has 0.02, which that team tuned]
     matrix_optimizer="muon", muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,  # [P: MUON_MOMENTUM_WARMUP_STEPS = 300; issue 16]
     muon_beta2=0.9,  # NorMuon [P: MUON_BETA2 = 0.9]; Polar Express, cautious WD, lr x sqrt(max(1, rows/cols)): the kit's Muon
-    weight_decay=0.2,  # cautious, decayed linearly to 0 [P: WEIGHT_DECAY = 0.2, WD_DECAY_TO_ZERO = True; K's 0.02 is tuned] [?]
-    warmup_steps=0,  # [P: WARMUP_STEPS = 0; K's 20 is tuned] [?]
-    warmdown_frac=0.2, final_lr_frac=0.0,  # [?: K's docstring calls its origin "the organizer baseline ... with a 20% cooldown"; nanochat 0.2 / 0.0]
-    grad_clip=1.0,  # [P: GRAD_CLIP = 1.0] [?]
-    # AdamW betas (0.8, 0.95), eps 1e-10, no weight decay: make_optimizers [?: nanochat's; K and P both keep beta2 0.95]
+    weight_decay=0.2,  # cautious, decayed linearly to 0 [P: WEIGHT_DECAY = 0.2, WD_DECAY_TO_ZERO = True; A: 0.2; K's 0.02 is tuned]
+    warmup_steps=0,  # [P: WARMUP_STEPS = 0; A: WARMUP_RATIO = 0.0; K's 20 is tuned]
+    warmdown_frac=0.5, final_lr_frac=0.0,  # [?: A's WARMDOWN_RATIO 0.5, FINAL_LR_FRAC 0.0; the README says the baseline's
+    # warmdown is "tuned for the training budget"; P has 0.75 / 0.05 and K 0.7, both tuned]
+    grad_clip=1.0,  # [P: GRAD_CLIP = 1.0] [?: K has none]
     time_budget_s=1800.0, startup_steps=5,  # 30 minutes [R]; prepare.py's TRAIN_STARTUP_STEPS_EXCLUDED = 5 [K, P]
     compile=False,  # "The baseline is eager-mode" [R]
     data_order="stream",  # the contest's loader streams documents in order, every epoch alike [P: _document_batches docstring]
@@ -145,7 +152,7 @@ FRONTIER = dict(
     # batch_size 2 so a quarter-step is whole micro-batches on 1, 4 or 8 ranks
     mlp="leaky_relu2",  # LeakyReLU(0.35)^2: -0.0017 (kernels.py's leaky_relu2)
     ema_decay=0.99, ema_every=32, ema_blend=0.6,  # EMA every 32 steps, 0.6 blend at the end: -0.0005
-    value_embeds=True, residual_scalars=True,  # both forks have them (nanochat's design); not measured alone
+    value_embeds=True,  # gated value embeddings: both forks have them (nanochat's design); not measured alone
     mask_bos_targets=True,  # both forks' loaders; not measured alone
     loss_chunks=8,  # fused chunked softcap CE: -2.8% step time
     compile=True,  # both forks compile the step ("compile and static-loss work", FINDINGS.md)
@@ -158,7 +165,7 @@ FRONTIER_LEVERS = {
     "batch_warmup": ("batch_warmup", "batch_size"),
     "leaky_relu2": ("mlp",),
     "ema": ("ema_decay", "ema_every", "ema_blend"),
-    "value_embeds": ("value_embeds", "residual_scalars"),
+    "value_embeds": ("value_embeds",),
     "mask_bos": ("mask_bos_targets",),
     "chunked_ce": ("loss_chunks",),
 }
@@ -428,7 +435,6 @@ def make_optimizers(model, cfg, device_type, dtype):
     named = dict(model.named_parameters())
     head = named.pop("lm_head.weight")
     embeddings = [named.pop(n) for n in list(named) if n == "wte.weight" or n.startswith("value_embeds.")]
-    residual = [named.pop("resid_lambdas")] if "resid_lambdas" in named else []
     matrices = [p for p in named.values() if p.ndim == 2]
     scalars = [p for p in named.values() if p.ndim < 2]
     device = head.device
@@ -438,10 +444,8 @@ def make_optimizers(model, cfg, device_type, dtype):
     # nanochat's dmodel_lr_scale: AdamW's lrs were tuned at width 768, and a wider model's tables take smaller steps
     width_scale = (model.config.n_embd / 768) ** -0.5 if cfg.adamw_width_lr_scaling else 1.0
     groups = [{"params": embeddings, "lr": cfg.embedding_lr * width_scale}, {"params": [head], "lr": cfg.head_lr * width_scale}]
-    if scalars:
-        groups.append({"params": scalars, "lr": cfg.scalar_lr})
-    if residual:  # nanochat: the residual scalars scale the whole stream, so they move 100x slower than the others
-        groups.append({"params": residual, "lr": cfg.scalar_lr * 0.01})
+    if scalars:  # beta1 0.9 for the scalars: both baseline-derived forks (K82s4, 35c9) use (0.9, 0.95)
+        groups.append({"params": scalars, "lr": cfg.scalar_lr, "betas": (0.9, 0.95)})
     if cfg.matrix_optimizer == "adamw":
         groups.append({"params": matrices, "lr": cfg.matrix_lr, "weight_decay": cfg.weight_decay})
     optimizers = [torch.optim.AdamW([{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups], **adamw_kwargs)]

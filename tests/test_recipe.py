@@ -30,7 +30,7 @@ def test_baseline_preset_is_the_organisers_baseline():
     off = train.TrainConfig()
     for name in ("row_pool", "mask_bos_targets", "batch_warmup", "mtp_weights", "ema_decay"):
         assert getattr(cfg, name) == getattr(off, name)
-    assert (model_cfg.value_embeds, model_cfg.residual_scalars, model_cfg.mtp_extra, model_cfg.loss_chunks) == (False, False, 0, 0)
+    assert (model_cfg.value_embeds, model_cfg.mtp_extra, model_cfg.loss_chunks) == (False, 0, 0)
     assert resolved("trn2") == (cfg, model_cfg)
 
 
@@ -40,10 +40,11 @@ def test_baseline_learning_rates_and_init_as_built():
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(model_cfg, n_layer=1, vocab_size=1024))
     adamw, muon = train.make_optimizers(model, cfg, "cpu", torch.float32)
-    width_scale = (640 / 768) ** -0.5  # AdamW lrs scaled by (width / 768)^-0.5
-    assert [g["peak_lr"] for g in adamw.param_groups] == pytest.approx([0.3 * width_scale, 0.006 * width_scale])
+    width_scale = (640 / 768) ** -0.5  # embedding and head lrs scaled by (width / 768)^-0.5, the scalars' not
+    assert [g["peak_lr"] for g in adamw.param_groups] == pytest.approx([0.3 * width_scale, 0.006 * width_scale, 0.2])
+    assert [g["betas"] for g in adamw.param_groups] == [(0.8, 0.95), (0.8, 0.95), (0.9, 0.95)]
+    assert adamw.param_groups[2]["params"] == [model.resid_lambdas, model.x0_lambdas] and adamw.defaults["eps"] == 1e-10
     assert isinstance(muon, train.Muon) and all(g["peak_lr"] == pytest.approx(0.025) for g in muon.param_groups)
-    assert cfg.scalar_lr == 0.2 and adamw.defaults["betas"] == (0.8, 0.95) and adamw.defaults["eps"] == 1e-10
     assert model.wte.weight.std().item() == pytest.approx(0.8, rel=0.02)
     assert model.lm_head.weight.std().item() == pytest.approx(0.001, rel=0.02)
     c_fc = model.blocks[0].mlp.c_fc.weight
@@ -131,8 +132,7 @@ def test_value_embeds_and_residual_scalars_are_causal_and_optimised_apart():
     groups = {id(p): g["peak_lr"] for g in adamw.param_groups for p in g["params"]}
     cfg = train.TrainConfig()
     assert groups[id(model.value_embeds["0"].weight)] == pytest.approx(cfg.embedding_lr)
-    assert groups[id(model.x0_lambdas)] == pytest.approx(cfg.scalar_lr)
-    assert groups[id(model.resid_lambdas)] == pytest.approx(cfg.scalar_lr * 0.01)
+    assert groups[id(model.x0_lambdas)] == groups[id(model.resid_lambdas)] == pytest.approx(cfg.scalar_lr)
     assert any(p is model.blocks[0].attn.ve_gate.weight for g in muon.param_groups for p in g["params"])
 
 
