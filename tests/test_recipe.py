@@ -209,3 +209,18 @@ def test_every_ablation_row_is_a_valid_run():
     frontier_cfg, frontier_model = train.parse_args(rows["frontier"])
     assert (frontier_cfg, frontier_model) == train.parse_args(["--preset=frontier", "--compile=false", "--batch_size=8",
                                                                *rows["frontier"][1:]])
+
+
+def test_model_levers_compile_to_one_graph_that_the_mtp_fade_does_not_recompile():
+    """fullgraph=True, as the Neuron backend compiles the step: no graph break in the levers, and writing
+    new MTP weights into the buffer reuses the graph (a Python number would re-trace it)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(tiny(value_embeds=True, residual_scalars=True, mtp_extra=2, loss_chunks=2))
+    idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(-1, 50, (2, 16))
+    model(idx, targets)  # kernels.py logs its fallback choice once, outside any graph
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for weights in ([0.5, 0.25], [0.3, 0.0]):
+        model.mtp_weights.copy_(torch.tensor(weights))
+        torch.testing.assert_close(compiled(idx, targets), model(idx, targets))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
