@@ -346,9 +346,13 @@ def ablation_rows(steps):
     return args
 
 
+def spread(values):
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def run_ablation(seeds, steps, extra=()):
     """val_bpb of every ablation row for each seed: a markdown table of mean, spread and change from the
-    baseline. It checks that each lever trains and is wired right at this scale; it measures nothing about
+    baseline (extra: more train.py arguments for every run). It checks that each lever trains and is wired right at this scale; it measures nothing about
     Trn2, where the levers' gains were measured at far larger scale (README, "Ablation")."""
     import contextlib
     import io
@@ -364,13 +368,13 @@ def run_ablation(seeds, steps, extra=()):
                     final = train.main(argv)["final_eval"]["val_bpb"]
                 results.setdefault(name, []).append(final)
             print(f"{name:>16}: {' '.join(f'{v:.4f}' for v in results[name])}", file=sys.stderr, flush=True)
-    base = statistics.mean(results["baseline"])
-    print(f"| config | val_bpb (mean of {seeds} seeds) | spread (sd) | vs baseline | per seed |")
+    # a seed fixes the initialisation and the data order, so each row is compared with the baseline seed by seed
+    print(f"| config | val_bpb (mean of {seeds} seeds) | sd | vs baseline, paired by seed (mean, sd) | per seed |")
     print("|---|---|---|---|---|")
     for name, values in results.items():
-        mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-        delta = "" if name == "baseline" else f"{mean - base:+.4f}"
-        print(f"| {name} | {mean:.4f} | {sd:.4f} | {delta} | {', '.join(f'{v:.4f}' for v in values)} |")
+        deltas = [v - b for v, b in zip(values, results["baseline"])]
+        delta = "" if name == "baseline" else f"{statistics.mean(deltas):+.4f} ({spread(deltas):.4f})"
+        print(f"| {name} | {statistics.mean(values):.4f} | {spread(values):.4f} | {delta} | {', '.join(f'{v:.4f}' for v in values)} |")
     print(f"\n{seeds} seeds x {len(results)} configs, {steps} steps of 2,048 tokens each, in "
           f"{time.perf_counter() - started:.0f} s (torch.get_num_threads() = {torch.get_num_threads()})")
     return results
