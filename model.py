@@ -199,8 +199,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """nanochat's init: unit-variance embedding, 1/sqrt(fan_in) matrices, zero output projections
-        (each block starts as the identity), and a near-zero head so the first loss is ln(vocab)."""
+        """nanochat's init: a normal embedding (std wte_init_std, 1 by default), uniform matrices of std
+        matrix_init_scale / sqrt(fan_in), zero output projections (each block starts as the identity), and a
+        near-zero head so the first loss is ln(vocab)."""
         c = self.config
         nn.init.normal_(self.wte.weight, std=c.wte_init_std)
         nn.init.normal_(self.lm_head.weight, std=0.001)
@@ -229,10 +230,10 @@ class GPT(nn.Module):
         losses of the later targets (multi-token prediction); evaluation always scores the next token only.
         """
         B, T = idx.shape
-        c = self.config
-        if T > c.sequence_len:
-            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={c.sequence_len}")
+        if T > self.config.sequence_len:
+            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={self.config.sequence_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        c = self.config
         x = x0 = norm(self.wte(idx), c.kernels)
         for i, block in enumerate(self.blocks):
             if c.residual_scalars:
