@@ -802,7 +802,8 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
             torch.nn.init.normal_(linear.weight, std=0.02)
     if not check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer):
         raise ValueError("the model's logits depend on later tokens (causality check failed); not exporting")
-    flags = [a for a in argv if not a.startswith("--export_submission")]
+    # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
+    flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
     source = bundle_source(__file__, flags)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -1009,13 +1010,13 @@ def train_loop(run):
             step_times.append(dt)
             interval_time, interval_tokens = interval_time + dt, interval_tokens + run.total_tokens
         next_step_s = statistics.median(step_times[-10:]) if step_times else dt
-        # every rank decides alike: the slowest rank's step, any rank's signal or non-finite loss
-        decision = [next_step_s, float(run.stop.received), float(not (math.isfinite(loss_value) and math.isfinite(norm_value)))]
+        # every rank decides alike, on the mean over ranks: step time, loss, any rank's signal or non-finite loss
+        decision = [next_step_s, loss_value, float(run.stop.received), float(not (math.isfinite(loss_value) and math.isfinite(norm_value)))]
         if run.ddp:
             agreed = torch.tensor(decision, dtype=torch.float64)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=run.control)
-            decision = agreed.tolist()
-        next_step_s, stopping, nonfinite = decision[0], bool(decision[1]), bool(decision[2])
+            dist.all_reduce(agreed, group=run.control)
+            decision = (agreed / run.world_size).tolist()
+        next_step_s, loss_value, stopping, nonfinite = decision[0], decision[1], decision[2] > 0, decision[3] > 0
         if nonfinite:
             raise FloatingPointError(
                 f"step {run.step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
