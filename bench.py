@@ -47,8 +47,9 @@ if "--kernels" in sys.argv[1:]:
 
     nki_emulator.install()
 
+import data  # noqa: E402
 import kernels  # noqa: E402
-import train
+import train  # noqa: E402
 from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -398,15 +399,13 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
-    model_cfg.vocab_size = train.data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
+    model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
     rank, world_size, device = train.setup_distributed(device_type)
     dtype_reason = train.choose_dtype(cfg, device_type, dist.new_group(backend="gloo") if dist.is_initialized() else None)
     if rank == 0:
         print(f"computing in {cfg.dtype} because {dtype_reason}")
-    if device_type == "neuron":
-        train.configure_neuron_compiler(cfg)
     if args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device)}
         if rank == 0:

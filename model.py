@@ -222,7 +222,7 @@ class GPT(nn.Module):
             self.x0_lambdas.fill_(0.1)
 
     def forward(self, idx, targets=None, loss_reduction="mean"):
-        """idx: (B, T) token ids, T <= sequence_len.
+        """idx: (B, T) token ids; T may exceed sequence_len (the rotary tables grow), which training never does.
 
         Without targets: logits (B, T, vocab_size). With targets (B, T): the mean cross-entropy in nats,
         or with loss_reduction="none" the per-token loss (B, T), which bits-per-byte needs.
@@ -230,8 +230,9 @@ class GPT(nn.Module):
         losses of the later targets (multi-token prediction); evaluation always scores the next token only.
         """
         B, T = idx.shape
-        if T > self.config.sequence_len:
-            raise ValueError(f"sequence of {T} tokens is longer than sequence_len={self.config.sequence_len}")
+        if T > self.rope_cos.size(0):  # longer than training's context (evaluation): extend the tables once
+            cos, sin = rotary_tables(T, self.config.head_dim, self.config.rope_base)
+            self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         c = self.config
         x = x0 = norm(self.wte(idx), c.kernels)

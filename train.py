@@ -9,10 +9,16 @@ Data-parallel, one rank per device (NeuronCore, GPU or CPU process):
 
     torchrun --standalone --nproc_per_node=4 train.py
 
-The learning-rate schedule follows training progress: step / max_steps, or elapsed training time /
-time_budget_s (the competition's fixed wall-clock budget). The training clock excludes start-up, the
-first `startup_steps` steps (compilation), evaluation and checkpointing.
+Beside the contest's prepare.py (the AWS Trainium Frontier kit), a bare `train.py` trains on the contest's
+data and tokenizer under the contest's clock (competition mode); `--export_submission=PATH` writes this
+kit as the one-file train.py that the contest takes.
+
+The clock is the contest's: device-synchronised wall-clock time from the end of the first `startup_steps`
+steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluations, checkpoints and the
+final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
+The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
 """
+import ast
 import dataclasses
 import difflib
 import functools
@@ -23,17 +29,24 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+PROCESS_START = time.monotonic()  # the contest charges start-up from the process's start
+# TorchNeuron hands NEURON_CC_FLAGS to neuronx-cc verbatim and reads it when torch_neuronx is imported, so
+# the default is set before torch loads (competitors measured half the throughput without -O1; CONTEST.md).
+# Precision is left to the graph (autocast), not to the compiler. A user's own setting wins.
+os.environ.setdefault("NEURON_CC_FLAGS", "--optlevel=1 --auto-cast=none")
 
-import data
-from model import GPT, GPTConfig
+import torch  # noqa: E402  (after the compiler flags)
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from model import GPT, GPTConfig  # noqa: E402
 
 
 def opt(default, help):
@@ -65,10 +78,12 @@ class TrainConfig:
     warmdown_frac: float = opt(0.4, "final fraction of progress over which the lr decays linearly")
     final_lr_frac: float = opt(0.0, "lr at the end of warmdown, as a fraction of the peak")
     max_steps: int = opt(0, "stop after this many optimizer steps; 0 = no step limit")
-    time_budget_s: float = opt(150.0, "stop after this much training time; 0 = no time limit")
-    startup_steps: int = opt(1, "first steps kept off the training clock (compilation, warm-up)")
+    time_budget_s: float = opt(150.0, "charged seconds the run may take, final save included; 0 = no limit")
+    startup_steps: int = opt(1, "first steps before the clock starts (compilation); the contest's is 5")
+    startup_cap_s: float = opt(900.0, "start-up (process start to the clock's start) beyond this is charged")
     # evaluation and logging
     eval_every: int = opt(0, "evaluate every N steps; 0 = only before and after training")
+    charge_evals: bool = opt(True, "periodic evaluations and checkpoints count against time_budget_s")
     eval_tokens: int = opt(65536, "validation tokens per evaluation")
     log_every: int = opt(10, "print and log a training line every N steps")
     sample_tokens: int = opt(300, "tokens of text sampled at the end; 0 = none")
@@ -81,9 +96,11 @@ class TrainConfig:
     device: str = opt("auto", "auto | neuron | cuda | cpu")
     dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)")
-    compile_cache_dir: str = opt("neuron_cache", "persistent Neuron compilation cache (reused across runs)")
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
     seed: int = opt(1337, "seed of initialisation and data order")
+    # the contest (AWS Trainium Frontier)
+    competition_dir: str = opt("", "folder of the contest's prepare.py; '' = beside train.py (then it is used)")
+    export_submission: str = opt("", "write this kit as one train.py for upload, these flags its defaults")
     # recipe levers (README "Presets"): all off by default, on in --preset=frontier
     adamw_width_lr_scaling: bool = opt(False, "scale embedding and head AdamW lrs by (n_embd / 768)^-0.5, as the baseline does")
     data_order: str = opt("shuffled", "shuffled (every window, random order) | stream (in order, as the contest's loader)")
@@ -242,16 +259,6 @@ def setup_distributed(device_type):
     return dist.get_rank(), dist.get_world_size(), device_type
 
 
-def configure_neuron_compiler(cfg):
-    """Defaults for neuronx-cc that a user's own NEURON_CC_FLAGS replace entirely: -O1 (without it,
-    competitors measured half the throughput), bf16 matmuls to match autocast, and a persistent cache so
-    a second run skips the ~14-minute first compilation."""
-    cast = "--auto-cast=matmult --auto-cast-type=bf16" if cfg.dtype == "bfloat16" else "--auto-cast=none"
-    cache = os.path.abspath(cfg.compile_cache_dir)
-    os.environ.setdefault("NEURON_CC_FLAGS", f"--optlevel=1 {cast} --cache_dir={cache}")
-    os.environ.setdefault("NEURON_COMPILE_CACHE_URL", cache)
-
-
 def cpu_matmul_gflops(n=256, repeats=3):
     """{dtype: GFLOP/s} of an n x n matmul in bf16 and fp32 on one thread, the two interleaved and the best
     of `repeats` kept, so a busy machine slows both alike (~0.1 s even where bf16 is slow)."""
@@ -329,17 +336,16 @@ def peak_flops(device_type, dtype=torch.bfloat16, override_tflops=0.0):
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
         return next((v for k, v in PEAK_FLOPS.items() if k in name), float("nan"))
-    n = 256  # grown until one matmul takes 50 ms (2048 at most), so a slow dtype costs a second, not minutes
-    while True:
+    for n in (1024, 2048):  # 2048 only where 1024 is quick: a slow dtype then costs seconds, not minutes
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t0)
-        if best > 0.05 or n >= 2048:
-            return 2 * n**3 / best
-        n *= 2
+        if best > 0.1:
+            break
+    return 2 * n**3 / best
 
 
 # -----------------------------------------------------------------------------
@@ -612,28 +618,48 @@ def train_step(model, raw_model, optimizers, micro_batches, device, autocast, gr
 # -----------------------------------------------------------------------------
 # checkpoints
 
-def save_checkpoint(path, model, optimizers, step, train_time, loader, train_cfg, model_cfg):
-    """Written to a temporary file, fsynced, then renamed over the target: a crash at any moment leaves
-    either the old checkpoint or the new one, never a torn file."""
-    state = {
+def write_atomically(path, payload):
+    """torch.save to a temporary file, fsync, rename over the target, fsync the folder: a crash at any
+    moment leaves the old file or the new one, never a torn one. A full disk names the file."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        os.fsync(dir_fd)  # make the rename itself durable
+        os.close(dir_fd)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(f"could not write {path}: {e.strerror or e}; the previous file there, if any, is intact") from e
+
+
+def save_checkpoint(path, model, optimizers, step, train_time, loader_state, train_cfg, model_cfg):
+    """Everything a run needs to continue exactly: weights, optimizer state, step, charged time, data
+    position, RNG and both configs."""
+    write_atomically(path, {
         "model": model.state_dict(),
         "optimizers": [o.state_dict() for o in optimizers],
         "step": step,
         "train_time": train_time,
-        "loader": loader.state_dict(),
+        "loader": loader_state,
         "rng": torch.get_rng_state(),
         "train_config": asdict(train_cfg),
         "model_config": asdict(model_cfg),
-    }
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    os.fsync(dir_fd)  # make the rename itself durable
-    os.close(dir_fd)
+    })
+
+
+def save_final(path, model, model_cfg, step, train_time):
+    """final.pt: the weights and the model config only (a third of a resumable checkpoint), which is all
+    the scorer's load_for_eval reads. Refuses non-finite weights rather than write a model that scores NaN."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
+    write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
+                            "step": step, "train_time": train_time})
 
 
 def check_disk_space(out_dir, n_params, keep_checkpoints):
@@ -669,22 +695,30 @@ def inference_model(weights, model_config, device):
 
 
 def load_for_eval(checkpoint_path, device="cpu"):
-    """The competition's entry point: a single-device model in eval mode whose forward(idx) returns
-    causal next-token logits, from any checkpoint this script wrote."""
-    state = load_checkpoint(checkpoint_path, device)
-    return inference_model(state["model"], state["model_config"], device)
+    """The contest's scoring hook: a frozen, single-device model whose forward(idx) returns causal
+    next-token logits (B, T, vocab) for any T (rotary tables grow on demand), from final.pt or any
+    checkpoint this script wrote. The scorer applies no autocast (CONTEST.md), so on Trainium and GPUs
+    the weights themselves are bf16 and the model computes in bf16; on a CPU it stays fp32."""
+    device, state = torch.device(device), load_checkpoint(checkpoint_path, "cpu")
+    model = inference_model(state["model"], state["model_config"], "cpu")
+    if device.type in ("cuda", "neuron"):
+        model = model.to(torch.bfloat16)
+    return model.to(device).requires_grad_(False)
 
 
 # -----------------------------------------------------------------------------
 # evaluation
 
 @torch.no_grad()
-def evaluate(model, batches, token_bytes, device, autocast):
+def evaluate(model, batches, token_bytes, device, autocast, stop=None):
     """Mean val loss over all target tokens, and val_bpb = nats / (ln 2 * bytes) over the target tokens
-    that stand for bytes (document boundaries stand for none). Sums are reduced over all ranks."""
+    that stand for bytes (document boundaries stand for none). Sums are reduced over all ranks. A stop
+    request (`stop.received`) ends it early: the numbers then cover the batches done."""
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats of byte tokens, bytes
     for x, y in batches:
+        if stop is not None and stop.received:
+            break
         x, y = x.to(device), y.to(device)
         with autocast:
             loss = model(x, y, loss_reduction="none").double()
@@ -695,7 +729,251 @@ def evaluate(model, batches, token_bytes, device, autocast):
         dist.all_reduce(sums)
     model.train()
     nats, tokens, byte_nats, nbytes = sums.tolist()
-    return {"val_loss": nats / tokens, "val_bpb": byte_nats / (math.log(2) * nbytes)}
+    return {"val_loss": nats / max(tokens, 1), "val_bpb": byte_nats / (math.log(2) * max(nbytes, 1))}
+
+
+# -----------------------------------------------------------------------------
+# the contest's contract: its prepare.py, its clock, the one-file submission
+
+def find_prepare(cfg):
+    """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside this
+    script, which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
+    launch string takes no flags) trains on the contest's data."""
+    folder = cfg.competition_dir or os.path.dirname(os.path.abspath(__file__))
+    if not os.path.isfile(os.path.join(folder, "prepare.py")):
+        if cfg.competition_dir:
+            raise FileNotFoundError(f"--competition_dir={cfg.competition_dir} has no prepare.py")
+        return None
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import prepare
+
+    return prepare
+
+
+class KitCorpus:
+    """The kit's own corpora and tokenizers (data.py): shards prepared once by rank 0, then read by every
+    rank, and a held-out split for val_bpb."""
+
+    def __init__(self, cfg):
+        import data  # the kit's data path; a submission reads the contest's data through prepare.py
+
+        self.data, self.cfg = data, cfg
+        self.enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
+        self.vocab_size, self.decode, self.bos_id = self.enc.n_vocab, self.enc.decode, self.enc.eot_token
+
+    def load(self, batch_size, sequence_len, rank, world_size, device, master):
+        cfg, data = self.cfg, self.data
+        if not master and dist.is_initialized():
+            dist.barrier()  # released below, once rank 0 has the shards
+        path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+        if master and dist.is_initialized():
+            dist.barrier()
+        self.loader = data.TokenLoader(data.shard_paths(path, "train"), batch_size, sequence_len, rank, world_size,
+                                       cfg.seed, self.vocab_size, shuffle=cfg.data_order == "shuffled",
+                                       row_pool=cfg.row_pool, ignore_target=self.bos_id if cfg.mask_bos_targets else None)
+        self.val_batches = data.eval_batches(data.shard_paths(path, "val"), batch_size, sequence_len,
+                                             cfg.eval_tokens, rank, world_size, self.vocab_size)
+        self.token_bytes = data.token_bytes(self.enc).to(device)
+
+    def next_batch(self):
+        return next(self.loader)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+
+class ContestCorpus:
+    """The contest's data through its prepare.py: its tokenizer (vocabulary 8,192, BOS 8188) and its own
+    make_dataloader, the organiser's loader, chosen over the evaluator-layout loader FrontierForge wrote
+    because it needs only prepare.py's public names. No validation data is read inside the run: the
+    contest's review rejected in-script evaluation on it (CONTEST.md); `python evaluate.py` scores a
+    checkpoint with prepare.py's own evaluate_bpb instead."""
+
+    val_batches = token_bytes = decode = None
+
+    def __init__(self, prepare, mask_bos_targets=False):
+        self.prepare, self.mask_bos_targets = prepare, mask_bos_targets
+        self.tokenizer = prepare.ensure_tokenizer(build_if_missing=False)
+        self.vocab_size, self.bos_id = self.tokenizer.get_vocab_size(), self.tokenizer.get_bos_token_id()
+
+    def load(self, batch_size, sequence_len, rank, world_size, device, master):  # the loader shards by rank itself
+        self.batches = self.prepare.make_dataloader(self.tokenizer, batch_size, sequence_len, "train", device)
+
+    def next_batch(self):
+        x, y, _ = next(self.batches)
+        if self.mask_bos_targets:  # the next document's BOS cannot be predicted; the same constant every step
+            y = y.masked_fill(y == self.bos_id, -1)
+        return x, y
+
+    def state_dict(self):  # the organiser's loader has no position to save: a resumed run starts it anew
+        return None
+
+    def load_state_dict(self, state):
+        pass
+
+
+def apply_contest_rules(cfg, prepare):
+    """The constants the contest's prepare.py fixes, and the harness's output folder, over any flag."""
+    cfg.time_budget_s = float(prepare.TRAIN_TIME_BUDGET_SECONDS)
+    cfg.startup_steps = int(prepare.TRAIN_STARTUP_STEPS_EXCLUDED)
+    cfg.startup_cap_s = float(prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
+    cfg.out_dir = os.environ.get("NEURON_COMPETITION_R1_OUT_DIR", cfg.out_dir)  # the baseline's --out-dir default
+    cfg.eval_every, cfg.sample_tokens = 0, 0
+
+
+class ChargedClock:
+    """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
+    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them; CONTEST.md "Clock"):
+    wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
+    start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
+    is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
+    `already` carries the charged time of the run a checkpoint resumes."""
+
+    def __init__(self, budget_s, excluded_steps, startup_cap_s, already=0.0, process_start=PROCESS_START,
+                 now=time.monotonic):
+        self.budget_s, self.excluded_steps, self.startup_cap_s = budget_s, excluded_steps, startup_cap_s
+        self.already, self.process_start, self.now = already, process_start, now
+        self.started = None
+        self.startup_s = self.excluded_s = 0.0
+
+    def steps_done(self, steps_this_run):
+        """Called after each synchronised step (and with 0 before the first)."""
+        if self.started is None and steps_this_run >= self.excluded_steps:
+            now = self.now()
+            self.startup_s = now - self.process_start
+            self.started = now - max(0.0, self.startup_s - self.startup_cap_s)
+
+    def exclude(self, seconds):
+        self.excluded_s += seconds
+
+    def charged(self):
+        running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
+        return self.already + running
+
+    def progress(self):
+        return self.charged() / self.budget_s if self.budget_s else 0.0
+
+    def must_stop(self, next_step_s, reserve_s):
+        """True when one more step and the final save would not fit in the budget."""
+        return bool(self.budget_s) and self.started is not None and \
+            self.charged() + next_step_s + reserve_s >= self.budget_s
+
+
+SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
+KIT_ONLY = ("KitCorpus", "export_submission", "bundle_source")  # left out of the one-file submission
+
+
+def bundle_source(train_path, argv):
+    """This kit as one train.py: kernels.py and model.py in place of `from model import ...`, module-qualified
+    names (`kernels.mlp`) made plain, the KIT_ONLY definitions (and so data.py, with its downloads) left
+    out, and `argv` baked in as SUBMISSION_ARGS. Comments and docstrings are kept, so it reads as the kit
+    does. Raises ValueError where the pieces would clash."""
+    folder = os.path.dirname(os.path.abspath(train_path))
+    texts = {name: open(os.path.join(folder, f"{name}.py")).read() for name in ("kernels", "model", "train")}
+
+    def body(name, inline=None):
+        """A module's text, top-level statement by statement (each with the comments above it)."""
+        text, tree = texts[name], ast.parse(texts[name])
+        lines, out, previous_end = text.splitlines(keepends=True), [], 0
+        for node in tree.body:
+            start, end = node.lineno - 1, node.end_lineno
+            while start > previous_end and lines[start - 1].lstrip().startswith(("#", "@")):
+                start -= 1  # comments and decorators belong to the statement below them
+            chunk = "".join(lines[previous_end:end]) if start == previous_end else "".join(lines[start:end])
+            gap = "".join(lines[previous_end:start])
+            previous_end = end
+            names = {getattr(node, "name", None)} | {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is tree.body[0]:
+                if name != "train":  # other modules' docstrings become comments
+                    chunk = "".join(f"# {line}".rstrip() + "\n" for line in node.value.value.strip().splitlines())
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and {a.name.split(".")[0] for a in node.names} & {"kernels", "model", "data"} \
+                    or isinstance(node, ast.ImportFrom) and node.module in ("model", "kernels", "data"):
+                chunk = inline() if inline else ""
+            elif names & set(KIT_ONLY):
+                chunk = ""
+            elif names == {"SUBMISSION_ARGS"}:
+                chunk = f"SUBMISSION_ARGS = {argv!r}  # the flags of the run that exported this file\n"
+            out.append(gap + chunk)
+        out.append("".join(lines[previous_end:]))
+        return "".join(out)
+
+    defined = {}
+    for name in ("kernels", "model", "train"):
+        for node in ast.parse(texts[name]).body:
+            for n in [getattr(node, "name", None)] + [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]:
+                if n and n not in KIT_ONLY and n not in ("logger",):
+                    if n in defined and defined[n] != name:
+                        raise ValueError(f"{n} is defined in both {defined[n]}.py and {name}.py")
+                    defined[n] = name
+    model_text = body("model").replace("kernels.", "")
+    kernels_text = body("kernels")
+    source = body("train", inline=lambda: f"\n# ===== kernels.py =====\n{kernels_text}\n# ===== model.py =====\n{model_text}\n# ===== train.py =====\n")
+    check_submission(source)
+    return source
+
+
+SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, CONTEST.md)
+SUBMISSION_IMPORTS = {"torch", "numpy", "nki", "torch_neuronx", "prepare"}
+
+
+def check_submission(source):
+    """What the contest takes: one file under the portal's size limit, importing only the standard
+    library, torch, numpy, the Neuron stack and prepare.py, with no download code and nothing of the
+    kit's own data path. Raises ValueError naming the first problem."""
+    size = len(source.encode())
+    if size > SUBMISSION_LIMIT_BYTES:
+        raise ValueError(f"the submission is {size:,} bytes; the contest takes at most {SUBMISSION_LIMIT_BYTES:,}")
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) else []
+        for module in modules:
+            top = module.split(".")[0]
+            if top not in SUBMISSION_IMPORTS and top not in sys.stdlib_module_names or top in ("urllib", "http", "socket", "requests"):
+                raise ValueError(f"the submission imports {module}, which the contest's environment may lack or forbids")
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    leftovers = sorted(used & ({"data", "urlopen", "hf_hub_download"} | set(KIT_ONLY)))
+    if leftovers:
+        raise ValueError(f"the submission still refers to {leftovers}, which it leaves out")
+    if "def load_for_eval" not in source:
+        raise ValueError("the submission defines no load_for_eval, which the scorer calls")
+
+
+def check_causality(model, vocab_size, sequence_len, device, prepare=None, tokenizer=None):
+    """True when the model's logits at position t do not depend on tokens after t: with prepare.py, its own
+    causality_check (what the contest runs); otherwise by changing the second half of a random sequence."""
+    if prepare is not None:
+        return bool(prepare.causality_check(model, tokenizer, 1, sequence_len, device)["passed"])
+    idx = torch.randint(0, vocab_size, (1, sequence_len), generator=torch.Generator().manual_seed(0)).to(device)
+    changed = idx.clone()
+    changed[:, sequence_len // 2:] = (changed[:, sequence_len // 2:] + 1) % vocab_size
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    return torch.equal(a[:, : sequence_len // 2], b[:, : sequence_len // 2])
+
+
+def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
+    """Writes the one-file train.py after a causality check of the model it would train."""
+    path = cfg.export_submission
+    torch.manual_seed(cfg.seed)
+    model = GPT(dataclasses.replace(model_cfg, vocab_size=vocab_size)).eval()
+    for block in model.blocks:  # zero-initialised output projections would hide a leak
+        for linear in (block.attn.c_proj, block.mlp.c_proj):
+            torch.nn.init.normal_(linear.weight, std=0.02)
+    if not check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer):
+        raise ValueError("the model's logits depend on later tokens (causality check failed); not exporting")
+    # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
+    flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
+    source = bundle_source(__file__, flags)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(source)
+    print(f"wrote {path}: {len(source.encode()):,} bytes (limit {SUBMISSION_LIMIT_BYTES:,}), defaults {flags}; "
+          f"causality check passed")
 
 
 # -----------------------------------------------------------------------------
@@ -715,8 +993,9 @@ class Logger:
 
 
 class StopSignal:
-    """SIGTERM (what schedulers send) or Ctrl-C asks training to checkpoint and stop after the current
-    step; a second Ctrl-C interrupts at once."""
+    """SIGTERM (what schedulers send) or Ctrl-C asks the run to stop at its next safe point (after the
+    current step, evaluation batch or save) with a resumable checkpoint or a finished final.pt; a second
+    Ctrl-C interrupts at once. Installed for the whole run, start-up included."""
 
     def __enter__(self):
         self.received = False
@@ -732,6 +1011,10 @@ class StopSignal:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+class Stopped(Exception):
+    """A stop signal arrived before there was anything worth saving."""
+
+
 def resolve_resume(cfg):
     if cfg.resume != "latest":
         if not os.path.exists(cfg.resume):
@@ -743,12 +1026,15 @@ def resolve_resume(cfg):
     return found[-1]
 
 
-def main(argv):
-    cfg, model_cfg = parse_args(argv)
-    logging.basicConfig(format="%(name)s: %(message)s")
-    # --- checks that need no data, model or device: fail before any expensive work
-    enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
-    model_cfg.vocab_size = enc.n_vocab
+def setup(cfg, model_cfg, stop, argv):
+    """Everything before the first step, cheapest checks first. Returns the run's state as a namespace
+    (None after --export_submission, which trains nothing)."""
+    run = SimpleNamespace(cfg=cfg, model_cfg=model_cfg, stop=stop)
+    prepare = find_prepare(cfg)
+    if prepare is not None:
+        apply_contest_rules(cfg, prepare)
+    corpus = ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else KitCorpus(cfg)
+    model_cfg.vocab_size = corpus.vocab_size
     model_cfg.validate()
     if not (cfg.max_steps or cfg.time_budget_s):
         raise ValueError("set --max_steps or --time_budget_s (or both), otherwise training never stops")
@@ -761,167 +1047,229 @@ def main(argv):
     device_type = detect_device() if cfg.device == "auto" else cfg.device
     if device_type not in ("neuron", "cuda", "cpu"):
         raise ValueError(f"--device={device_type!r}: use auto, neuron, cuda or cpu")
+    if cfg.export_submission:
+        export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
+        return None
 
     rank, world_size, device = setup_distributed(device_type)
-    ddp = dist.is_initialized()
+    vars(run).update(rank=rank, world_size=world_size, device=device, device_type=device_type, master=rank == 0,
+                     ddp=dist.is_initialized(), prepare=prepare, corpus=corpus)
     # every rank must agree each step on the clock and on a stop request; a CPU-side gloo group does that
     # without making the host wait for the accelerator
-    control = dist.new_group(backend="gloo") if ddp else None
-    dtype_reason = choose_dtype(cfg, device_type, control)
-    if device_type == "neuron":
-        configure_neuron_compiler(cfg)
-    master = rank == 0
-    if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
+    run.control = dist.new_group(backend="gloo") if run.ddp else None
+    dtype_reason = choose_dtype(cfg, device_type, run.control)
+    if run.master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
         logging.getLogger("kernels").setLevel(logging.INFO)
     micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
-    total_tokens = cfg.total_batch_tokens or micro_tokens
-    if total_tokens % micro_tokens:
+    run.total_tokens = cfg.total_batch_tokens or micro_tokens
+    if run.total_tokens % micro_tokens:
         raise ValueError(
-            f"total_batch_tokens={total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
+            f"total_batch_tokens={run.total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
             f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
         )
-    accum_steps = total_tokens // micro_tokens
-    validate_levers(cfg, model_cfg, accum_steps)
+    run.accum_steps = run.total_tokens // micro_tokens
+    validate_levers(cfg, model_cfg, run.accum_steps)
+    if prepare is not None and cfg.row_pool:
+        raise ValueError("--row_pool reorders the kit's loader; the contest's make_dataloader streams its own rows. "
+                         "Pass --row_pool=0 in competition mode")
     resume_path = resolve_resume(cfg) if cfg.resume else None
     state = load_checkpoint(resume_path) if resume_path else None
     if state and state["model_config"] != asdict(model_cfg):
         diff = {k: (v, asdict(model_cfg).get(k)) for k, v in state["model_config"].items() if asdict(model_cfg).get(k) != v}
         raise ValueError(f"{resume_path} holds a different model (field: (checkpoint, now) = {diff}); pass the same flags")
+    if state and "optimizers" not in state:
+        raise ValueError(f"{resume_path} holds weights only (a final.pt); resume from a ckpt_*.pt instead")
     torch.manual_seed(cfg.seed)
 
-    # --- data: rank 0 prepares the shards once, the others wait for it
-    if master:
+    if run.master:
         os.makedirs(cfg.out_dir, exist_ok=True)
         with torch.device("meta"):  # parameter count without allocating anything
             check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
-    elif ddp:
-        dist.barrier()  # released below, once rank 0 has the shards
-    data_path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
-    if master and ddp:
-        dist.barrier()
-    loader = data.TokenLoader(data.shard_paths(data_path, "train"), cfg.batch_size, model_cfg.sequence_len,
-                              rank, world_size, cfg.seed, enc.n_vocab, shuffle=cfg.data_order == "shuffled",
-                              row_pool=cfg.row_pool, ignore_target=enc.eot_token if cfg.mask_bos_targets else None)
-    val_batches = data.eval_batches(data.shard_paths(data_path, "val"), cfg.batch_size, model_cfg.sequence_len,
-                                    cfg.eval_tokens, rank, world_size, enc.n_vocab)
-    token_bytes = data.token_bytes(enc).to(device)
+    if prepare is not None and run.master:
+        print(f"competition mode: {prepare.__file__}'s data, tokenizer and clock (budget {cfg.time_budget_s:.0f} s, "
+              f"{cfg.startup_steps} start-up steps excluded, start-up beyond {cfg.startup_cap_s:.0f} s charged); "
+              f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
+    corpus.load(cfg.batch_size, model_cfg.sequence_len, rank, world_size, device, run.master)
+    if stop.received:
+        raise Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
 
-    # --- model and optimizers, fresh or from a checkpoint
-    raw_model = GPT(model_cfg).to(device)
-    optimizers = make_optimizers(raw_model, cfg, device_type, compute_dtype(cfg))
-    step, train_time = 0, 0.0
+    run.raw_model = GPT(model_cfg).to(device)
+    run.optimizers = make_optimizers(run.raw_model, cfg, device_type, compute_dtype(cfg))
+    run.step, already_charged = 0, 0.0
     if state:
-        raw_model.load_state_dict(state["model"])
-        for o, s in zip(optimizers, state["optimizers"]):
+        run.raw_model.load_state_dict(state["model"])
+        for o, s in zip(run.optimizers, state["optimizers"]):
             o.load_state_dict(s)
-        step, train_time = state["step"], state["train_time"]
-        loader.load_state_dict(state["loader"])
+        run.step, already_charged = state["step"], state["train_time"]
+        corpus.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"])
         del state  # its tensors now live in the model and optimizers
-    ema = WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
-    model = wrap_for_training(raw_model, cfg, device_type, device)
-    autocast = autocast_context(cfg, device_type)
-    flops_per_token = raw_model.flops_per_token()
-    peak = peak_flops(device_type, compute_dtype(cfg), cfg.peak_tflops) * world_size
-    log = Logger(cfg.out_dir, master, append=bool(cfg.resume))
-    log("config", f"{raw_model.num_params():,} parameters, {flops_per_token / 1e6:.1f} MFLOP/token, {world_size} "
-        f"rank(s) on {device_type}, {accum_steps} micro-step(s) of {micro_tokens:,} tokens per step; computing in "
-        f"{cfg.dtype} because {dtype_reason}", train_config=asdict(cfg), model_config=asdict(model_cfg),
-        world_size=world_size, device=device_type, dtype_reason=dtype_reason)
+    run.ema = WeightEMA(run.raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
+    run.model = wrap_for_training(run.raw_model, cfg, device_type, device)
+    run.autocast = autocast_context(cfg, device_type)
+    run.flops_per_token = run.raw_model.flops_per_token()
+    run.peak = peak_flops(device_type, compute_dtype(cfg), cfg.peak_tflops) * world_size
+    run.log = Logger(cfg.out_dir, run.master, append=bool(cfg.resume))
+    run.log("config", f"{run.raw_model.num_params():,} parameters, {run.flops_per_token / 1e6:.1f} MFLOP/token, "
+            f"{world_size} rank(s) on {device_type}, {run.accum_steps} micro-step(s) of {micro_tokens:,} tokens per "
+            f"step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
+            model_config=asdict(model_cfg), world_size=world_size, device=device_type, dtype_reason=dtype_reason)
+    run.reserve_s = measure_final_save(run)
+    run.clock = ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, already_charged)
+    run.first_eval = run_eval(run) if corpus.val_batches is not None else None
+    return run
 
-    def run_eval():
-        # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
-        metrics = evaluate(raw_model, val_batches, token_bytes, device, autocast)
-        log("eval", f"step {step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}", step=step, **metrics)
-        return metrics
 
-    def checkpoint(path):
-        if master:
-            save_checkpoint(path, raw_model, optimizers, step, train_time, loader, cfg, model_cfg)
+def measure_final_save(run):
+    """Seconds the final save will take, measured once by writing the same payload: the reserve the loop
+    keeps so that final.pt lands inside the budget (twice the measurement, plus a second)."""
+    path = os.path.join(run.cfg.out_dir, "final.pt.timing")
+    t0 = time.monotonic()
+    if run.master:
+        save_final(path, run.raw_model, run.model_cfg, 0, 0.0)
+        os.remove(path)
+    reserve = 2 * (time.monotonic() - t0) + 1.0
+    if run.ddp:  # every rank stops on the same step, so every rank keeps rank 0's reserve
+        agreed = torch.tensor([reserve], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=run.control)
+        reserve = agreed.item()
+    return reserve
 
-    first_eval = run_eval()
-    steps_this_run, startup_time = 0, 0.0
+
+def run_eval(run):
+    # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
+    metrics = evaluate(run.raw_model, run.corpus.val_batches, run.corpus.token_bytes, run.device, run.autocast, run.stop)
+    run.log("eval", f"step {run.step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}",
+            step=run.step, **metrics)
+    return metrics
+
+
+def checkpoint(run):
+    path = os.path.join(run.cfg.out_dir, f"ckpt_{run.step:07d}.pt")
+    if run.master:
+        save_checkpoint(path, run.raw_model, run.optimizers, run.step, run.clock.charged(), run.corpus.state_dict(),
+                        run.cfg, run.model_cfg)
+        for old in periodic_checkpoints(run.cfg.out_dir)[: -run.cfg.keep_checkpoints]:
+            os.remove(old)
+    return path
+
+
+def train_loop(run):
+    """Steps until the step limit, the budget (keeping the final save's reserve) or a stop signal. Each step
+    is synchronised with the device before the clock is read, as the contest's clock is."""
+    cfg, clock = run.cfg, run.clock
+    steps_this_run, step_times = 0, []
     interval_time, interval_tokens = 0.0, 0
-    with StopSignal() as stop_signal:
-        while True:
-            progress = max(step / cfg.max_steps if cfg.max_steps else 0.0, train_time / cfg.time_budget_s if cfg.time_budget_s else 0.0)
-            if progress >= 1:
-                break
-            t0 = time.perf_counter()
-            scheduled = schedule(cfg, step, progress)
-            apply_schedule(optimizers, scheduled, raw_model)
-            lr_scale = scheduled["lr_scale"]
-            micro_batches = [next(loader) for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
-            loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, device, autocast, cfg.grad_clip)
-            step, steps_this_run = step + 1, steps_this_run + 1
-            if ema and step % cfg.ema_every == 0:
-                ema.update()
-            dt, stopping = time.perf_counter() - t0, stop_signal.received
-            if ddp:  # the slowest rank's step time and any rank's signal, so all ranks decide alike
-                agreed = torch.tensor([dt, float(stopping)], dtype=torch.float64)
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=control)
-                dt, stopping = agreed[0].item(), bool(agreed[1].item())
-            do_log = step % cfg.log_every == 0 or step == cfg.max_steps
-            do_eval = cfg.eval_every and step % cfg.eval_every == 0
-            do_checkpoint = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stopping
-            if do_log or do_eval or do_checkpoint:  # the only device-to-host syncs of the loop
-                stats = torch.stack([loss, grad_norm.to(loss)])
-                if ddp:
-                    dist.all_reduce(stats, op=dist.ReduceOp.AVG)
-                loss_value, norm_value = stats.tolist()
-                if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                    raise FloatingPointError(
-                        f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
-                        f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
-                        f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32"
-                    )
-            if steps_this_run <= cfg.startup_steps:
-                startup_time += dt
-            else:
-                train_time += dt
-                interval_time += dt
-                interval_tokens += len(micro_batches) * micro_tokens
-            if do_log:
-                tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
-                mfu = tokens_per_s * flops_per_token / peak
-                speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if interval_time else "start-up step"
-                log("train", f"step {step} | loss {loss_value:.4f} | lr x{lr_scale:.3f} | {speed} | {train_time:.1f}s",
-                    step=step, loss=loss_value, grad_norm=norm_value, lr_scale=lr_scale, tokens_per_s=tokens_per_s,
-                    mfu=mfu, train_time=train_time, startup_time=startup_time)
-                interval_time, interval_tokens = 0.0, 0
-            if do_eval:
-                run_eval()
-            if do_checkpoint:
-                checkpoint(os.path.join(cfg.out_dir, f"ckpt_{step:07d}.pt"))
-                if master:
-                    for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
-                        os.remove(old)
-            if stopping:
-                log("stopped", f"stopped by a signal at step {step}; resume with --resume=latest", step=step)
-                if ddp:
-                    dist.destroy_process_group()
-                return {"first_eval": first_eval, "final_eval": None, "step": step}
+    clock.steps_done(0)
+    while not (cfg.max_steps and run.step >= cfg.max_steps):
+        t0 = time.monotonic()
+        scheduled = schedule(cfg, run.step, max(run.step / cfg.max_steps if cfg.max_steps else 0.0, clock.progress()))
+        apply_schedule(run.optimizers, scheduled, run.raw_model)
+        micro_batches = [run.corpus.next_batch() for _ in range(round(run.accum_steps * scheduled["batch_fraction"]))]
+        loss, grad_norm = train_step(run.model, run.raw_model, run.optimizers, micro_batches, run.device,
+                                     run.autocast, cfg.grad_clip)
+        synchronize(run.device_type)
+        run.step, steps_this_run = run.step + 1, steps_this_run + 1
+        if run.ema and run.step % cfg.ema_every == 0:
+            run.ema.update()
+        if run.prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
+            run.prepare.record_step_boundary(run.step - 1)
+        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss)]).tolist()
+        dt = time.monotonic() - t0
+        clock.steps_done(steps_this_run)
+        if steps_this_run > cfg.startup_steps:
+            step_times.append(dt)
+            step_tokens = run.total_tokens * len(micro_batches) // run.accum_steps  # fewer during a batch warm-up
+            interval_time, interval_tokens = interval_time + dt, interval_tokens + step_tokens
+        next_step_s = statistics.median(step_times[-10:]) if step_times else dt
+        # every rank decides alike, on the mean over ranks: step time, loss, any rank's signal or non-finite loss
+        decision = [next_step_s, loss_value, float(run.stop.received), float(not (math.isfinite(loss_value) and math.isfinite(norm_value)))]
+        if run.ddp:
+            agreed = torch.tensor(decision, dtype=torch.float64)
+            dist.all_reduce(agreed, group=run.control)
+            decision = (agreed / run.world_size).tolist()
+        next_step_s, loss_value, stopping, nonfinite = decision[0], decision[1], decision[2] > 0, decision[3] > 0
+        if nonfinite:
+            raise FloatingPointError(
+                f"step {run.step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
+                f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
+                f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
+        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+            tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
+            mfu = tokens_per_s * run.flops_per_token / run.peak
+            speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if interval_time else "start-up step"
+            run.log("train", f"step {run.step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {speed} | "
+                    f"charged {clock.charged():.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
+                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=clock.charged(),
+                    startup_time=clock.startup_s)
+            interval_time, interval_tokens = 0.0, 0
+        t_side = time.monotonic()
+        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
+            run_eval(run)
+        if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and not stopping:
+            checkpoint(run)
+        if not cfg.charge_evals:
+            clock.exclude(time.monotonic() - t_side)
+        if stopping:
+            return "signal"
+        if clock.must_stop(next_step_s, run.reserve_s):
+            return "budget"
+    return "steps"
 
-    if ema:
-        ema.finish()
-    final_eval = run_eval()
-    checkpoint(os.path.join(cfg.out_dir, "final.pt"))
-    log("done", f"{step} steps in {train_time:.1f}s of training (+{startup_time:.1f}s start-up steps); val_bpb "
-        f"{first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}", step=step, train_time=train_time,
-        startup_time=startup_time, **final_eval)
-    if master and cfg.sample_tokens:
-        prompt = torch.tensor([[enc.eot_token]], device=device)
-        sampler = inference_model(raw_model.state_dict(), asdict(model_cfg), device)
-        with autocast:
-            out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator(device).manual_seed(cfg.seed))
-        print("-" * 40 + "\n" + enc.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
-    if ddp:
-        dist.destroy_process_group()
-    return {"first_eval": first_eval, "final_eval": final_eval, "step": step}
+
+def finish(run, ended_by):
+    """The final save (inside the budget), then, off the clock and only with the kit's own data, the final
+    evaluation and a sample."""
+    cfg, clock = run.cfg, run.clock
+    if ended_by == "signal":
+        path = checkpoint(run)
+        run.log("stopped", f"stopped by a signal at step {run.step}; {path} written, resume with --resume=latest",
+                step=run.step)
+        return {"first_eval": run.first_eval, "final_eval": None, "step": run.step}
+    if run.ema:  # the final model is the blend of the live weights and their average
+        run.ema.finish()
+    if run.master:
+        save_final(os.path.join(cfg.out_dir, "final.pt"), run.raw_model, run.model_cfg, run.step, clock.charged())
+    if run.ddp:
+        dist.barrier()
+    charged = clock.charged()
+    final_eval = run_eval(run) if run.corpus.val_batches is not None and not run.stop.received else None
+    if run.stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
+        final_eval = None
+    summary = f"{run.step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; " \
+              f"start-up {clock.startup_s:.1f}s, reserve kept {run.reserve_s:.1f}s)"
+    if final_eval and run.first_eval:
+        summary += f"; val_bpb {run.first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
+    run.log("done", summary, step=run.step, train_time=charged, startup_time=clock.startup_s, ended_by=ended_by,
+            **(final_eval or {}))
+    if run.master and cfg.sample_tokens and run.corpus.decode and not run.stop.received:
+        prompt = torch.tensor([[run.corpus.bos_id]], device=run.device)
+        sampler = inference_model(run.raw_model.state_dict(), asdict(run.model_cfg), run.device)
+        with run.autocast:
+            out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8,
+                                   generator=torch.Generator(run.device).manual_seed(cfg.seed))
+        print("-" * 40 + "\n" + run.corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
+    return {"first_eval": run.first_eval, "final_eval": final_eval, "step": run.step}
+
+
+def main(argv):
+    cfg, model_cfg = parse_args(SUBMISSION_ARGS + list(argv))
+    logging.basicConfig(format="%(name)s: %(message)s")
+    with StopSignal() as stop:
+        try:
+            run = setup(cfg, model_cfg, stop, argv)
+            if run is None:  # --export_submission
+                return None
+            return finish(run, train_loop(run) if not stop.received else "signal")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
+    except Stopped as e:  # a requested stop, not a failure
+        print(e, file=sys.stderr)
     except (ValueError, OSError, FloatingPointError) as e:
         sys.exit(f"error: {e}")

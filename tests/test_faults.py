@@ -27,10 +27,9 @@ import sys, torch, train
 from model import GPT, GPTConfig
 model = GPT(GPTConfig(n_layer=4, n_embd=256, sequence_len=64))
 cfg, model_cfg = train.parse_args([])
-loader = type("Loader", (), {"state_dict": lambda self: {"epoch": 0, "position": 0}})()
 step = 0
 while True:
-    train.save_checkpoint(sys.argv[1], model, [], step, 0.0, loader, cfg, model_cfg)
+    train.save_checkpoint(sys.argv[1], model, [], step, 0.0, {"epoch": 0, "position": 0}, cfg, model_cfg)
     step += 1
     if step == 1:
         print("saved", flush=True)
