@@ -864,7 +864,19 @@ class ChargedClock:
 
 
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
-KIT_ONLY = ("KitCorpus", "export_submission", "bundle_source")  # left out of the one-file submission
+# What the one-file submission leaves out: the kit's own data path (and with it data.py and its downloads)
+# and the exporter, each replaced by a stand-in that says why ("" = nothing left refers to it).
+KIT_ONLY = {
+    "KitCorpus": "def KitCorpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
+                 "trains on the contest's data only\")\n",
+    "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
+    "bundle_source": "",
+    "check_submission": "",
+    "check_causality": "",
+    "SUBMISSION_LIMIT_BYTES": "",
+    "SUBMISSION_IMPORTS": "",
+    "KIT_ONLY": "",
+}
 
 
 def bundle_source(train_path, argv):
@@ -887,6 +899,7 @@ def bundle_source(train_path, argv):
             gap = "".join(lines[previous_end:start])
             previous_end = end
             names = {getattr(node, "name", None)} | {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
+            names.discard(None)
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is tree.body[0]:
                 if name != "train":  # other modules' docstrings become comments
                     chunk = "".join(f"# {line}".rstrip() + "\n" for line in node.value.value.strip().splitlines())
@@ -894,7 +907,7 @@ def bundle_source(train_path, argv):
                     or isinstance(node, ast.ImportFrom) and node.module in ("model", "kernels", "data"):
                 chunk = inline() if inline else ""
             elif names & set(KIT_ONLY):
-                chunk = ""
+                chunk = KIT_ONLY[(names & set(KIT_ONLY)).pop()]
             elif names == {"SUBMISSION_ARGS"}:
                 chunk = f"SUBMISSION_ARGS = {argv!r}  # the flags of the run that exported this file\n"
             out.append(gap + chunk)
@@ -936,7 +949,7 @@ def check_submission(source):
             if top not in SUBMISSION_IMPORTS and top not in sys.stdlib_module_names or top in ("urllib", "http", "socket", "requests"):
                 raise ValueError(f"the submission imports {module}, which the contest's environment may lack or forbids")
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    leftovers = sorted(used & ({"data", "urlopen", "hf_hub_download"} | set(KIT_ONLY)))
+    leftovers = sorted(used & ({"data", "urlopen", "hf_hub_download"} | {k for k, v in KIT_ONLY.items() if not v}))
     if leftovers:
         raise ValueError(f"the submission still refers to {leftovers}, which it leaves out")
     if "def load_for_eval" not in source:

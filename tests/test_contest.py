@@ -1,0 +1,160 @@
+"""The contest's contract: its clock, competition mode beside prepare.py, and the one-file submission."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
+        "--compile=false", "--dtype=float32", "--log_every=1", "--warmup_steps=2"]
+
+
+class FakeTime:
+    def __init__(self, start=100.0):
+        self.t = start
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_the_cap():
+    now = FakeTime()
+    clock = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=now)
+    clock.steps_done(0)
+    now.t = 104.0
+    clock.steps_done(1)
+    assert clock.started is None and clock.charged() == 0.0  # compilation steps are free
+    now.t = 106.0
+    clock.steps_done(2)
+    assert clock.charged() == 0.0 and clock.startup_s == 6.0  # within the cap: nothing charged
+    now.t = 136.0
+    assert clock.charged() == 30.0 and clock.progress() == 0.5
+
+    slow = FakeTime()
+    late = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
+    slow.t = 125.0
+    late.steps_done(2)
+    assert late.charged() == 15.0  # 25 s of start-up, 15 s over the cap
+
+
+def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
+    now = FakeTime()
+    clock = train.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    clock.steps_done(0)
+    now.t = 185.0
+    assert not clock.must_stop(next_step_s=4.0, reserve_s=10.0)  # 85 + 4 + 10 < 100
+    now.t = 187.0
+    assert clock.must_stop(next_step_s=4.0, reserve_s=10.0)  # 87 + 4 + 10 >= 100
+    clock.exclude(5.0)  # e.g. an evaluation kept off the clock
+    assert clock.charged() == 82.0 and not clock.must_stop(4.0, 10.0)
+    resumed = train.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
+    resumed.steps_done(0)
+    assert resumed.charged() == 40.0
+
+
+@pytest.fixture
+def contest_dir(tmp_path):
+    folder = tmp_path / "contest"
+    folder.mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "contest_prepare.py"), folder / "prepare.py")
+    return folder
+
+
+def run(cmd, cwd, **env):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [(e["step"], e["loss"]) for e in map(json.loads, f) if e["event"] == "train"]
+
+
+def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(contest_dir, tmp_path):
+    exported = contest_dir / "train.py"
+    run([sys.executable, "train.py", *TINY, f"--export_submission={exported}", f"--competition_dir={contest_dir}"], ROOT)
+    source = exported.read_text()
+    assert len(source.encode()) <= train.SUBMISSION_LIMIT_BYTES
+    assert not re.search(r"\bimport data\b", source) and "urllib" not in source and "class KitCorpus" not in source
+    assert f"SUBMISSION_ARGS = {TINY!r}" in source
+
+    # the contest's launch string: no flags; only the exported file and prepare.py in the folder
+    step_log = tmp_path / "steps.txt"
+    budget = {"CONTEST_BUDGET_S": "6", "CONTEST_EXCLUDED_STEPS": "2", "CONTEST_STEP_LOG": str(step_log)}
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"],
+        contest_dir, **budget)
+    final = contest_dir / "out" / "final.pt"
+    state = torch.load(final, weights_only=True)
+    assert set(state) == {"model", "model_config", "step", "train_time"}  # no optimizer state
+    boundaries = [line.split() for line in step_log.read_text().splitlines()]
+    assert [int(i) for i, _ in boundaries] == list(range(state["step"]))  # one record per step
+    clock_start = float(boundaries[1][1])  # end of the second (last excluded) step
+    assert os.path.getmtime(final) - clock_start <= 6.0  # the save landed inside the budget
+    assert state["step"] > 4
+
+    # the unbundled kit, pointed at the same prepare.py, takes the very same steps
+    kit_out = tmp_path / "kit"
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+         f"--competition_dir={contest_dir}", "--max_steps=4"], ROOT, NEURON_COMPETITION_R1_OUT_DIR=str(kit_out))
+    bundled = losses(contest_dir / "out")
+    assert losses(kit_out) == bundled[:4] and bundled[0][1] > bundled[-1][1]
+
+    # what the scorer does: import the submitted file, load the model, check it is causal and frozen
+    score = ("import torch, prepare, train; m = train.load_for_eval('out/final.pt', torch.device('cpu')); "
+             "assert not any(p.requires_grad for p in m.parameters()) and not m.training; "
+             "assert prepare.causality_check(m, None, 2, 64, 'cpu')['passed']; "
+             "print(prepare.evaluate_bpb(m, None, 2, 1024, 'cpu', max_tokens=4096)['val_bpb'])")
+    bpb = float(run([sys.executable, "-c", score], contest_dir).stdout.split()[-1])
+    assert 0 < bpb < 10
+
+
+def test_the_submission_check_refuses_what_the_contest_would():
+    ok = "import torch\ndef load_for_eval(path, device):\n    pass\n"
+    train.check_submission(ok)
+    for source, problem in [
+        (ok + "import urllib.request\n", "urllib"),
+        (ok + "import tiktoken\n", "tiktoken"),
+        (ok + "x = data.prepare()\n", "data"),
+        ("import torch\n", "load_for_eval"),
+        (ok + "#" * train.SUBMISSION_LIMIT_BYTES, "at most"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            train.check_submission(source)
+
+
+def test_load_for_eval_gives_a_frozen_model_for_contexts_beyond_training(tmp_path):
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
+    torch.manual_seed(0)
+    model = GPT(config)
+    for block in model.blocks:
+        torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
+    train.save_final(str(tmp_path / "final.pt"), model, config, step=3, train_time=1.0)
+    loaded = train.load_for_eval(str(tmp_path / "final.pt"), torch.device("cpu"))
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    idx = torch.randint(0, 100, (1, 300))  # ~10x the training context
+    long = loaded(idx)
+    assert long.shape == (1, 300, 100) and torch.isfinite(long).all()
+    torch.testing.assert_close(long[:, :32], model(idx[:, :32]))  # the first 32 positions are unchanged
+
+
+def test_a_model_with_non_finite_weights_is_never_saved_as_final(tmp_path):
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
+    model = GPT(config)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="lm_head.weight"):
+        train.save_final(str(tmp_path / "final.pt"), model, config, 1, 1.0)
+    assert not os.path.exists(tmp_path / "final.pt")
