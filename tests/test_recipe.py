@@ -224,3 +224,22 @@ def test_model_levers_compile_to_one_graph_that_the_mtp_fade_does_not_recompile(
         model.mtp_weights.copy_(torch.tensor(weights))
         torch.testing.assert_close(compiled(idx, targets), model(idx, targets))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def fake_prepare(batches):
+    """The few names of the contest's prepare.py that competition mode reads before training."""
+    from types import SimpleNamespace
+    tokenizer = SimpleNamespace(get_vocab_size=lambda: 64, get_bos_token_id=lambda: 60)
+    return SimpleNamespace(ensure_tokenizer=lambda build_if_missing: tokenizer, make_dataloader=lambda *a: iter(batches),
+                           TRAIN_TIME_BUDGET_SECONDS=60, TRAIN_STARTUP_STEPS_EXCLUDED=5,
+                           TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS=900)
+
+
+def test_competition_mode_masks_bos_targets_and_refuses_a_row_pool(monkeypatch, tmp_path):
+    y = torch.tensor([[5, 60, 7], [60, 1, 2]])
+    corpus = train.ContestCorpus(fake_prepare([(y, y, {})]), mask_bos_targets=True)
+    corpus.load(2, 3, 0, 1, "cpu", True)
+    assert corpus.next_batch()[1].tolist() == [[5, -1, 7], [-1, 1, 2]]
+    monkeypatch.setattr(train, "find_prepare", lambda cfg: fake_prepare([]))
+    with pytest.raises(ValueError, match="--row_pool=0 in competition mode"):
+        train.main(["--data_order=stream", "--row_pool=8", "--dtype=float32", f"--out_dir={tmp_path}"])
