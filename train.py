@@ -690,13 +690,11 @@ class ChargedClock:
         running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
         return self.already + running
 
-    def progress(self):
-        return self.charged() / self.budget_s if self.budget_s else 0.0
+    def out_of_time(self, charged, next_step_s, reserve_s):
+        """True when one more step and the final save would not fit in the budget (`charged`: the value the
+        ranks agreed on)."""
+        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
 
-    def must_stop(self, next_step_s, reserve_s):
-        """True when one more step and the final save would not fit in the budget."""
-        return bool(self.budget_s) and self.started is not None and \
-            self.charged() + next_step_s + reserve_s >= self.budget_s
 
 
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
@@ -1000,14 +998,17 @@ def checkpoint(run):
 
 def train_loop(run):
     """Steps until the step limit, the budget (keeping the final save's reserve) or a stop signal. Each step
-    is synchronised with the device before the clock is read, as the contest's clock is."""
+    is synchronised with the device before the clock is read, as the contest's clock is. Ranks agree after
+    every step, on one all-reduce of host numbers, on the charged time (so they schedule alike), the loss,
+    a non-finite value or a signal on any rank, and whether the budget has room for another step."""
     cfg, clock = run.cfg, run.clock
-    steps_this_run, step_times = 0, []
+    steps_this_run, step_times, charged = 0, [], clock.charged()
     interval_time, interval_tokens = 0.0, 0
     clock.steps_done(0)
     while not (cfg.max_steps and run.step >= cfg.max_steps):
         t0 = time.monotonic()
-        scheduled = schedule(cfg, run.step, max(run.step / cfg.max_steps if cfg.max_steps else 0.0, clock.progress()))
+        progress = max(run.step / cfg.max_steps if cfg.max_steps else 0.0, charged / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+        scheduled = schedule(cfg, run.step, progress)
         apply_schedule(run.optimizers, scheduled)
         micro_batches = [run.corpus.next_batch() for _ in range(run.accum_steps)]
         loss, grad_norm = train_step(run.model, run.raw_model, run.optimizers, micro_batches, run.device,
@@ -1017,43 +1018,43 @@ def train_loop(run):
         if run.prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
             run.prepare.record_step_boundary(run.step - 1)
         loss_value, norm_value = torch.stack([loss, grad_norm.to(loss)]).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         dt = time.monotonic() - t0
         clock.steps_done(steps_this_run)
         if steps_this_run > cfg.startup_steps:
             step_times.append(dt)
             interval_time, interval_tokens = interval_time + dt, interval_tokens + run.total_tokens
+        t_side = time.monotonic()  # evaluations and checkpoints: never of a non-finite model
+        if finite and cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
+            run_eval(run)
+        if finite and cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
+            checkpoint(run)
+        if not cfg.charge_evals:
+            clock.exclude(time.monotonic() - t_side)
         next_step_s = statistics.median(step_times[-10:]) if step_times else dt
-        # every rank decides alike, on the mean over ranks: step time, loss, any rank's signal or non-finite loss
-        decision = [next_step_s, loss_value, float(run.stop.received), float(not (math.isfinite(loss_value) and math.isfinite(norm_value)))]
-        if run.ddp:
+        decision = [clock.charged(), next_step_s, loss_value, float(not finite), float(run.stop.received)]
+        if run.ddp:  # the mean over ranks; a flag raised on any rank stays above zero
             agreed = torch.tensor(decision, dtype=torch.float64)
             dist.all_reduce(agreed, group=run.control)
             decision = (agreed / run.world_size).tolist()
-        next_step_s, loss_value, stopping, nonfinite = decision[0], decision[1], decision[2] > 0, decision[3] > 0
+        charged, next_step_s, loss_value, nonfinite, stopping = decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
         if nonfinite:
             raise FloatingPointError(
                 f"step {run.step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
                 f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
                 f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
-        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps or steps_this_run == 1:
             tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
             mfu = tokens_per_s * run.flops_per_token / run.peak
             speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if interval_time else "start-up step"
             run.log("train", f"step {run.step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {speed} | "
-                    f"charged {clock.charged():.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
-                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=clock.charged(),
+                    f"charged {charged:.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
+                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=charged,
                     startup_time=clock.startup_s)
             interval_time, interval_tokens = 0.0, 0
-        t_side = time.monotonic()
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
-            run_eval(run)
-        if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and not stopping:
-            checkpoint(run)
-        if not cfg.charge_evals:
-            clock.exclude(time.monotonic() - t_side)
         if stopping:
             return "signal"
-        if clock.must_stop(next_step_s, run.reserve_s):
+        if clock.out_of_time(charged, next_step_s, run.reserve_s):
             return "budget"
     return "steps"
 
