@@ -16,8 +16,11 @@ import numpy as np
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
 from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, target
+from ._unemulated import module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
+
+DType = np.dtype  # the type of nl.float32 etc. here (the 0.6 stub declares DType = str; both only name dtypes)
 
 bool_ = DTYPES["bool_"]
 int8, int16, int32 = DTYPES["int8"], DTYPES["int16"], DTYPES["int32"]
@@ -49,7 +52,46 @@ def is_sbuf(buffer):
 
 
 class NKIObject:
-    """Base class for kernel-side helper classes (configuration dataclasses and the like)."""
+    """Base class of kernel-side classes. As the NKI language guide says (aws-neuron/aws-neuron-sdk,
+    nki/get-started/nki-language-guide.rst, "Class Support"), with or without ``@dataclass`` such a class
+    gets an ``__init__`` taking its annotated fields in order, positionally or by keyword, each
+    defaulting to its class-level value or None, and calling ``__post_init__`` if the class has one;
+    a class that writes its own ``__init__`` keeps it. The base takes keyword arguments only and sets
+    them as attributes (the 0.6 stub's ``NKIObject.__init__(self, **kwargs)``)."""
+
+    def __init__(self, **kwargs):
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            return
+        fields = []
+        for klass in reversed(cls.__mro__):
+            for name in klass.__dict__.get("__annotations__", {}):
+                if name not in fields:
+                    fields.append(name)
+
+        def __init__(self, *args, **kwargs):
+            if len(args) > len(fields):
+                raise TypeError(f"{cls.__name__}() takes {len(fields)} fields ({', '.join(fields)}), got {len(args)}")
+            unknown = set(kwargs) - set(fields)
+            if unknown:
+                raise TypeError(f"{cls.__name__}() has no fields {sorted(unknown)}; its fields: {fields}")
+            values = dict(zip(fields, args))
+            for name in fields:
+                if name in kwargs:
+                    if name in values:
+                        raise TypeError(f"{cls.__name__}() got field {name!r} twice")
+                    values[name] = kwargs[name]
+                setattr(self, name, values.get(name, getattr(cls, name, None)))
+            post_init = getattr(self, "__post_init__", None)
+            if post_init is not None:
+                post_init()
+
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__
 
 
 class _TileSize:
@@ -67,6 +109,10 @@ class _TileSize:
     sbuf_fmax_bytes = property(lambda self: target().sbuf_partition_bytes)
     sbuf_fmax = property(lambda self: target().sbuf_partition_bytes // 4)
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
+    # deprecated in NKI 0.4: despite its name the per-partition size (aws-neuron-sdk nki/migration/index.rst)
+    total_available_sbuf_size = sbuf_fmax_bytes
+    psum_min_align = property(lambda self: not_emulated("nki.language.tile_size.psum_min_align", "")())
+    sbuf_min_align = property(lambda self: not_emulated("nki.language.tile_size.sbuf_min_align", "")())
 
 
 tile_size = _TileSize()
@@ -379,6 +425,54 @@ def matmul(x, y, transpose_x=False):
     result = _new_tile((x.size // x.shape[0], y.size // y.shape[0]), float32, psum)
     isa.nc_matmul(result, x, y)
     return result
+
+
+# ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
+
+abs_max = not_emulated("nki.language.abs_max", "x y dtype")
+abs_min = not_emulated("nki.language.abs_min", "x y dtype")
+bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
+bitwise_or = not_emulated("nki.language.bitwise_or", "x y dtype")
+bitwise_xor = not_emulated("nki.language.bitwise_xor", "x y dtype")
+invert = not_emulated("nki.language.invert", "x dtype")
+left_shift = not_emulated("nki.language.left_shift", "x y dtype")
+right_shift = not_emulated("nki.language.right_shift", "x y dtype")
+logical_and = not_emulated("nki.language.logical_and", "x y dtype")
+logical_or = not_emulated("nki.language.logical_or", "x y dtype")
+logical_xor = not_emulated("nki.language.logical_xor", "x y dtype")
+logical_not = not_emulated("nki.language.logical_not", "x dtype")
+cos = not_emulated("nki.language.cos", "x dtype")
+tan = not_emulated("nki.language.tan", "x dtype")
+ceil = not_emulated("nki.language.ceil", "x dtype")
+floor = not_emulated("nki.language.floor", "x dtype")
+trunc = not_emulated("nki.language.trunc", "x dtype")
+negative = not_emulated("nki.language.negative", "x dtype")
+fmod = not_emulated("nki.language.fmod", "x y dtype")
+mod = not_emulated("nki.language.mod", "x y dtype")
+var = not_emulated("nki.language.var", "x axis dtype keepdims")
+all = not_emulated("nki.language.all", "x axis dtype")
+softmax = not_emulated("nki.language.softmax", "x axis dtype")
+rms_norm = not_emulated("nki.language.rms_norm", "x w axis n epsilon dtype compute_dtype")
+where = not_emulated("nki.language.where", "condition x y dtype")
+dropout = not_emulated("nki.language.dropout", "x rate dtype")
+zeros_like = not_emulated("nki.language.zeros_like", "x dtype buffer name")
+empty_like = not_emulated("nki.language.empty_like", "x dtype buffer name")
+random_seed = not_emulated("nki.language.random_seed", "seed")
+expand_dims = not_emulated("nki.language.expand_dims", "x axis")
+broadcast_to = not_emulated("nki.language.broadcast_to", "x shape dtype")
+no_reorder = not_emulated("nki.language.no_reorder", "")
+load_transpose2d = not_emulated("nki.language.load_transpose2d", "src dtype")
+gather_flattened = not_emulated("nki.language.gather_flattened", "data indices axis dtype")
+dynamic_range = not_emulated("nki.language.dynamic_range", "start stop step")
+fori_loop = not_emulated("nki.language.fori_loop", "lower upper body_fun step")
+while_loop = not_emulated("nki.language.while_loop", "init body_fun")
+shared_constant = not_emulated("nki.language.shared_constant", "constant")
+shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
+rand = not_emulated("nki.language.rand", "shape dtype buffer name")
+
+# dtypes without a numpy counterpart here, and operators the emulator's ALU lacks
+__getattr__ = module_getattr("nki.language", ("tfloat32", "float8_e5m2_x4", "float8_e4m3fn_x4", "float8_e8m0fnu",
+                                              "float4_e2m1fn_x4", "average", "prelu", "bypass"))
 
 
 from . import isa  # noqa: E402 -- last: nki.isa reads the operator functions defined above
