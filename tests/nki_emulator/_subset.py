@@ -95,20 +95,21 @@ def _names(tree):
 
 
 def _problems(function, tree, first_line, path, is_kernel):
-    where = f"{path}:{{}} in {function.__qualname__}"
-    found = []
+    """'file:line in function: construct' for each construct outside the subset, in line order."""
+    found = []  # (line, construct)
     if is_kernel and tree.args.kwonlyargs:
-        found.append(f"{where.format(first_line)}: a keyword-only '*' separator in the kernel signature")
+        found.append((first_line, "a keyword-only '*' separator in the kernel signature"))
     for node in ast.walk(tree):
         if node is tree:
             continue
         line = first_line + getattr(node, "lineno", 1) - 1
         kind = _REFUSED_NODES.get(type(node))
         if kind is not None:
-            found.append(f"{where.format(line)}: {kind}")
+            found.append((line, kind))
         elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
-            found.append(f"{where.format(line)}: 'is' / 'is not' (use == / !=)")
+            found.append((line, "'is' / 'is not' (use == / !=)"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFUSED_BUILTINS \
                 and node.func.id not in function.__globals__:  # the builtin, not a module's own function
-            found.append(f"{where.format(line)}: {node.func.id}() (write an explicit loop)")
-    return found
+            found.append((line, f"{node.func.id}() (write an explicit loop)"))
+    found.sort(key=lambda item: item[0])
+    return [f"{path}:{line} in {function.__qualname__}: {construct}" for line, construct in found]

@@ -628,10 +628,10 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     if reduce_op not in _VECTOR_REDUCE_OPS:
         raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min, "
                                  f"got {reduce_op!r}")
-    if reduce_cmd not in (reduce_cmd.reset_reduce, reduce_cmd.reduce, reduce_cmd.load_reduce):
+    if reduce_cmd not in (_COMMANDS.reset_reduce, _COMMANDS.reduce, _COMMANDS.load_reduce):
         raise NkiValidationError(f"tensor_scalar_reduce: reduce_cmd must be reset_reduce, reduce or load_reduce, "
                                  f"got {reduce_cmd}")
-    if (reduce_init is not None) != (reduce_cmd is reduce_cmd.load_reduce):
+    if (reduce_init is not None) != (reduce_cmd is _COMMANDS.load_reduce):
         raise NkiValidationError("tensor_scalar_reduce: reduce_init is given exactly when reduce_cmd is load_reduce")
     reduce_op = _VECTOR_REDUCE_OPS[reduce_op]
     core = begin("tensor_scalar_reduce")
@@ -645,11 +645,11 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
                                       p, "vector", True), False)
     write(dst, y)
     regs = core.vector_regs
-    if reduce_cmd is reduce_cmd.reset_reduce:
+    if reduce_cmd is _COMMANDS.reset_reduce:
         regs[:p] = _REDUCE_IDENTITY[reduce_op]
-    elif reduce_cmd is reduce_cmd.load_reduce:
-        regs[:p] = _scalar_or_column(core, "tensor_scalar_reduce", "reduce_init", reduce_init, p, "vector",
-                                     True).reshape(p)
+    elif reduce_cmd is _COMMANDS.load_reduce:
+        initial = _scalar_or_column(core, "tensor_scalar_reduce", "reduce_init", reduce_init, p, "vector", True)
+        regs[:p] = np.broadcast_to(initial, (p, 1)).reshape(p)
     with _quiet():
         regs[:p] = nl.ALU_BINARY[reduce_op](regs[:p], nl.REDUCTIONS[reduce_op](y, axis=1))
     if reduce_res is not None:
@@ -659,6 +659,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     count("tensor_scalar_reduce", "vector", p, f)
 
 
+_COMMANDS = reduce_cmd  # the enum, under a name that tensor_scalar_reduce's reduce_cmd argument does not hide
 _REDUCE_IDENTITY = {nl.add: 0.0, nl.multiply: 1.0, nl.maximum: -np.inf, nl.minimum: np.inf}
 
 
