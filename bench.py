@@ -506,7 +506,8 @@ def run_checks(cfg, model_cfg, device_type, device):
 
 
 def print_checks(rows, device_type):
-    print(f"\nfirst-hour check on {device_type} ({'NKI kernels on the NeuronCores' if device_type == 'neuron' else 'NKI kernels under the CPU emulator'})")
+    where = "NKI kernels on the NeuronCores" if device_type == "neuron" else "NKI kernels under the CPU emulator"
+    print(f"\nfirst-hour check on {device_type} ({where})")
     print(f"{'check':<44} {'result':<6} {'s':>6}  first error")
     for r in rows:
         print(f"{r['check']:<44} {'pass' if r['passed'] else 'FAIL':<6} {r['seconds']:>6.1f}  {r['error']}")

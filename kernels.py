@@ -768,8 +768,8 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     TensorE: per 128 hidden units and B tokens, 4 matmul groups of 2*B*d*128 FLOPs each (6 for SwiGLU)
     run with full 128-deep contractions and moving operands of 512 (or d) columns, plus 2 (3) B/128
     transposes, about 128 / (2 d) of the matmul time (8% at d=768). The elementwise work (3 passes for
-    ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM evictions and the
-    gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
+    ReLU^2, 4 for leaky ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM
+    evictions and the gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
     so expect about 70-85% TensorE utilisation; at d = 128-256 VectorE, not TensorE, sets the pace.
     """
     n_tokens, dim = x.shape
@@ -880,7 +880,7 @@ def _accumulate_weight_grad(acc, hidden_t, pieces):
     if full:
         nisa.activation(dst=token_major[:, :full], op=nl.copy, data=flipped[:, :full])
     if full < flipped.shape[1]:
-        tokens = pieces[len(pieces) - 1].shape[0]
+        tokens = pieces[-1].shape[0]
         nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:])
     for col, width in _spans(0, acc.shape[1], BANK_FP32):
         grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
@@ -1274,8 +1274,8 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
 
     activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
-    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the autocast dtype where autocast is on, as F.linear's do.
-    The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
+    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
     """
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")

@@ -120,7 +120,8 @@ def test_first_hour_check_reports_a_broken_kernel(monkeypatch):
     monkeypatch.setattr(bench, "CHECK_STEPS", 1)
     monkeypatch.setattr(kernels, "_MASKED_SCORE", 0.0)
     all_cases = bench._kernel_checks
-    monkeypatch.setattr(bench, "_kernel_checks", lambda *a: [c for c in all_cases(*a) if c[0] in ("attention", "mlp relu2")])
+    monkeypatch.setattr(bench, "_kernel_checks",
+                        lambda *a: [case for case in all_cases(*a) if case[0] in ("attention", "mlp relu2")])
     rows = {r["check"]: r for r in bench.main(["--check", "--compile=false", "--dtype=float32",
                                                "--matrix_optimizer=adamw"])["check"]}
     assert not rows["attention forward, no grad"]["passed"]

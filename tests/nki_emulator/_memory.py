@@ -160,10 +160,7 @@ class NkiTensor:
         """``t[..., index, ...]`` along ``dim``, dropping it; a tensor index (dynamic) is not emulated."""
         if isinstance(index, NkiTensor):
             raise NotImplementedError("NkiTensor.select with a tensor index (dynamic select) is not emulated")
-        if self.buffer in ON_CHIP and dim == 0:
-            raise NkiValidationError("select: on-chip tensors keep their partition dim 0")
-        return self.reshape(self.shape[:dim] + self.shape[dim + 1:]) if self.shape[dim] == 1 \
-            else self.slice(dim, index, index + 1).squeeze_dim(dim)
+        return self.slice(dim, index, index + 1).squeeze_dim(dim)
 
     def expand_dim(self, dim):
         """A size-1 dim inserted at ``dim`` (not before an on-chip partition dim)."""

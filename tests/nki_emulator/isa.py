@@ -654,7 +654,8 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
         regs[:p] = nl.ALU_BINARY[reduce_op](regs[:p], nl.REDUCTIONS[reduce_op](y, axis=1))
     if reduce_res is not None:
         if _layout(reduce_res) != (p, 1):
-            raise NkiValidationError(f"tensor_scalar_reduce: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
+            raise NkiValidationError(f"tensor_scalar_reduce: reduce_res must be a ({p}, 1) tile, got "
+                                     f"{reduce_res.shape}")
         write(reduce_res, -regs[:p] if reduce_res_negate else regs[:p])
     count("tensor_scalar_reduce", "vector", p, f)
 
@@ -684,8 +685,8 @@ class VirtualRegister:
 
 get_nc_sub_version = not_emulated("nki.isa.get_nc_sub_version", "")
 tensor_copy_predicated = not_emulated("nki.isa.tensor_copy_predicated", "dst src predicate reverse_pred name")
-nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx",
-                            "dst stationary moving stationary_scale moving_scale tile_position tile_size accumulate name")
+nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx", "dst stationary moving stationary_scale moving_scale "
+                                                    "tile_position tile_size accumulate name")
 tensor_partition_reduce = not_emulated("nki.isa.tensor_partition_reduce", "dst op data name")
 tensor_scalar_cumulative = not_emulated("nki.isa.tensor_scalar_cumulative", "dst src op0 op1 imm0 imm1 reduce_cmd name")
 activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op "
