@@ -673,3 +673,31 @@ def test_average_pool_in_the_tutorial_style():
     x = np.random.default_rng(4).standard_normal((8, 12, 12)).astype(np.float32)
     expected = x.reshape(8, 4, 3, 4, 3).mean(axis=(2, 4))
     np.testing.assert_allclose(nki_emulator.jit(avg_pool)(x, 3), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_broadcast_to_follows_numpy_rules_across_free_and_partition_dims():
+    """nl.broadcast_to as the mamba tutorial (nki/examples/fused_mamba) uses it: a (1, seq) row to every
+    partition, and a (P, 1) column along the free axis; numpy's rules, same rank."""
+    row, column = np.arange(600, dtype=np.float32).reshape(1, 600), np.arange(128, dtype=np.float32).reshape(128, 1)
+
+    @nki_emulator.jit
+    def kernel(row, column):
+        outs = []
+        for src, shape in ((row, (128, 600)), (column, (128, 16))):
+            tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=src)
+            out = nl.ndarray(shape, src.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=nl.broadcast_to(tile, shape))
+            outs.append(out)
+        return outs[0], outs[1]
+
+    spread_row, spread_column = kernel(row, column)
+    np.testing.assert_array_equal(spread_row, np.broadcast_to(row, (128, 600)))
+    np.testing.assert_array_equal(spread_column, np.broadcast_to(column, (128, 16)))
+
+    def wrong_rank(row, column):
+        tile = nl.ndarray(row.shape, row.dtype, buffer=nl.sbuf)
+        nl.broadcast_to(tile, (4, 1, 600))
+
+    with pytest.raises(NkiValidationError, match="cannot broadcast"):
+        nki_emulator.jit(wrong_rank)(row, column)

@@ -416,6 +416,41 @@ def transpose(x, dtype=None):
     return cast
 
 
+def broadcast_to(x, shape, dtype=None):
+    """``x`` broadcast to ``shape`` by numpy's rules (same rank; each dim equal or from 1) in a new SBUF
+    tile (the 0.6 stub; x in SBUF or PSUM; ``x`` itself when nothing changes). How the compiler lowers
+    it is not documented; here free dims are broadcast by one VectorE copy of a stride-0 view, and the
+    partition dim (from 1) by TensorE: a K=1 matmul of a row of ones with the row, one PSUM bank of
+    columns at a time, copied to SBUF."""
+    shape = tuple(int(n) for n in shape)
+    dtype = _memory.as_dtype(dtype or x.dtype, "broadcast_to")
+    if len(shape) != x.ndim or any(n != m and n != 1 for n, m in zip(x.shape, shape)):
+        raise NkiValidationError(f"broadcast_to: cannot broadcast {x.shape} to {shape} (same rank, dims equal or 1)")
+    if shape == x.shape and dtype == x.dtype:
+        return x
+    spread = x
+    for dim in range(1, x.ndim):
+        if x.shape[dim] != shape[dim]:
+            spread = spread.broadcast(dim, shape[dim])
+    if shape[0] == x.shape[0]:
+        dst = _new_tile(shape, dtype)
+        isa.tensor_copy(dst, spread)
+        return dst
+    operand = float32 if dtype == float32 else bfloat16  # TensorE pairs fp32 only with fp32
+    row = _new_tile((1,) + shape[1:], operand)
+    isa.tensor_copy(row, spread)
+    row = row.reshape((1, row.size))
+    ones = full((1, shape[0]), 1.0, operand)
+    dst = _new_tile(shape, dtype)
+    flat = dst.reshape((shape[0], row.size))
+    for start in range(0, row.size, tile_size.psum_bank_fmax):
+        width = row.size - start if row.size - start < tile_size.psum_bank_fmax else tile_size.psum_bank_fmax
+        rows = _new_tile((shape[0], width), float32, psum)
+        isa.nc_matmul(rows, ones, row[:, start:start + width], accumulate=False)
+        isa.tensor_copy(flat[:, start:start + width], rows)
+    return dst
+
+
 def matmul(x, y, transpose_x=False):
     """``x @ y`` (or ``x.T @ y`` with ``transpose_x``) into a new float32 PSUM tile. Without
     ``transpose_x``, x (M, K) is first transposed on TensorE and copied back to SBUF, because
@@ -459,7 +494,6 @@ zeros_like = not_emulated("nki.language.zeros_like", "x dtype buffer name")
 empty_like = not_emulated("nki.language.empty_like", "x dtype buffer name")
 random_seed = not_emulated("nki.language.random_seed", "seed")
 expand_dims = not_emulated("nki.language.expand_dims", "x axis")
-broadcast_to = not_emulated("nki.language.broadcast_to", "x shape dtype")
 no_reorder = not_emulated("nki.language.no_reorder", "")
 load_transpose2d = not_emulated("nki.language.load_transpose2d", "src dtype")
 gather_flattened = not_emulated("nki.language.gather_flattened", "data indices axis dtype")
