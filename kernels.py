@@ -101,7 +101,8 @@ def _run_kernel(kernel, *args):
     outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
     NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
-    as a tuple (torch_neuronx nki_hop.py / nki_op_impl.py); the tuple here hides the difference."""
+    as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     launch = _jitted(kernel, _logical_core_degree())
     if device.type == "neuron":
@@ -656,7 +657,7 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
-    gated = w_gate != None  # noqa: E711 -- NKI has no `is` (aws-neuron-sdk nki/migration/index.rst)
+    gated = w_gate is not None
     y = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
     if save_preactivation:
         up_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
@@ -774,7 +775,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
-    gated = w_gate != None  # noqa: E711 -- NKI has no `is`
+    gated = w_gate is not None
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
     # weight gradients, each with hidden/128 fp32 SBUF accumulator tiles [128 hidden, d]
@@ -975,7 +976,7 @@ def rms_norm_fwd_kernel(x, weight, eps):
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     eps_column = _constant_column(eps)
-    weighted = weight != None  # noqa: E711 -- NKI has no `is`
+    weighted = weight is not None
     weight_rows = _broadcast_to_partitions(weight) if weighted else None
     program_start, program_stop = _program_rows(n_rows)
     for row, rows in _spans(program_start, program_stop, TILE):
@@ -1012,7 +1013,7 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     eps_column = _constant_column(eps)
-    weighted = weight != None  # noqa: E711 -- NKI has no `is`
+    weighted = weight is not None
     if weighted:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
         weight_rows = _broadcast_to_partitions(weight)

@@ -350,7 +350,9 @@ def kernel_with_generator(x):
 
 
 def kernel_with_identity_test(x, flag=None):
-    if flag is None:
+    if flag is None:  # against None: as nki-library's kernels write it
+        return x
+    if flag is True:
         return x
     return x
 
@@ -368,7 +370,8 @@ def kernel_with_nested_def(x):
 
 @pytest.mark.parametrize("kernel, construct, line", [
     (kernel_with_generator, "a generator expression", kernel_with_generator.__code__.co_firstlineno + 1),
-    (kernel_with_identity_test, "'is' / 'is not'", kernel_with_identity_test.__code__.co_firstlineno + 1),
+    (kernel_with_identity_test, "'is' / 'is not' other than against None",
+     kernel_with_identity_test.__code__.co_firstlineno + 3),
     (kernel_with_keyword_only, "keyword-only '*'", kernel_with_keyword_only.__code__.co_firstlineno),
     (kernel_with_nested_def, "a nested function definition", kernel_with_nested_def.__code__.co_firstlineno + 1),
     (kernel_calling_a_helper, "zip()", subset_helper_with_zip.__code__.co_firstlineno + 2),
@@ -406,7 +409,7 @@ def test_jit_accepts_the_documented_subset():
     np.testing.assert_array_equal(kernel(x), 2 * x)
 
 
-# ---- outputs as TorchNeuron hands them back (torch_neuronx nki_hop.py, nki_op_impl.py) --------------------
+# ---- outputs as TorchNeuron hands them back (parmoham-aws/test-repo-parmoham: torch_neuronx/nki_hop.py) ----
 
 def copy_kernel(x, as_tuple, outputs):
     results = []

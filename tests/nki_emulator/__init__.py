@@ -73,8 +73,10 @@ class Kernel:
             check_capacity(core)
         outputs = _to_host(result, torch_out)
         if torch_out and isinstance(outputs, tuple) and len(outputs) == 1:
-            # TorchNeuron returns a kernel's only output bare (torch_neuronx nki_hop.py: one return type ->
-            # one tensor, else a tuple; nki_op_impl.py likewise), however the kernel wrapped it.
+            # TorchNeuron returns a kernel's only output bare, however the kernel wrapped it: one return type
+            # gives one tensor, several a tuple (torch_neuronx/nki_hop.py, nki_kernel_wrapper's meta and
+            # fake-tensor impls; torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public copy in
+            # parmoham-aws/test-repo-parmoham).
             return outputs[0]
         return outputs
 

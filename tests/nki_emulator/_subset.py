@@ -19,6 +19,9 @@ and its line. The rules and where they come from:
   loops with ``.append`` instead.
 - ``is`` / ``is not`` are not supported (use ``==`` / ``!=``), and a kernel signature has no
   keyword-only ``*`` separator (aws-neuron-sdk nki/migration/index.rst, "Language restrictions").
+  Comparisons with the literal None are the exception: nki-library's kernels, which that compiler
+  builds, test arguments with ``x is None`` / ``x is not None`` throughout (e.g.
+  src/nkilib_src/nkilib/core/attention/attention_bwd.py), so the emulator accepts exactly that form.
 
 Checked: the kernel function and, transitively, every plain function of the kernel's own module that
 it names (those are inlined into it at specialisation).
@@ -94,6 +97,16 @@ def _names(tree):
             yield node.id
 
 
+def _identity_test_not_against_none(compare):
+    operands = [compare.left] + compare.comparators
+    for i, op in enumerate(compare.ops):
+        if isinstance(op, (ast.Is, ast.IsNot)):
+            right = operands[i + 1]
+            if not (isinstance(right, ast.Constant) and right.value is None):
+                return True
+    return False
+
+
 def _problems(function, tree, first_line, path, is_kernel):
     """'file:line in function: construct' for each construct outside the subset, in line order."""
     found = []  # (line, construct)
@@ -106,8 +119,8 @@ def _problems(function, tree, first_line, path, is_kernel):
         kind = _REFUSED_NODES.get(type(node))
         if kind is not None:
             found.append((line, kind))
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
-            found.append((line, "'is' / 'is not' (use == / !=)"))
+        elif isinstance(node, ast.Compare) and _identity_test_not_against_none(node):
+            found.append((line, "'is' / 'is not' other than against None (use == / !=)"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _REFUSED_BUILTINS \
                 and node.func.id not in function.__globals__:  # the builtin, not a module's own function
             found.append((line, f"{node.func.id}() (write an explicit loop)"))
