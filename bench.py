@@ -341,7 +341,7 @@ def _kernel_checks(dtype, device):
     MLP activation and RMSNorm with and without a weight; token counts that leave a ragged last tile."""
     generator = torch.Generator().manual_seed(0)
     length, dim, heads, kv_heads = (CHECK_MODEL[k] for k in ("sequence_len", "n_embd", "n_head", "n_kv_head"))
-    hidden, tokens = 4 * dim, length - 56
+    hidden, tokens = 4 * dim, length - 56  # 2 x 200 rows at the default: the last 128-row tile is ragged
 
     def tensor(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
