@@ -111,8 +111,14 @@ class _TileSize:
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
     # deprecated in NKI 0.4: despite its name the per-partition size (aws-neuron-sdk nki/migration/index.rst)
     total_available_sbuf_size = sbuf_fmax_bytes
-    psum_min_align = property(lambda self: not_emulated("nki.language.tile_size.psum_min_align", "")())
-    sbuf_min_align = property(lambda self: not_emulated("nki.language.tile_size.sbuf_min_align", "")())
+
+    @property
+    def psum_min_align(self):
+        raise NotImplementedError("nki.language.tile_size.psum_min_align is not emulated")
+
+    @property
+    def sbuf_min_align(self):
+        raise NotImplementedError("nki.language.tile_size.sbuf_min_align is not emulated")
 
 
 tile_size = _TileSize()
