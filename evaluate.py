@@ -30,6 +30,7 @@ import csv
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -261,7 +262,7 @@ def evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multi
             losses = [loss for loss, _ in results]
             best = min(range(len(losses)), key=lambda i: (math.isnan(losses[i]), losses[i]))
             correct += best == task["examples"][idx]["gold"]
-    counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
+    counts = torch.tensor([correct, len(mine)], dtype=torch.float32, device=device)  # exact to 2^24; Trainium has no fp64
     if world_size > 1:
         dist.all_reduce(counts)
     correct, total = counts.tolist()
@@ -305,8 +306,9 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
     try:  # memory-mapped: reading the config costs no second copy of the weights
         train_config = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["train_config"]
-    except (RuntimeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {e})") from None
+    except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a checkpoint written by train.py (torch.load: {type(e).__name__}); pass the "
+                         "final.pt or ckpt_*.pt of a training run") from None
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
     model = train.load_for_eval(path, device)
     if model.config.vocab_size != enc.n_vocab:
