@@ -32,7 +32,6 @@ import math
 import os
 import pickle
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -65,6 +64,9 @@ def ensure_bundle(bundle_dir):
     folder is moved into place whole, so its presence means it is complete."""
     if os.path.exists(os.path.join(bundle_dir, "core.yaml")):
         return bundle_dir
+    if os.path.isdir(bundle_dir) and os.listdir(bundle_dir):  # never replace a folder that holds something else
+        raise FileNotFoundError(f"{bundle_dir} has no core.yaml: point --bundle_dir at an unpacked eval bundle, or at "
+                                "a new folder to download it into")
     archive = os.path.abspath(bundle_dir).rstrip(os.sep) + ".zip"
     print(f"downloading the CORE eval bundle to {archive}")
     try:
@@ -79,8 +81,8 @@ def ensure_bundle(bundle_dir):
         unpacked = os.path.join(tmp, "eval_bundle")
         if not os.path.exists(os.path.join(unpacked, "core.yaml")):
             raise ValueError(f"{archive} has no eval_bundle/core.yaml: it is not nanochat's eval bundle")
-        if os.path.exists(bundle_dir):  # an incomplete earlier copy (no core.yaml)
-            shutil.rmtree(bundle_dir)
+        if os.path.isdir(bundle_dir):  # empty, as checked above
+            os.rmdir(bundle_dir)
         os.replace(unpacked, bundle_dir)
     os.remove(archive)  # the unpacked folder is the cache
     return bundle_dir
@@ -307,7 +309,7 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
     try:  # memory-mapped: reading the config costs no second copy of the weights
         train_config = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["train_config"]
     except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a checkpoint written by train.py (torch.load: {type(e).__name__}); pass the "
+        raise ValueError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}); pass the "
                          "final.pt or ckpt_*.pt of a training run") from None
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
     model = train.load_for_eval(path, device)

@@ -147,6 +147,10 @@ def test_bundle_loading_shuffles_as_the_reference_and_reads_baselines(bundle, ta
 def test_a_missing_bundle_is_named_with_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="not an unpacked CORE eval bundle.*--bundle_dir"):
         evaluate.load_tasks(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("a folder of something else")
+    with pytest.raises(FileNotFoundError, match="has no core.yaml: point --bundle_dir at an unpacked eval bundle"):
+        evaluate.ensure_bundle(str(tmp_path))  # refused before any download, and the folder is left alone
+    assert os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_bundle_download_is_verified_unpacked_and_cached(tmp_path, monkeypatch):
