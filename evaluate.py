@@ -244,7 +244,8 @@ def score_rows(model, rows, device, autocast, batch_tokens, length_multiple, bos
 
 
 def evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multiple, rank=0, world_size=1, progress=None):
-    """(correct, total) over the whole task, this rank having scored examples rank, rank + world_size, ..."""
+    """(correct, examples, tokens scored) over the whole task, this rank having scored examples rank,
+    rank + world_size, ...; the token count (unpadded sequence lengths) is what the time depends on."""
     mine = range(rank, len(task["examples"]), world_size)
     prompts = [example_prompts(task, idx) for idx in mine]
     tokens = iter(enc.encode_ordinary_batch([p for example in prompts for p in example]))  # one call: threaded
@@ -264,11 +265,11 @@ def evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multi
             losses = [loss for loss, _ in results]
             best = min(range(len(losses)), key=lambda i: (math.isnan(losses[i]), losses[i]))
             correct += best == task["examples"][idx]["gold"]
-    counts = torch.tensor([correct, len(mine)], dtype=torch.float32, device=device)  # exact to 2^24; Trainium has no fp64
+    # fp32: Trainium has no fp64, and the counts of examples are exact (< 2^24); the token count is near enough
+    counts = torch.tensor([correct, len(mine), sum(len(tokens) for tokens, _, _ in rows)], dtype=torch.float32, device=device)
     if world_size > 1:
         dist.all_reduce(counts)
-    correct, total = counts.tolist()
-    return int(correct), int(total)
+    return tuple(round(c) for c in counts.tolist())
 
 
 def centred(accuracy, baseline):
@@ -284,18 +285,18 @@ def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_token
         for task in tasks:
             bar.set_description(task["label"])
             t0 = time.time()
-            correct, total = evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multiple, rank,
-                                           world_size, bar if show_progress else None)
+            correct, total, tokens = evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multiple,
+                                                   rank, world_size, bar if show_progress else None)
             accuracy = correct / total
             results[task["label"]] = dict(type=task["type"], num_fewshot=task["num_fewshot"], examples=total,
-                                          correct=correct, accuracy=accuracy, baseline=task["baseline"],
+                                          correct=correct, tokens=tokens, accuracy=accuracy, baseline=task["baseline"],
                                           centred=centred(accuracy, task["baseline"]), seconds=round(time.time() - t0, 2))
             if show_progress:
                 r = results[task["label"]]
                 bar.write(f"{task['label']:<34} {r['num_fewshot']:>2}-shot {task['type']:<17} {total:>6} examples  "
                           f"accuracy {accuracy:.4f}  centred {r['centred']:+.4f}  {r['seconds']:7.1f}s")
     core = sum(r["centred"] for r in results.values()) / len(results)
-    return {"tasks": results, "core": core}
+    return {"tasks": results, "core": core, "tokens": sum(r["tokens"] for r in results.values())}
 
 
 # -----------------------------------------------------------------------------
@@ -338,14 +339,16 @@ def run_core(args):
     t0 = time.time()
     report = evaluate_core(model, enc, tasks, device, autocast, args.batch_tokens, length_multiple, rank, world_size,
                            show_progress=rank == 0)
+    seconds = time.time() - t0
     report.update(checkpoint=os.path.abspath(args.checkpoint), bundle=os.path.abspath(args.bundle_dir),
                   max_per_task=args.max_per_task, world_size=world_size, device=device_type, dtype=dtype,
-                  seconds=round(time.time() - t0, 1))
+                  seconds=round(seconds, 1))
     if rank == 0:
         out = args.out or os.path.splitext(args.checkpoint)[0] + "_core.json"
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
-        print(f"CORE {report['core']:.4f} over {len(tasks)} tasks in {report['seconds']:.0f}s; report: {out}")
+        print(f"CORE {report['core']:.4f} over {len(tasks)} tasks in {seconds:.0f}s ({report['tokens']:,} tokens, "
+              f"{report['tokens'] / seconds:,.0f}/s); report: {out}")
     if world_size > 1:
         dist.destroy_process_group()
     return report

@@ -223,6 +223,8 @@ def test_a_uniform_model_scores_zero(tasks):
     assert [r["accuracy"] for r in report["tasks"].values()] == [0.25, 0.25, 0.5, 0.0]
     assert report["core"] == pytest.approx(0.0, abs=1e-12)
     assert report["tasks"]["tiny_mc"]["examples"] == 12
+    lm = [evaluate.example_prompts(tasks[3], i)[1] for i in range(9)]
+    assert report["tasks"]["tiny_lm"]["tokens"] == sum(1 + len(p.encode()) for p in lm)  # BOS + one token per byte
 
 
 def tiny_checkpoint(path):
@@ -259,7 +261,7 @@ def test_two_ranks_match_one_process(tmp_path, bundle, tasks, capfd):
     sharded = json.loads(report_path.read_text())
     assert sharded["world_size"] == 2 and sharded["dtype"] == "float32"
     for label, r in single["tasks"].items():
-        assert (sharded["tasks"][label]["correct"], sharded["tasks"][label]["examples"]) == (r["correct"], r["examples"])
+        assert [sharded["tasks"][label][k] for k in ("correct", "examples", "tokens")] == [r["correct"], r["examples"], r["tokens"]]
     assert sharded["core"] == pytest.approx(single["core"], abs=1e-12)
     assert len({r["accuracy"] for r in single["tasks"].values()}) > 1  # a real model, not a constant one
     assert capfd.readouterr().out.count("CORE ") == 1  # printed by rank 0 only
