@@ -364,7 +364,8 @@ def main(argv=None):
                       help="the unpacked eval bundle; downloaded here if absent (default: %(default)s)")
     core.add_argument("--max_per_task", type=int, default=-1, help="examples per task, -1 = all (fewer: faster, approximate)")
     core.add_argument("--batch_tokens", type=int, default=16384, help="tokens per forward pass per rank (default: %(default)s)")
-    core.add_argument("--device", default="auto", choices=["auto", "neuron", "cuda", "cpu"])
+    core.add_argument("--device", default="auto", choices=["auto", "neuron", "cuda", "cpu"],
+                      help="auto: neuron where the Neuron SDK is installed, else cuda if present, else cpu")
     core.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                       help="auto: bf16 autocast on neuron/cuda, fp32 on cpu")
     core.add_argument("--data_dir", help="where the checkpoint's trained tokenizer lives (default: its training run's)")
