@@ -205,7 +205,7 @@ def gold_sequences(tasks, max_len):
         for idx, item in enumerate(task["examples"]):
             prompts = evaluate.example_prompts(task, idx)
             rows = evaluate.example_rows(task["type"], [[ENC.eot_token] + ENC.encode_ordinary(p) for p in prompts], max_len)
-            gold.append(rows[item.get("gold", 0) if task["type"] != "language_modeling" else 0][0])
+            gold.append(rows[0 if task["type"] == "language_modeling" else item["gold"]][0])
     return gold
 
 
