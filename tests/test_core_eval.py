@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import data
 import evaluate
@@ -236,6 +237,36 @@ def tiny_checkpoint(path):
             p.normal_(0, 0.5)
     torch.save({"model": model.state_dict(), "model_config": asdict(config), "train_config": asdict(train.TrainConfig())}, path)
     return path
+
+
+def reference_style_correct(model, task):
+    """Right answers when each example is scored on its own, padded only to its longest sequence, with the
+    reference's per-sequence slicing: the scoring that batching across examples must not change."""
+    correct = 0
+    for idx, item in enumerate(task["examples"]):
+        prompts = evaluate.example_prompts(task, idx)
+        rows = evaluate.example_rows(task["type"], [[ENC.eot_token] + ENC.encode_ordinary(p) for p in prompts],
+                                     model.config.sequence_len)
+        ids = torch.full((len(rows), max(len(t) for t, _, _ in rows)), ENC.eot_token)
+        for i, (tokens, _, _) in enumerate(rows):
+            ids[i, : len(tokens)] = torch.tensor(tokens)
+        with torch.no_grad():
+            logits = model(ids)
+        losses = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none").view(ids.shape)
+        if task["type"] == "language_modeling":
+            _, s, e = rows[0]
+            correct += bool((logits[0].argmax(-1)[s - 1 : e - 1] == ids[0, s:e]).all())
+        else:
+            means = [losses[i, s - 1 : e - 1].mean().item() for i, (_, s, e) in enumerate(rows)]
+            correct += means.index(min(means)) == item["gold"]
+    return correct
+
+
+def test_batching_across_examples_changes_no_score(tmp_path, tasks):
+    model, enc = evaluate.load_checkpoint_and_tokenizer(tiny_checkpoint(str(tmp_path / "tiny.pt")), "cpu")
+    for task in tasks:
+        correct, _, _ = evaluate.evaluate_task(model, enc, task, "cpu", evaluate.nullcontext(), 300, 8)
+        assert correct == reference_style_correct(model, task), task["label"]
 
 
 def free_port():
