@@ -211,19 +211,23 @@ def example_rows(task_type, token_lists, max_len):
 # scoring
 
 @torch.no_grad()
-def score_rows(model, rows, device, autocast, batch_tokens, length_multiple, bos, progress=None):
+def score_rows(model, rows, device, autocast, batch_tokens, bos, static_shapes=False, progress=None):
     """[(mean loss over the span, whether argmax reproduces the span)] for rows of (tokens, start, end).
     Rows are scored longest first in batches of about batch_tokens, right-padded with BOS (a causal model's
-    outputs at earlier positions do not see it) to a multiple of length_multiple."""
-    max_len = model.config.sequence_len
+    outputs at earlier positions do not see it) to a multiple of 8 tokens. With static_shapes (Trainium),
+    to a multiple of 128, where NKI attention applies, and every batch of a length is filled up to the same
+    number of rows, so one compiled graph per length serves the whole suite."""
+    max_len, multiple = model.config.sequence_len, 128 if static_shapes else 8
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     results = [None] * len(rows)
     i = 0
     while i < len(order):
-        width = min(max_len, math.ceil(len(rows[order[i]][0]) / length_multiple) * length_multiple)
-        batch = order[i : i + max(1, batch_tokens // width)]
-        idx = torch.full((len(batch), width), bos, dtype=torch.long)
-        in_span = torch.zeros(len(batch), width, dtype=torch.bool)  # positions whose next token is scored
+        width = min(max_len, math.ceil(len(rows[order[i]][0]) / multiple) * multiple)
+        n_rows = max(1, batch_tokens // width)
+        batch = order[i : i + n_rows]
+        shape = (n_rows if static_shapes else len(batch), width)
+        idx = torch.full(shape, bos, dtype=torch.long)
+        in_span = torch.zeros(shape, dtype=torch.bool)  # positions whose next token is scored; none in filler rows
         for b, r in enumerate(batch):
             tokens, start, end = rows[r]
             idx[b, : len(tokens)] = torch.tensor(tokens)
@@ -243,7 +247,7 @@ def score_rows(model, rows, device, autocast, batch_tokens, length_multiple, bos
     return results
 
 
-def evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multiple, rank=0, world_size=1, progress=None):
+def evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shapes=False, rank=0, world_size=1, progress=None):
     """(correct, examples, tokens scored) over the whole task, this rank having scored examples rank,
     rank + world_size, ...; the token count (unpadded sequence lengths) is what the time depends on."""
     mine = range(rank, len(task["examples"]), world_size)
@@ -254,7 +258,7 @@ def evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multi
     rows = [row for example in per_example for row in example]
     if progress is not None:
         progress.reset(total=len(rows))
-    scores = iter(score_rows(model, rows, device, autocast, batch_tokens, length_multiple, enc.eot_token, progress))
+    scores = iter(score_rows(model, rows, device, autocast, batch_tokens, enc.eot_token, static_shapes, progress))
     correct = 0
     for idx, example in zip(mine, per_example):
         results = [next(scores) for _ in example]
@@ -277,7 +281,7 @@ def centred(accuracy, baseline):
     return (accuracy - baseline) / (1 - baseline)
 
 
-def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_tokens=16384, length_multiple=8,
+def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_tokens=16384, static_shapes=False,
                   rank=0, world_size=1, show_progress=False):
     """{"tasks": {label: per-task results}, "core": mean centred accuracy}, identical on every rank."""
     results = {}
@@ -285,7 +289,7 @@ def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_token
         for task in tasks:
             bar.set_description(task["label"])
             t0 = time.time()
-            correct, total, tokens = evaluate_task(model, enc, task, device, autocast, batch_tokens, length_multiple,
+            correct, total, tokens = evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shapes,
                                                    rank, world_size, bar if show_progress else None)
             accuracy = correct / total
             results[task["label"]] = dict(type=task["type"], num_fewshot=task["num_fewshot"], examples=total,
@@ -331,13 +335,12 @@ def run_core(args):
         dist.barrier()  # the others wait for rank 0's download
     tasks = load_tasks(args.bundle_dir, args.max_per_task)
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    # Trainium: lengths in multiples of 128 keep NKI attention usable and the set of compiled shapes small
-    length_multiple = 128 if device_type == "neuron" else 8
     if rank == 0:
         print(f"CORE: {len(tasks)} tasks, {sum(len(t['examples']) for t in tasks):,} examples; {args.checkpoint} "
               f"({model.num_params():,} parameters, context {model.config.sequence_len}) on {world_size} x {device_type}, {dtype}")
     t0 = time.time()
-    report = evaluate_core(model, enc, tasks, device, autocast, args.batch_tokens, length_multiple, rank, world_size,
+    static_shapes = device_type == "neuron"  # each new input shape costs a compilation there
+    report = evaluate_core(model, enc, tasks, device, autocast, args.batch_tokens, static_shapes, rank, world_size,
                            show_progress=rank == 0)
     seconds = time.time() - t0
     report.update(checkpoint=os.path.abspath(args.checkpoint), bundle=os.path.abspath(args.bundle_dir),
