@@ -5,6 +5,7 @@ import os
 import random
 import socket
 import zipfile
+from contextlib import nullcontext
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -276,7 +277,7 @@ def test_batching_across_examples_changes_no_score(tmp_path, tasks):
     for task in tasks:
         expected = reference_style_correct(model, task)
         for static_shapes in (False, True):  # True: Trainium's lengths and filler rows
-            correct, _, _ = evaluate.evaluate_task(model, enc, task, "cpu", evaluate.nullcontext(), 300, static_shapes)
+            correct, _, _ = evaluate.evaluate_task(model, enc, task, "cpu", nullcontext(), 300, static_shapes)
             assert correct == expected, (task["label"], static_shapes)
 
 
