@@ -7,8 +7,9 @@ Evaluate a saved checkpoint. One subcommand for now, `core`:
     python evaluate.py core --help                                        # every flag
 
 CORE is the DCLM paper's 22-task in-context suite (HellaSwag, ARC, PIQA, Winograd, LAMBADA, BoolQ, ...), run
-exactly as nanochat's scripts/base_eval.py runs it, so its numbers compare with nanochat's: every example is
-scored by log-likelihood, nothing is generated. Three task types:
+rule for rule as nanochat's scripts/base_eval.py runs it, so its numbers compare with nanochat's (it departs
+only where the reference would fail: see crop() and evaluate_task()). Every example is scored by
+log-likelihood, nothing is generated. Three task types:
 - multiple choice: one prompt per choice, sharing the question; the choice with the lowest mean loss over its
   own tokens wins;
 - schema: one prompt per context option, sharing the continuation; the option under which the continuation
@@ -74,6 +75,9 @@ def ensure_bundle(bundle_dir):
             data.download(BUNDLE_URL, archive, sha256=BUNDLE_SHA256, progress=data._Progress(bar))
     except RuntimeError as e:  # network failure after retries: the partial file is kept for the next run
         raise ConnectionError(f"{e}; or pass --bundle_dir=PATH to an unpacked eval_bundle folder") from None
+    except data.ChecksumError as e:
+        raise ValueError(f"{e}: not the bundle published CORE scores come from; if it changed upstream on purpose, "
+                         "update BUNDLE_SHA256 in evaluate.py, or pass --bundle_dir=PATH to an unpacked copy") from None
     parent = os.path.dirname(os.path.abspath(bundle_dir))
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         with zipfile.ZipFile(archive) as z:
