@@ -828,13 +828,13 @@ def main(argv):
     logging.basicConfig(format="%(name)s: %(message)s")
     # --- checks that need no data, model or device: fail before any expensive work
     validate_config(cfg, model_cfg)
-    check_out_dir(cfg)
     configure_determinism(cfg)
     enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
     model_cfg.vocab_size = enc.n_vocab
     model_cfg.validate()
     device_type = detect_device() if cfg.device == "auto" else cfg.device
     check_device(device_type)
+    check_out_dir(cfg)  # after the other checks: with --start_over it moves files
 
     rank, world_size, device = setup_distributed(device_type)
     ddp = dist.is_initialized()
