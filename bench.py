@@ -293,7 +293,15 @@ def run_sweep(cfg, model_cfg, args, device_type, device):
     return rows
 
 
-def write_sweep(rows, prefix):
+def sweep_title(cfg, model_cfg, device_type):
+    """What a plot read on its own needs: the device, the dtype and the shape every point varies from."""
+    name = torch.cuda.get_device_name() if device_type == "cuda" else train.trainium_generation() if device_type == "neuron" else "CPU"
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {model_cfg.n_layer} layers, n_embd "
+            f"{model_cfg.n_embd}, {model_cfg.n_head}/{model_cfg.n_kv_head} heads, seq {model_cfg.sequence_len}, batch {cfg.batch_size}")
+
+
+def write_sweep(rows, prefix, title):
     with open(f"{prefix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -309,13 +317,16 @@ def write_sweep(rows, prefix):
         print(f"wrote {prefix}.csv and {prefix}.json (install matplotlib for {prefix}.png)")
         return
     axes_names = list(dict.fromkeys(r["axis"] for r in rows))
-    fig, axes = plt.subplots(1, len(axes_names), figsize=(3.2 * len(axes_names), 3), squeeze=False)
+    # one y-range for all panels, so a taller curve means a higher MFU, not a different scale
+    fig, axes = plt.subplots(1, len(axes_names), figsize=(3.2 * len(axes_names), 3.4), squeeze=False, sharey=True)
     for ax, name in zip(axes[0], axes_names):
         points = [r for r in rows if r["axis"] == name]
         ax.plot([r["value"] for r in points], [100 * r["mfu"] for r in points], "o-")
         ax.set_xlabel(name)
-        ax.set_ylabel("MFU %")
         ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MFU %")
+    axes[0][0].set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(f"{prefix}.png", dpi=100)
     print(f"wrote {prefix}.csv, {prefix}.json and {prefix}.png")
@@ -521,7 +532,7 @@ def print_checks(rows, device_type):
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Any train.py field is accepted as --field=value.")
+                                     epilog="Any train.py field is accepted, as --field=value or --field value.")
     parser.add_argument("--bench_steps", type=int, default=10, help="optimizer steps per timed window")
     parser.add_argument("--bench_windows", type=int, default=3, help="timed windows (median reported)")
     parser.add_argument("--bench_warmup", type=int, default=3, help="untimed steps first (compilation)")
@@ -534,6 +545,7 @@ def main(argv):
     parser.add_argument("--json", help="also write the results to this JSON file")
     args, rest = parser.parse_known_args(argv)
     cfg, model_cfg = train.parse_args(rest)
+    train.validate_config(cfg, model_cfg)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
@@ -544,7 +556,7 @@ def main(argv):
     if args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device)}
         if rank == 0:
-            write_sweep(results["sweep"], args.sweep_out)
+            write_sweep(results["sweep"], args.sweep_out, sweep_title(cfg, model_cfg, device_type))
     elif args.check:
         results = {"check": run_checks(cfg, model_cfg, device_type, device)}
         if rank == 0:
@@ -567,5 +579,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    results = main(sys.argv[1:])
+    try:
+        results = main(sys.argv[1:])
+    except (ValueError, OSError, data.DataError) as e:  # as train.py: the foreseeable in one line
+        sys.exit(f"error: {e}")
     sys.exit(1 if any(not row["passed"] for row in results.get("check", ())) else 0)

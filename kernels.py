@@ -78,10 +78,12 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
         reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
     else:
         return True
-    if (op_name, reason) not in _fallbacks_logged:
-        _fallbacks_logged.add((op_name, reason))
+    # NKI missing holds for every op alike: said once per process, not once per op
+    key = reason if nki is None else (op_name, reason)
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
         level = logging.WARNING if device_type == "neuron" else logging.INFO
-        logger.log(level, "%s: using the PyTorch path: %s", op_name, reason)
+        logger.log(level, "%s: using the PyTorch path: %s", "all kernels" if nki is None else op_name, reason)
     return False
 
 
