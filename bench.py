@@ -4,6 +4,7 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     python bench.py                                   # train.py's default model: tokens/s and MFU
     python bench.py --n_layer=8 --n_embd=512 --json=bench.json
     torchrun --standalone --nproc_per_node=4 bench.py # per rank and for the whole job
+    python bench.py --check                           # first hour on Trainium: is everything right?
     python bench.py --kernels                         # each kernel against its PyTorch fallback
     python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
     OMP_NUM_THREADS=1 python bench.py --ablation      # val_bpb: baseline, frontier, each lever alone (CPU)
@@ -35,12 +36,13 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
-if "--kernels" in sys.argv[1:]:
-    # Off Trainium the NKI kernels are run and counted under the emulator that the tests use; it has to
+if "--kernels" in sys.argv[1:] or "--check" in sys.argv[1:]:
+    # Off Trainium the NKI kernels are run (and counted) under the emulator that the tests use; it has to
     # stand in for `nki` before kernels.py imports it. (Where the Neuron SDK is installed it is used.)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     import nki_emulator
@@ -292,7 +294,15 @@ def run_sweep(cfg, model_cfg, args, device_type, device):
     return rows
 
 
-def write_sweep(rows, prefix):
+def sweep_title(cfg, model_cfg, device_type):
+    """What a plot read on its own needs: the device, the dtype and the shape every point varies from."""
+    name = torch.cuda.get_device_name() if device_type == "cuda" else train.trainium_generation() if device_type == "neuron" else "CPU"
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {model_cfg.n_layer} layers, n_embd "
+            f"{model_cfg.n_embd}, {model_cfg.n_head}/{model_cfg.n_kv_head} heads, seq {model_cfg.sequence_len}, batch {cfg.batch_size}")
+
+
+def write_sweep(rows, prefix, title):
     with open(f"{prefix}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -308,13 +318,16 @@ def write_sweep(rows, prefix):
         print(f"wrote {prefix}.csv and {prefix}.json (install matplotlib for {prefix}.png)")
         return
     axes_names = list(dict.fromkeys(r["axis"] for r in rows))
-    fig, axes = plt.subplots(1, len(axes_names), figsize=(3.2 * len(axes_names), 3), squeeze=False)
+    # one y-range for all panels, so a taller curve means a higher MFU, not a different scale
+    fig, axes = plt.subplots(1, len(axes_names), figsize=(3.2 * len(axes_names), 3.4), squeeze=False, sharey=True)
     for ax, name in zip(axes[0], axes_names):
         points = [r for r in rows if r["axis"] == name]
         ax.plot([r["value"] for r in points], [100 * r["mfu"] for r in points], "o-")
         ax.set_xlabel(name)
-        ax.set_ylabel("MFU %")
         ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MFU %")
+    axes[0][0].set_ylim(bottom=0)
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(f"{prefix}.png", dpi=100)
     print(f"wrote {prefix}.csv, {prefix}.json and {prefix}.png")
@@ -352,9 +365,10 @@ def spread(values):
 
 
 def run_ablation(seeds, steps, extra=()):
-    """val_bpb of every ablation row for each seed: a markdown table of mean, spread and change from the
-    baseline (extra: more train.py arguments for every run). It checks that each lever trains and is wired right at this scale; it measures nothing about
-    Trn2, where the levers' gains were measured at far larger scale (README, "Ablation")."""
+    """val_bpb of every ablation row for each seed (extra: more train.py arguments for every run), as a
+    markdown table of mean, spread and change from the baseline. It checks that each lever trains and is
+    wired right at this scale; it measures nothing about Trn2, where the levers' gains were measured at far
+    larger scale (README, "Ablation")."""
     import contextlib
     import io
     import tempfile
@@ -381,12 +395,212 @@ def run_ablation(seeds, steps, extra=()):
     return results
 
 
+# -----------------------------------------------------------------------------
+# first-hour check: does everything work on this machine? (--check)
+
+# The model the check builds: two layers, grouped-query heads of 64, two 128-query tiles per sequence.
+CHECK_MODEL = dict(sequence_len=256, n_layer=2, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
+CHECK_STEPS = 20
+# Agreement of NKI with PyTorch, as max |nki - torch| / max |torch|: kernel outputs and gradients, and each
+# step's loss of the short training run (bf16 matmuls round both paths, differently).
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _close(what, got, want, tolerance):
+    error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+    if not error <= tolerance:  # also catches NaN
+        raise AssertionError(f"{what}: max |nki - torch| / max |torch| = {error:.3g}, over {tolerance:g}")
+
+
+def _kernel_checks(dtype, device):
+    """(name, inputs, call(*inputs, mode) -> output) for each NKI kernel at the check model's shapes, every
+    MLP activation and RMSNorm with and without a weight; token counts that leave a ragged last tile."""
+    generator = torch.Generator().manual_seed(0)
+    length, dim, heads, kv_heads = (CHECK_MODEL[k] for k in ("sequence_len", "n_embd", "n_head", "n_kv_head"))
+    hidden, tokens = 4 * dim, length - 56  # 2 x 200 rows at the default: the last 128-row tile is ragged
+
+    def tensor(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+
+    cases = [("attention", (tensor(2, heads, length, dim // heads), tensor(2, kv_heads, length, dim // heads),
+                            tensor(2, kv_heads, length, dim // heads)),
+              lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode))]
+    for activation in kernels.MLP_ACTIVATIONS:
+        gate = tensor(hidden, dim, scale=dim ** -0.5) if activation == "swiglu" else None
+        inputs = (tensor(2, tokens, dim), tensor(hidden, dim, scale=dim ** -0.5),
+                  tensor(dim, hidden, scale=hidden ** -0.5), gate)
+        cases.append((f"mlp {activation}", inputs, lambda x, w_up, w_down, w_gate, mode, activation=activation:
+                      kernels.mlp(x, w_up, w_down, activation, w_gate, mode=mode)))
+    cases.append(("rms_norm", (tensor(3, tokens, dim),), lambda x, mode: kernels.rms_norm(x, mode=mode)))
+    weight = (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)
+    cases.append(("rms_norm weighted", (tensor(3, tokens, dim), weight),
+                  lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
+    return cases
+
+
+def _run_both(call, inputs, grad):
+    """Outputs (and with grad, the gradients of every input for one random output gradient) for
+    mode="nki" and mode="torch". (A loss like out.square().mean() would not do: its gradient is parallel
+    to the output, which RMSNorm's dx cancels to almost nothing.)"""
+    results = []
+    for mode in ("nki", "torch"):
+        leaves = [t.detach().clone().requires_grad_(grad) if t is not None else None for t in inputs]
+        with torch.set_grad_enabled(grad):
+            out = call(*leaves, mode)
+            if grad:
+                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out))
+        results.append([out] + ([t.grad for t in leaves if t is not None] if grad else []))
+    return results
+
+
+def _check_kernel(call, inputs, grad, tolerance):
+    nki_results, torch_results = _run_both(call, inputs, grad)
+    names = ["output"] + [f"gradient of input {i}" for i in range(len(nki_results) - 1)]
+    for name, got, want in zip(names, nki_results, torch_results):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise AssertionError(f"{name}: NKI gives {tuple(got.shape)} {got.dtype}, PyTorch {tuple(want.shape)} "
+                                 f"{want.dtype}")
+        _close(name, got, want, tolerance)
+
+
+def _check_model_config(model_cfg, kernels_mode):
+    from model import GPTConfig
+
+    return GPTConfig(**{**CHECK_MODEL, "mlp": model_cfg.mlp, "kernels": kernels_mode})
+
+
+def _check_compiled_block(cfg, model_cfg, device_type, device, tolerance):
+    """model.Block with every kernel on NKI, compiled as train.py compiles it (the Neuron backend on
+    Trainium; not at all with --compile=false), against the same Block eager on PyTorch: output and
+    parameter gradients."""
+    from model import Block, rotary_tables
+
+    results = []
+    for mode in ("nki", "torch"):
+        config = _check_model_config(model_cfg, mode)
+        torch.manual_seed(cfg.seed)
+        block = Block(config).to(device)
+        for linear in (block.attn.c_proj, block.mlp.c_proj):  # nonzero, so that every gradient is
+            torch.nn.init.normal_(linear.weight, std=0.02)
+        run = train.wrap_for_training(block, cfg, device_type, device) if mode == "nki" else block
+        cos, sin = (t.to(device) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
+        x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(device)
+        with train.autocast_context(cfg, device_type):
+            out = run(x, cos, sin)
+        out.float().square().mean().backward()
+        results.append([out] + [p.grad for p in block.parameters()])
+    for i, (got, want) in enumerate(zip(*results)):
+        _close("output" if i == 0 else f"gradient of parameter {i - 1}", got, want, tolerance)
+
+
+def _training_losses(cfg, model_cfg, mode, device_type, device):
+    """Losses of CHECK_STEPS steps of train.py's optimizer step on fixed random tokens."""
+    from model import GPT
+
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(_check_model_config(model_cfg, mode)).to(device)
+    model = train.wrap_for_training(raw_model, cfg, device_type, device)
+    optimizers = train.make_optimizers(raw_model, cfg, device_type)
+    autocast = train.autocast_context(cfg, device_type)
+    tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
+                           generator=torch.Generator().manual_seed(2))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    losses = []
+    for _ in range(CHECK_STEPS):
+        loss, _ = train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+def _check_training(cfg, model_cfg, device_type, device, tolerance):
+    nki_losses = _training_losses(cfg, model_cfg, "nki", device_type, device)
+    torch_losses = _training_losses(cfg, model_cfg, "torch", device_type, device)
+    for step in range(CHECK_STEPS):
+        _close(f"loss of step {step + 1} (NKI {nki_losses[step]:.4f}, PyTorch {torch_losses[step]:.4f})",
+               nki_losses[step], torch_losses[step], tolerance)
+    if not nki_losses[-1] < nki_losses[0]:
+        raise AssertionError(f"the loss did not fall in {CHECK_STEPS} steps: {nki_losses.tolist()}")
+
+
+def _check_causality(cfg, model_cfg, device_type, device):
+    """The whole model on NKI kernels: changing the tokens after position t changes no logit at or
+    before t (bitwise, apart from float noise far below what any leak would cause)."""
+    from model import GPT
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(_check_model_config(model_cfg, "nki")).to(device)
+    for block in model.blocks:  # nonzero output projections, so that attention reaches the logits
+        for linear in (block.attn.c_proj, block.mlp.c_proj):
+            torch.nn.init.normal_(linear.weight, std=0.02)
+    length = CHECK_MODEL["sequence_len"]
+    generator = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, CHECK_MODEL["vocab_size"], (1, length), generator=generator)
+    with torch.no_grad(), train.autocast_context(cfg, device_type):
+        logits = model(idx.to(device)).float()
+        for t in (0, length // 2 - 1, length // 2, length - 2):
+            changed = idx.clone()
+            changed[:, t + 1:] = torch.randint(0, CHECK_MODEL["vocab_size"], (1, length - t - 1), generator=generator)
+            other = model(changed.to(device)).float()
+            leak = (other[:, :t + 1] - logits[:, :t + 1]).abs().max().item()
+            if leak > 1e-5 * logits.abs().max().item():
+                raise AssertionError(f"changing tokens after position {t} changed logits at or before it by {leak:.3g}")
+            if torch.equal(other[:, t + 1:], logits[:, t + 1:]):
+                raise AssertionError(f"changing tokens after position {t} changed no later logit: the check is blind")
+
+
+def run_checks(cfg, model_cfg, device_type, device):
+    """Every check, each caught on its own so that one failure does not hide the others; returns rows of
+    (check, passed, seconds, first line of the error), and prints each failure's traceback."""
+    dtype = train.compute_dtype(cfg)
+    tolerance = CHECK_TOLERANCE[dtype]
+    checks = []
+    for name, inputs, call in _kernel_checks(dtype, device):
+        for grad in (False, True):
+            checks.append((f"{name} {'forward+backward' if grad else 'forward, no grad'}",
+                           lambda call=call, inputs=inputs, grad=grad: _check_kernel(call, inputs, grad, tolerance)))
+    checks += [
+        (f"Block (nki{', compiled' if cfg.compile else ''}) vs eager (torch)",
+         lambda: _check_compiled_block(cfg, model_cfg, device_type, device, tolerance)),
+        (f"{CHECK_STEPS} training steps, nki vs torch", lambda: _check_training(cfg, model_cfg, device_type, device,
+                                                                                 tolerance)),
+        ("causality of the model on nki", lambda: _check_causality(cfg, model_cfg, device_type, device)),
+    ]
+    rows = []
+    for name, check in checks:
+        t0 = time.perf_counter()
+        try:
+            check()
+        except Exception as error:  # reported in the table and by the exit code; the traceback goes to stderr
+            traceback.print_exc()
+            message = str(error).strip().splitlines()
+            rows.append({"check": name, "passed": False, "seconds": time.perf_counter() - t0,
+                         "error": f"{type(error).__name__}: {message[0] if message else ''}"})
+        else:
+            rows.append({"check": name, "passed": True, "seconds": time.perf_counter() - t0, "error": ""})
+        print(f"{'PASS' if rows[-1]['passed'] else 'FAIL'}  {name}", flush=True)
+    return rows
+
+
+def print_checks(rows, device_type):
+    where = "NKI kernels on the NeuronCores" if device_type == "neuron" else "NKI kernels under the CPU emulator"
+    print(f"\nfirst-hour check on {device_type} ({where})")
+    print(f"{'check':<44} {'result':<6} {'s':>6}  first error")
+    for r in rows:
+        print(f"{r['check']:<44} {'pass' if r['passed'] else 'FAIL':<6} {r['seconds']:>6.1f}  {r['error']}")
+    failed = sum(not r["passed"] for r in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+
+
+# -----------------------------------------------------------------------------
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Any train.py field is accepted as --field=value.")
+                                     epilog="Any train.py field is accepted, as --field=value or --field value.")
     parser.add_argument("--bench_steps", type=int, default=10, help="optimizer steps per timed window")
     parser.add_argument("--bench_windows", type=int, default=3, help="timed windows (median reported)")
     parser.add_argument("--bench_warmup", type=int, default=3, help="untimed steps first (compilation)")
+    parser.add_argument("--check", action="store_true", help="first-hour check: kernels, compiled Block, training "
+                        "and causality, NKI against PyTorch; exit code 1 if anything fails")
     parser.add_argument("--kernels", action="store_true", help="time each kernel against its PyTorch fallback")
     parser.add_argument("--sweep", action="store_true", help="measure MFU over a grid of shape choices")
     parser.add_argument("--sweep_grid", default="default", choices=list(SWEEPS))
@@ -399,6 +613,7 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
+    train.validate_config(cfg, model_cfg)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
     device_type = train.detect_device() if cfg.device == "auto" else cfg.device
@@ -409,7 +624,11 @@ def main(argv):
     if args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device)}
         if rank == 0:
-            write_sweep(results["sweep"], args.sweep_out)
+            write_sweep(results["sweep"], args.sweep_out, sweep_title(cfg, model_cfg, device_type))
+    elif args.check:
+        results = {"check": run_checks(cfg, model_cfg, device_type, device)}
+        if rank == 0:
+            print_checks(results["check"], device_type)
     elif args.kernels:
         results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device)}
         if rank == 0:
@@ -428,4 +647,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        results = main(sys.argv[1:])
+    except (ValueError, OSError, data.DataError) as e:  # as train.py: the foreseeable in one line
+        sys.exit(f"error: {e}")
+    sys.exit(1 if any(not row["passed"] for row in results.get("check", ())) else 0)

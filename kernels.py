@@ -43,7 +43,7 @@ except ImportError:
 logger = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "nki", "torch")
-MLP_ACTIVATIONS = ("relu2", "gelu", "swiglu")
+MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 
 # -----------------------------------------------------------------------------
 # dispatch and registration, shared by every NKI kernel
@@ -78,10 +78,12 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
         reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
     else:
         return True
-    if (op_name, reason) not in _fallbacks_logged:
-        _fallbacks_logged.add((op_name, reason))
+    # NKI missing holds for every op alike: said once per process, not once per op
+    key = reason if nki is None else (op_name, reason)
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
         level = logging.WARNING if device_type == "neuron" else logging.INFO
-        logger.log(level, "%s: using the PyTorch path: %s", op_name, reason)
+        logger.log(level, "%s: using the PyTorch path: %s", "all kernels" if nki is None else op_name, reason)
     return False
 
 
@@ -98,14 +100,20 @@ def _jitted(kernel, lnc):
 
 def _run_kernel(kernel, *args):
     """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
-    outputs on the inputs' device. On a neuron device the jitted kernel runs on the NeuronCores; anywhere
-    else the tensors go to the CPU and the kernel runs under nki.simulate (the emulator in the tests)."""
+    outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
+    NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
+    emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
+    as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     launch = _jitted(kernel, _logical_core_degree())
     if device.type == "neuron":
-        return launch(*args)
-    outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
-    return tuple(out.to(device) for out in outputs) if isinstance(outputs, tuple) else outputs.to(device)
+        outputs = launch(*args)
+    else:
+        outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    if isinstance(outputs, torch.Tensor):
+        outputs = (outputs,)
+    return tuple(out.to(device) for out in outputs)
 
 
 def _custom_op(name, impl, fake):
@@ -198,12 +206,14 @@ def _transpose_to_cols(cols, rows):
 
 def _causal_scores(scores, q_tile, k_block, diagonal, mask):
     """scores (128 queries, width keys, PSUM fp32) = q_tile.T @ k_block, unscaled; on the block that holds
-    the diagonal (always its last 128 keys) the causal bias is accumulated onto those keys."""
-    nisa.nc_matmul(scores, q_tile, k_block)
+    the diagonal (always its last 128 keys) the causal bias is accumulated onto those keys. Both say
+    `accumulate=`: the mask adds into a slice of a tile the first matmul wrote, which accumulate=None
+    would detect per location by the ISA doc but per bank by the architecture guide."""
+    nisa.nc_matmul(scores, q_tile, k_block, accumulate=False)
     if diagonal:
         identity, bias = mask
         width = scores.shape[1]
-        nisa.nc_matmul(scores[:, width - TILE:width], identity, bias)
+        nisa.nc_matmul(scores[:, width - TILE:width], identity, bias, accumulate=True)
 
 
 def _attention_fwd_query_tile(out_rows, lse_col, q_tile, k_cols, v_rows, mask, scale, query_tile):
@@ -237,7 +247,7 @@ def _attention_fwd_query_tile(out_rows, lse_col, q_tile, k_cols, v_rows, mask, s
         _transpose_to_rows(probs_t, probs)
         block_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
         for c in range(width // TILE):
-            nisa.nc_matmul(block_out, probs_t[:, c, :], v_rows[:, start // TILE + c, :])
+            nisa.nc_matmul(block_out, probs_t[:, c, :], v_rows[:, start // TILE + c, :], accumulate=c > 0)
 
         if start == 0:
             running_sum = block_sum
@@ -328,20 +338,23 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
     probs = nl.ndarray((TILE, width), dtype=dtype)  # P recomputed from lse: exp(scale * s - lse)
     nisa.activation(probs, nl.exp, scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
     dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T
-    nisa.nc_matmul(dprobs, do_cols[:, queries], v_cols[:, keys])
+    nisa.nc_matmul(dprobs, do_cols[:, queries], v_cols[:, keys], accumulate=False)
     dscores = nl.ndarray((TILE, width), dtype=dtype)  # dS = P * (dP - D); the scale is applied at the end
     nisa.scalar_tensor_tensor(dscores, dprobs, nl.subtract, delta[:, query_tile:query_tile + 1], nl.multiply, probs)
 
-    for c in range(width // TILE):  # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions
+    # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions. The chunks share PSUM banks;
+    # the sum of chunk c starts at the query tile on its diagonal, the first one that sees its keys.
+    for c in range(width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
-        nisa.nc_matmul(dv_block[:, c, :], probs[:, chunk], do_rows[:, query_tile, :])
-        nisa.nc_matmul(dk_block[:, c, :], dscores[:, chunk], q_rows[:, query_tile, :])
+        started = query_tile > start // TILE + c
+        nisa.nc_matmul(dv_block[:, c, :], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dk_block[:, c, :], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
 
     dscores_t = nl.ndarray((TILE, width // TILE, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
     _transpose_to_rows(dscores_t, dscores)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
     for c in range(width // TILE):
-        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :])
+        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :], accumulate=c > 0)
     if start == 0:
         nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
     else:
@@ -528,7 +541,10 @@ SBUF_BUDGET = 192 * 1024  # bytes per partition the kernels may plan to use: Trn
 
 def _spans(start, stop, size):
     """(offset, length) of the consecutive pieces of [start, stop), each at most `size` long."""
-    return [(offset, min(size, stop - offset)) for offset in range(start, stop, size)]
+    spans = []
+    for offset in range(start, stop, size):
+        spans.append((offset, min(size, stop - offset)))
+    return spans
 
 
 def _program_rows(n_rows):
@@ -551,13 +567,32 @@ def _load_row_pieces(src, row_start, row_count):
     return pieces
 
 
+def _column_slices(tiles, start, stop):
+    """tile[:, start:stop] of every tile in `tiles`, in order."""
+    slices = []
+    for tile in tiles:
+        slices.append(tile[:, start:stop])
+    return slices
+
+
+def _sbuf_tiles(count, shape, dtype):
+    """`count` new SBUF tiles of one shape and dtype."""
+    tiles = []
+    for _ in range(count):
+        tiles.append(nl.ndarray(shape, dtype, buffer=nl.sbuf))
+    return tiles
+
+
 def _transpose_pieces_into(dst_tiles, dst_col, pieces):
     """Write the transpose of the stacked row pieces (at most 512 rows in all) into columns
     dst_col.. of dst_tiles, where dst_tiles[c] receives columns c*128 .. c*128+127 of the pieces.
     TensorE flips the pieces' blocks of one column tile side by side into a PSUM bank (up to four
     128x128 flips), and one copy per bank brings them back to SBUF."""
-    width = sum(piece.shape[0] for piece in pieces)
-    for c, dst in enumerate(dst_tiles):
+    width = 0
+    for piece in pieces:
+        width += piece.shape[0]
+    for c in range(len(dst_tiles)):
+        dst = dst_tiles[c]
         flipped = nl.ndarray((TILE, width), dst.dtype, buffer=nl.psum)
         offset = 0
         for piece in pieces:
@@ -571,17 +606,19 @@ def _transposed_in_sbuf(matrix):
     """matrix (R, C) from HBM into SBUF as C/128 tiles [128, R]: tile c holds matrix[:, c*128..].T, so
     the contraction dim C lies on the partitions."""
     rows, cols = matrix.shape
-    tiles = [nl.ndarray((TILE, rows), matrix.dtype, buffer=nl.sbuf) for _ in range(cols // TILE)]
+    tiles = _sbuf_tiles(cols // TILE, (TILE, rows), matrix.dtype)
     for row_start, row_count in _spans(0, rows, BANK_FP32):
         _transpose_pieces_into(tiles, row_start, _load_row_pieces(matrix, row_start, row_count))
     return tiles
 
 
 def _matmul_into_psum(stationaries, movings):
-    """sum_k stationaries[k].T @ movings[k], accumulated in one fp32 PSUM tile [M, N]."""
+    """sum_k stationaries[k].T @ movings[k] into a new fp32 PSUM tile [M, N]: the first matmul
+    overwrites, the others accumulate (said explicitly rather than left to accumulate=None's
+    first-write detection, which the ISA and architecture docs word differently)."""
     result = nl.ndarray((stationaries[0].shape[1], movings[0].shape[1]), nl.float32, buffer=nl.psum)
-    for stationary, moving in zip(stationaries, movings):
-        nisa.nc_matmul(dst=result, stationary=stationary, moving=moving)
+    for k in range(len(stationaries)):
+        nisa.nc_matmul(dst=result, stationary=stationaries[k], moving=movings[k], accumulate=k > 0)
     return result
 
 
@@ -589,6 +626,7 @@ def _matmul_into_psum(stationaries, movings):
 # MLP: NKI kernels, y = act(x @ w_up.T) @ w_down.T forward and backward
 
 MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
+LEAKY_RELU2_SLOPE = 0.35  # leaky_relu2: (x if x > 0 else 0.35 x)^2
 
 
 def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
@@ -623,9 +661,10 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
     hidden = w_up.shape[0]
     gated = w_gate is not None
     y = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
-    saved = ()
     if save_preactivation:
-        saved = tuple(nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm) for _ in range(1 + gated))
+        up_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
+        if gated:
+            gate_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
 
     w_up_t = _transposed_in_sbuf(w_up)  # d/128 tiles [128, hidden]
     w_gate_t = _transposed_in_sbuf(w_gate) if gated else None
@@ -633,28 +672,40 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
 
     program_start, program_stop = _program_rows(n_tokens)
     for block_start, block_tokens in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
-        x_t = [nl.ndarray((TILE, block_tokens), x.dtype, buffer=nl.sbuf) for _ in range(dim // TILE)]
+        block = slice(block_start, block_start + block_tokens)
+        x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
         _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens))
         act_t = []  # hidden/128 tiles [128 hidden, block_tokens]: the block's hidden activation
         for j in range(hidden // TILE):
             units = slice(j * TILE, (j + 1) * TILE)
-            up = _matmul_into_psum([w[:, units] for w in w_up_t], x_t)
-            gate = _matmul_into_psum([w[:, units] for w in w_gate_t], x_t) if gated else None
-            for preactivation, store in zip((up, gate), saved):
-                staged = nl.ndarray(preactivation.shape, x.dtype, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=staged, src=preactivation)
-                nisa.dma_copy(dst=store[units, block_start:block_start + block_tokens], src=staged)
+            up = _matmul_into_psum(_column_slices(w_up_t, units.start, units.stop), x_t)
+            gate = _matmul_into_psum(_column_slices(w_gate_t, units.start, units.stop), x_t) if gated else None
+            if save_preactivation:
+                _store_from_psum(up_saved[units, block], up)
+                if gated:
+                    _store_from_psum(gate_saved[units, block], gate)
             act_t.append(_mlp_activation(activation, up, gate, x.dtype))
 
         for offset, tokens in _spans(0, block_tokens, TILE):
             out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
             for col, width in _spans(0, dim, BANK_FP32):
-                acc = _matmul_into_psum([a[:, offset:offset + tokens] for a in act_t],
-                                        [w[:, col:col + width] for w in w_down_t])
+                acc = _matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
+                                        _column_slices(w_down_t, col, col + width))
                 nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
             row = block_start + offset
             nisa.dma_copy(dst=y[row:row + tokens, :], src=out)
-    return (y,) + saved
+    if not save_preactivation:
+        return y  # one output: TorchNeuron hands it back bare
+    if gated:
+        return y, up_saved, gate_saved
+    return y, up_saved
+
+
+def _store_from_psum(dst, values):
+    """Copy a PSUM tile to HBM `dst` (DMA cannot read PSUM: stage it in SBUF in dst's dtype)."""
+    staged = nl.ndarray(values.shape, dst.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=staged, src=values)
+    nisa.dma_copy(dst=dst, src=staged)
 
 
 def _mlp_activation(activation, up, gate, dtype):
@@ -666,6 +717,12 @@ def _mlp_activation(activation, up, gate, dtype):
         relu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=relu, op=nl.relu, data=up)
         nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
+    elif activation == "leaky_relu2":  # leaky(u) = max(u, slope u) for 0 < slope < 1; then squared on ScalarE
+        scaled = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=scaled, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE)
+        leaky = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=leaky, data1=up, data2=scaled, op=nl.maximum)
+        nisa.activation(dst=act, op=nl.square, data=leaky)
     else:  # swiglu: silu(gate) * up
         silu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=silu, op=nl.silu, data=gate)
@@ -714,8 +771,8 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     TensorE: per 128 hidden units and B tokens, 4 matmul groups of 2*B*d*128 FLOPs each (6 for SwiGLU)
     run with full 128-deep contractions and moving operands of 512 (or d) columns, plus 2 (3) B/128
     transposes, about 128 / (2 d) of the matmul time (8% at d=768). The elementwise work (3 passes for
-    ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM evictions and the
-    gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
+    ReLU^2, 4 for leaky ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM
+    evictions and the gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
     so expect about 70-85% TensorE utilisation; at d = 128-256 VectorE, not TensorE, sets the pace.
     """
     n_tokens, dim = x.shape
@@ -723,10 +780,14 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     gated = w_gate is not None
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
-    grads = tuple(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm) for _ in range(2 + gated))
-    accumulators = []  # per gradient, hidden/128 fp32 tiles [128 hidden, d]
+    # weight gradients, each with hidden/128 fp32 SBUF accumulator tiles [128 hidden, d]
+    grads = [nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm),  # dw_up
+             nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm)]  # dw_down, transposed
+    if gated:
+        grads.append(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm))  # dw_gate
+    accumulators = []
     for _ in grads:
-        tiles = [nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf) for _ in range(hidden // TILE)]
+        tiles = _sbuf_tiles(hidden // TILE, (TILE, dim), nl.float32)
         for tile in tiles:
             nisa.memset(dst=tile, value=0.0)
         accumulators.append(tiles)
@@ -736,46 +797,63 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         block = slice(block_start, block_start + block_tokens)
         dy_pieces = _load_row_pieces(dy, block_start, block_tokens)
         x_pieces = _load_row_pieces(x, block_start, block_tokens)
-        dy_t = [nl.ndarray((TILE, block_tokens), x.dtype, buffer=nl.sbuf) for _ in range(dim // TILE)]
+        dy_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
         _transpose_pieces_into(dy_t, 0, dy_pieces)
         piece_spans = _spans(0, block_tokens, TILE)
         column_spans = _spans(0, dim, BANK_FP32)
-        dx_acc = [[nl.ndarray((tokens, width), nl.float32, buffer=nl.psum) for _, width in column_spans]
-                  for _, tokens in piece_spans]
+        dx_acc = []  # per 128-token piece, one PSUM tile per bank-wide column span: dx of the block
+        for _, tokens in piece_spans:
+            row_of_banks = []
+            for _, width in column_spans:
+                row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
+            dx_acc.append(row_of_banks)
 
         for j in range(hidden // TILE):
             units = slice(j * TILE, (j + 1) * TILE)
             w_down_cols = []  # w_down[:, units] as d/128 stationary tiles [128, 128]
             for c in range(dim // TILE):
-                tile = nl.ndarray((TILE, TILE), x.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=tile, src=w_down[c * TILE:(c + 1) * TILE, units])
-                w_down_cols.append(tile)
+                w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), units))
             d_act = _matmul_into_psum(w_down_cols, dy_t)
-            up, gate = (_load_tile(saved, units, block) if saved is not None else None
-                        for saved in (up_saved, gate_saved))
+            up = _load_tile(up_saved, units, block)
+            gate = _load_tile(gate_saved, units, block) if gated else None
             act, d_up, d_gate = _mlp_activation_backward(activation, up, gate, d_act, x.dtype)
 
-            for d_pre, weight in ((d_up, w_up), (d_gate, w_gate))[:1 + gated]:
-                weight_rows = _load_tile(weight, units, slice(0, dim))
-                for (offset, tokens), dx_row in zip(piece_spans, dx_acc):
-                    for (col, width), acc in zip(column_spans, dx_row):
-                        nisa.nc_matmul(dst=acc, stationary=d_pre[:, offset:offset + tokens],
-                                       moving=weight_rows[:, col:col + width])
-            # weight gradients, in the order of `grads`: dw_up, dw_down.T, dw_gate
-            for acc, hidden_t, pieces in zip(accumulators, (d_up, act, d_gate), (x_pieces, dy_pieces, x_pieces)):
-                _accumulate_weight_grad(acc[j], hidden_t, pieces)
+            _accumulate_dx(dx_acc, d_up, _load_tile(w_up, units, slice(0, dim)), piece_spans, column_spans,
+                           accumulate=j > 0)
+            if gated:
+                _accumulate_dx(dx_acc, d_gate, _load_tile(w_gate, units, slice(0, dim)), piece_spans,
+                               column_spans, accumulate=True)
+            _accumulate_weight_grad(accumulators[0][j], d_up, x_pieces)
+            _accumulate_weight_grad(accumulators[1][j], act, dy_pieces)
+            if gated:
+                _accumulate_weight_grad(accumulators[2][j], d_gate, x_pieces)
 
-        for (offset, tokens), dx_row in zip(piece_spans, dx_acc):
+        for p in range(len(piece_spans)):
+            offset, tokens = piece_spans[p]
             out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
-            for (col, width), acc in zip(column_spans, dx_row):
-                nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
+            for c in range(len(column_spans)):
+                col, width = column_spans[c]
+                nisa.tensor_copy(dst=out[:, col:col + width], src=dx_acc[p][c])
             row = block_start + offset
             nisa.dma_copy(dst=dx[row:row + tokens, :], src=out)
 
-    for grad, tiles in zip(grads, accumulators):
-        for j, tile in enumerate(tiles):
-            nisa.dma_copy(dst=grad[program, j * TILE:(j + 1) * TILE, :], src=tile)
-    return (dx,) + grads
+    for g in range(len(grads)):
+        for j in range(hidden // TILE):
+            nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=accumulators[g][j])
+    if gated:
+        return dx, grads[0], grads[1], grads[2]
+    return dx, grads[0], grads[1]
+
+
+def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumulate):
+    """dx_acc[p][c] (PSUM) (+)= d_pre[128 hidden, piece p's tokens].T @ weight_rows[128 hidden, column span c]:
+    one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the first share."""
+    for p in range(len(piece_spans)):
+        offset, tokens = piece_spans[p]
+        for c in range(len(column_spans)):
+            col, width = column_spans[c]
+            nisa.nc_matmul(dst=dx_acc[p][c], stationary=d_pre[:, offset:offset + tokens],
+                           moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
 def _load_tile(src, rows, cols):
@@ -794,19 +872,21 @@ def _accumulate_weight_grad(acc, hidden_t, pieces):
     token_major = nl.ndarray(flipped.shape, hidden_t.dtype, buffer=nl.sbuf)
     stationaries = []
     offset = 0
-    for i, piece in enumerate(pieces):
-        tokens, slot = piece.shape[0], slice(i * TILE, (i + 1) * TILE)
+    full = 0  # columns of the full 128-token pieces, which come first
+    for i in range(len(pieces)):
+        tokens, slot = pieces[i].shape[0], slice(i * TILE, (i + 1) * TILE)
         nisa.nc_transpose(dst=flipped[:tokens, slot], data=hidden_t[:, offset:offset + tokens])
         stationaries.append(token_major[:tokens, slot])
         offset += tokens
-    full = sum(piece.shape[0] == TILE for piece in pieces) * TILE
+        if tokens == TILE:
+            full += TILE
     if full:
         nisa.activation(dst=token_major[:, :full], op=nl.copy, data=flipped[:, :full])
     if full < flipped.shape[1]:
         tokens = pieces[-1].shape[0]
         nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:])
     for col, width in _spans(0, acc.shape[1], BANK_FP32):
-        grad = _matmul_into_psum(stationaries, [piece[:, col:col + width] for piece in pieces])
+        grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
         nisa.tensor_tensor(dst=acc[:, col:col + width], data1=acc[:, col:col + width], data2=grad, op=nl.add)
 
 
@@ -819,39 +899,55 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
     dw_down) and the pre-activations' gradients d_up, d_gate (None unless SwiGLU), in `dtype`.
     Intermediates stay fp32."""
     shape = up.shape
-
-    def scratch(dtype=nl.float32):
-        return nl.ndarray(shape, dtype, buffer=nl.sbuf)
-
-    act, d_up, d_gate = scratch(dtype), scratch(dtype), None
+    act = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    d_up = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    d_gate = None
     if activation == "relu2":  # act = relu(u)^2, act' = 2 relu(u)
-        relu = scratch()
+        relu = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=relu, op=nl.relu, data=up)
         nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
         nisa.scalar_tensor_tensor(dst=d_up, data=relu, op0=nl.multiply, operand0=2.0, op1=nl.multiply, operand1=d_act)
+    elif activation == "leaky_relu2":
+        # act = max(u, a u)^2; act' = 2 u for u > 0, 2 a^2 u below: 2 max(u, a^2 u) (0 < a < 1)
+        leaky = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=leaky, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE, op1=nl.maximum,
+                                  operand1=up)
+        nisa.activation(dst=act, op=nl.square, data=leaky)
+        slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=slope, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE ** 2,
+                                  op1=nl.maximum, operand1=up)
+        nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.multiply, operand0=2.0, op1=nl.multiply,
+                                  operand1=d_act)
     elif activation == "gelu":
         # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
         # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
         nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
-        u2, cubic, s, one_minus_s, poly, slope, s_d_act = (scratch() for _ in range(7))
+        u2 = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=u2, op=nl.square, data=up)
-        nisa.scalar_tensor_tensor(dst=cubic, data=u2, op0=nl.add, operand0=1 / _GELU_K, op1=nl.multiply,
-                                  operand1=up)  # (u + k u^3) / k
+        cubic = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + k u^3) / k
+        nisa.scalar_tensor_tensor(dst=cubic, data=u2, op0=nl.add, operand0=1 / _GELU_K, op1=nl.multiply, operand1=up)
+        s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=s, op=nl.sigmoid, data=cubic, scale=2 * _GELU_C * _GELU_K)
+        one_minus_s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=one_minus_s, op=nl.sigmoid, data=cubic, scale=-2 * _GELU_C * _GELU_K)
+        poly = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + 3k u^3) / (3k)
         nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply,
-                                  operand1=up)  # (u + 3k u^3) / (3k)
+                                  operand1=up)
+        slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (1 - s) 2c u (1 + 3k u^2)
         nisa.scalar_tensor_tensor(dst=slope, data=one_minus_s, op0=nl.multiply, operand0=6 * _GELU_C * _GELU_K,
-                                  op1=nl.multiply, operand1=poly)  # (1 - s) 2c u (1 + 3k u^2)
+                                  op1=nl.multiply, operand1=poly)
+        s_d_act = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=s_d_act, data1=s, data2=d_act, op=nl.multiply)
         nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=s_d_act)
     else:  # swiglu: act = silu(g) u; d_up = d_act silu(g); d_gate = d_act u silu'(g)
-        d_gate = scratch(dtype)
-        silu, silu_dx, u_d_act = scratch(), scratch(), scratch()
+        d_gate = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+        silu = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=silu, op=nl.silu, data=gate)
+        silu_dx = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=silu_dx, op=nl.silu_dx, data=gate)
         nisa.tensor_tensor(dst=act, data1=silu, data2=up, op=nl.multiply)
         nisa.tensor_tensor(dst=d_up, data1=silu, data2=d_act, op=nl.multiply)
+        u_d_act = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=u_d_act, data1=up, data2=d_act, op=nl.multiply)
         nisa.tensor_tensor(dst=d_gate, data1=u_d_act, data2=silu_dx, op=nl.multiply)
     return act, d_up, d_gate
@@ -882,13 +978,14 @@ def rms_norm_fwd_kernel(x, weight, eps):
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     eps_column = _constant_column(eps)
-    weight_rows = _broadcast_to_partitions(weight) if weight is not None else None
+    weighted = weight is not None
+    weight_rows = _broadcast_to_partitions(weight) if weighted else None
     program_start, program_stop = _program_rows(n_rows)
     for row, rows in _spans(program_start, program_stop, TILE):
         x_tile = _load_tile(x, slice(row, row + rows), slice(0, dim))
         out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
         rstd = _reciprocal_rms(x_tile, eps_column, squares=out)
-        if weight_rows is None:
+        if not weighted:
             nisa.activation(dst=out, op=nl.copy, data=x_tile, scale=rstd)
         else:
             nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
@@ -924,7 +1021,9 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         weight_rows = _broadcast_to_partitions(weight)
         ones_column = _constant_column(1.0)
         column_spans = _spans(0, dim, BANK_FP32)
-        dweight_acc = [nl.ndarray((1, width), nl.float32, buffer=nl.psum) for _, width in column_spans]
+        dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
+        for _, width in column_spans:
+            dweight_acc.append(nl.ndarray((1, width), nl.float32, buffer=nl.psum))
 
     program_start, program_stop = _program_rows(n_rows)
     for row, rows in _spans(program_start, program_stop, TILE):
@@ -953,17 +1052,20 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
             normed_dy = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=dy_tile)
-            for (col, width), acc in zip(column_spans, dweight_acc):
-                nisa.nc_matmul(dst=acc, stationary=ones_column[:rows], moving=normed_dy[:, col:col + width])
+            for c in range(len(column_spans)):
+                col, width = column_spans[c]
+                nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:rows], moving=normed_dy[:, col:col + width],
+                               accumulate=row > program_start)
 
     if not weighted:
-        return (dx,)
+        return dx  # one output: TorchNeuron hands it back bare
     partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
     if program_start == program_stop:  # this program got no rows
         nisa.memset(dst=partial, value=0.0)
     else:
-        for (col, width), acc in zip(column_spans, dweight_acc):
-            nisa.tensor_copy(dst=partial[:, col:col + width], src=acc)
+        for c in range(len(column_spans)):
+            col, width = column_spans[c]
+            nisa.tensor_copy(dst=partial[:, col:col + width], src=dweight_acc[c])
     nisa.dma_copy(dst=dweight[program], src=partial)
     return dx, dweight
 
@@ -1056,7 +1158,8 @@ if nki is not None:
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return _run_kernel(rms_norm_fwd_kernel, x, weight, eps)
+    (y,) = _run_kernel(rms_norm_fwd_kernel, x, weight, eps)
+    return y
 
 
 def _rms_norm_forward_fake(x, weight, eps):
@@ -1173,9 +1276,9 @@ def attention(q, k, v, mode="auto"):
 def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
 
-    activation: "relu2" (relu(h)^2), "gelu" (tanh approximation) or "swiglu" (silu(x @ w_gate.T) *
-    (x @ w_up.T); needs w_gate). Matmuls run in the autocast dtype where autocast is on, as F.linear's do.
-    The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
+    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
+    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
     """
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
@@ -1191,6 +1294,8 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     h = F.linear(x, w_up)
     if activation == "relu2":
         h = F.relu(h).square()
+    elif activation == "leaky_relu2":
+        h = F.leaky_relu(h, LEAKY_RELU2_SLOPE).square()
     elif activation == "gelu":
         h = F.gelu(h, approximate="tanh")
     else:

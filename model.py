@@ -16,7 +16,7 @@ softcap cross-entropy that never holds the (tokens, vocab) fp32 logits.
 Attention, MLP and norm run through kernels.py, which picks NKI kernels or PyTorch.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -25,27 +25,41 @@ import torch.nn.functional as F
 import kernels
 
 
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def opt(default, help):
+    """A config field with its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class GPTConfig:
-    sequence_len: int = 256
-    vocab_size: int = 257  # tokenizer vocab; the embedding and head are padded up to a multiple of 128
-    n_layer: int = 4
-    n_head: int = 4  # query heads
-    n_kv_head: int = 4  # key/value heads (grouped-query attention when < n_head)
-    n_embd: int = 256
-    mlp: str = "relu2"  # relu2 | gelu | swiglu
-    mlp_hidden: int = 0  # 0: 4 * n_embd (swiglu: 8/3 * n_embd rounded up to a multiple of 128)
-    rope_base: float = 10000.0
-    logit_softcap: float = 15.0  # logits = cap * tanh(logits / cap); 0 disables
-    kernels: str = "auto"  # auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)
+    sequence_len: int = opt(256, "context length in tokens")
+    vocab_size: int = opt(257, "tokenizer vocab (set from --tokenizer); embedding and head padded to a multiple of 128")
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "query heads; head_dim = n_embd / n_head")
+    n_kv_head: int = opt(0, "key/value heads, dividing n_head (grouped-query attention when fewer); 0 = n_head")
+    n_embd: int = opt(256, "model width")
+    mlp: str = opt("relu2", "MLP activation: relu2 | gelu | swiglu")
+    mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)")
+    rope_base: float = opt(10000.0, "RoPE base frequency")
+    logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables")
+    kernels: str = opt("auto", "auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)")
     # initialisation
-    wte_init_std: float = 1.0  # std of the token embedding
-    matrix_init_scale: float = 1.0  # multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices
+    wte_init_std: float = opt(1.0, "std of the token embedding's normal init")
+    matrix_init_scale: float = opt(1.0, "multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices")
     # levers (see the module docstring); their schedules and optimizers live in train.py
-    value_embeds: bool = False  # a gated per-token value table on alternate layers (the last always)
-    residual_scalars: bool = False  # learned per-layer x = resid[i] * x + x0[i] * embedding before each block
-    mtp_extra: int = 0  # training loss also scores tokens t+2 .. t+1+mtp_extra from the same logits
-    loss_chunks: int = 0  # 0: plain cross-entropy; N: fused softcap cross-entropy over N row chunks
+    value_embeds: bool = opt(False, "a gated per-token value table on alternate layers (the last always)")
+    residual_scalars: bool = opt(False, "learned per-layer x = resid[i] * x + x0[i] * embedding before each block")
+    mtp_extra: int = opt(0, "training loss also scores tokens t+2 .. t+1+mtp_extra from the same logits")
+    loss_chunks: int = opt(0, "0: plain cross-entropy; N: fused softcap cross-entropy over N row chunks")
+
+    def __post_init__(self):
+        # the one place n_kv_head's "same as n_head" is resolved: every config is built through here, and
+        # checkpoints store the resolved number
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
 
     @property
     def head_dim(self):
@@ -64,12 +78,29 @@ class GPTConfig:
         return 4 * self.n_embd
 
     def validate(self):
-        """Fail fast, with the fix, on shapes the model cannot take."""
+        """Fail fast, with the fix, on values the model cannot take: types and ranges first, as the shape
+        rules below divide by them."""
         problems = []
+        for f in fields(self):
+            value, kind = getattr(self, f.name), type(f.default)
+            if not isinstance(value, (int, float) if kind is float else kind) or (isinstance(value, bool) and kind is not bool):
+                problems.append(f"{f.name}={value!r} must be {TYPE_NAMES[kind]}")
+        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if isinstance(getattr(self, name), int) and getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if isinstance(self.n_kv_head, int) and self.n_kv_head < 0:  # 0 became n_head in __post_init__
+            problems.append(f"n_kv_head={self.n_kv_head} must be positive (or 0 for n_head)")
+        for name in ("mlp_hidden", "logit_softcap"):
+            if isinstance(getattr(self, name), (int, float)) and not 0 <= getattr(self, name) < math.inf:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = the default rule)")
+        if isinstance(self.rope_base, (int, float)) and not 1 < self.rope_base < math.inf:
+            problems.append(f"rope_base={self.rope_base} must be > 1 (10000 is usual)")
+        if problems:  # the shape rules below would divide by zero or compare strings with numbers
+            raise ValueError("invalid model config: " + "; ".join(problems))
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (head_dim = n_embd / n_head)")
         if self.n_head % self.n_kv_head:
-            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head)")
+            problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head, or 0 for n_head)")
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         if self.mlp not in kernels.MLP_ACTIVATIONS:
@@ -82,16 +113,13 @@ class GPTConfig:
         if self.kernels == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")
-        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
         if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
             problems.append(f"value_embeds gates read the first {VE_GATE_CHANNELS} channels; n_embd={self.n_embd} is smaller")
         if self.mtp_extra < 0 or self.mtp_extra >= self.sequence_len:
             problems.append(f"mtp_extra={self.mtp_extra} must be in 0..sequence_len-1 (extra future tokens scored)")
         if self.loss_chunks < 0:
             problems.append(f"loss_chunks={self.loss_chunks} must be >= 0 (0 = plain cross-entropy)")
-        if self.wte_init_std <= 0 or self.matrix_init_scale <= 0:
+        if not (0 < self.wte_init_std < math.inf and 0 < self.matrix_init_scale < math.inf):
             problems.append("wte_init_std and matrix_init_scale must be positive")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))

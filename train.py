@@ -2,7 +2,7 @@
 Train a GPT from scratch. One process:
 
     python train.py                              # small model on built-in Shakespeare, a few CPU minutes
-    python train.py --n_layer=6 --max_steps=500  # any config field, as --field=value
+    python train.py --n_layer=6 --max_steps=500  # any config field, --field=value or --field value
     python train.py --help                       # every field with its default
 
 Data-parallel, one rank per device (NeuronCore, GPU or CPU process):
@@ -21,20 +21,23 @@ The learning-rate schedule follows progress: step / max_steps or charged time / 
 import ast
 import dataclasses
 import difflib
+import errno
 import functools
 import glob
 import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import signal
 import statistics
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from contextlib import nullcontext, suppress
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
+import zipfile
 
 PROCESS_START = time.monotonic()  # the contest charges start-up from the process's start
 # TorchNeuron hands NEURON_CC_FLAGS to neuronx-cc verbatim and reads it when torch_neuronx is imported, so
@@ -46,11 +49,7 @@ import torch  # noqa: E402  (after the compiler flags)
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from model import GPT, GPTConfig  # noqa: E402
-
-
-def opt(default, help):
-    return field(default=default, metadata={"help": help})
+from model import GPT, TYPE_NAMES, GPTConfig, opt  # noqa: E402
 
 
 @dataclass
@@ -91,13 +90,16 @@ class TrainConfig:
     out_dir: str = opt("out", "log.jsonl, checkpoints and final.pt go here")
     checkpoint_every: int = opt(0, "write out_dir/ckpt_<step>.pt every N steps; 0 = only final.pt")
     keep_checkpoints: int = opt(2, "periodic checkpoints kept on disk (oldest deleted first)")
-    resume: str = opt("", "'latest' (newest checkpoint in out_dir) or a checkpoint path")
+    resume: str = opt("", "'latest' (newest checkpoint in out_dir of this run's config) or a checkpoint path")
+    resume_any_config: bool = opt(False, "let --resume=latest take a checkpoint whose run config differs from now")
+    start_over: bool = opt(False, "start a new run in a used out_dir; its files move to out_dir/old_<time>/")
     # system
     device: str = opt("auto", "auto | neuron | cuda | cpu")
     dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32")
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)")
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)")
     seed: int = opt(1337, "seed of initialisation and data order")
+    deterministic: bool = opt(False, "deterministic algorithms only (see README: what is bit-exact)")
     # the contest (AWS Trainium Frontier)
     competition_dir: str = opt("", "folder of the contest's prepare.py; '' = beside train.py (then it is used)")
     export_submission: str = opt("", "write this kit as one train.py for upload, these flags its defaults")
@@ -194,39 +196,120 @@ PRESETS = {
 }
 
 
+def split_flags(argv):
+    """[(name, value)] from --name=value and --name value alike (the convention of data.py's argparse);
+    --help stays a lone flag."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            pairs.append(("help", None))
+        elif not arg.startswith("--") or arg == "--":
+            sys.exit(f"error: arguments are --field=value or --field value, got {arg!r}")
+        elif "=" in arg:
+            pairs.append(tuple(arg[2:].split("=", 1)))
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((arg[2:], argv[i + 1]))
+            i += 1
+        else:
+            sys.exit(f"error: {arg} needs a value: {arg}=VALUE or {arg} VALUE")
+        i += 1
+    return pairs
+
+
+def print_help():
+    print(__doc__)
+    rows = [("--preset=NAME", f"apply a preset first: {', '.join(PRESETS)}")]
+    for title, cls in (("model", GPTConfig), ("training", TrainConfig)):
+        rows.append((f"{title}:", ""))
+        rows += [(f"--{f.name}={str(f.default).lower() if isinstance(f.default, bool) else f.default}", f.metadata["help"])
+                 for f in dataclasses.fields(cls)]
+    width = max(len(flag) for flag, _ in rows)
+    for flag, text in rows:
+        print(f"  {flag:<{width}}  {text}" if text else f"\n{flag}")
+
+
 def parse_args(argv):
-    """--field=value for any TrainConfig or GPTConfig field, after the fields of --preset=NAME if given;
-    unknown names get a close match suggested."""
-    train_cfg, model_cfg = TrainConfig(), GPTConfig()
-    presets = [a.partition("=")[2] for a in argv if a.startswith("--preset=")]
-    argv = [a for a in argv if not a.startswith("--preset=")]
-    for name in presets:
+    """--field=value (or --field value) for any TrainConfig or GPTConfig field, after the fields of
+    --preset=NAME if given; unknown names get a close match suggested."""
+    pairs = split_flags(argv)
+    if ("help", None) in pairs:
+        print_help()
+        sys.exit(0)
+    for name in [v for k, v in pairs if k == "preset"]:
         if name not in PRESETS:
             sys.exit(f"error: unknown --preset={name}; presets: {', '.join(PRESETS)}")
-        argv = [f"--{k}={v}" for k, v in PRESETS[name].items()] + argv
-    owners = {f.name: cfg for cfg in (train_cfg, model_cfg) for f in dataclasses.fields(cfg)}
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        print(f"  --preset=NAME            apply a preset first: {', '.join(PRESETS)}")
-        for cfg in (model_cfg, train_cfg):
-            for f in dataclasses.fields(cfg):
-                print(f"  --{f.name}={getattr(cfg, f.name)!s:<14} {f.metadata.get('help', '')}")
-        sys.exit(0)
-    for arg in argv:
-        key, sep, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not sep:
-            sys.exit(f"error: arguments are --field=value, got {arg!r}")
+        pairs = [(k, str(v)) for k, v in PRESETS[name].items()] + pairs
+    owners = {f.name: (cls, f) for cls in (TrainConfig, GPTConfig) for f in dataclasses.fields(cls)}
+    values = {TrainConfig: {}, GPTConfig: {}}
+    for key, value in pairs:
+        if key == "preset":
+            continue
         if key not in owners:
             near = difflib.get_close_matches(key, owners, n=1)
             sys.exit(f"error: unknown config field --{key}" + (f"; did you mean --{near[0]}?" if near else "") + " (--help lists all)")
-        cfg = owners[key]
-        kind = type(getattr(cfg, key))
+        cls, f = owners[key]
+        kind = type(f.default)
         try:
-            parsed = {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
+            values[cls][key] = {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
         except (KeyError, ValueError):
-            sys.exit(f"error: --{key}={value!r} is not a valid {kind.__name__} (default {getattr(cfg, key)!r})")
-        setattr(cfg, key, parsed)
-    return train_cfg, model_cfg
+            sys.exit(f"error: --{key}={value!r} is not a valid {kind.__name__} (default {f.default!r})")
+    # built from all values at once, so GPTConfig resolves n_kv_head=0 against the final n_head
+    return TrainConfig(**values[TrainConfig]), GPTConfig(**values[GPTConfig])
+
+
+# (low, high) inclusive, high None for no bound: numbers outside are refused before any data, model or device work
+RANGES = {
+    "batch_size": (1, None), "total_batch_tokens": (0, None),
+    "matrix_lr": (0, None), "embedding_lr": (0, None), "head_lr": (0, None), "scalar_lr": (0, None),
+    "weight_decay": (0, None), "muon_momentum": (0, 1), "muon_momentum_start": (0, 1),
+    "muon_momentum_warmup_steps": (0, None), "muon_beta2": (0, 1), "grad_clip": (0, None),
+    "warmup_steps": (0, None), "warmdown_frac": (0, 1), "final_lr_frac": (0, 1),
+    "max_steps": (0, None), "time_budget_s": (0, None), "startup_steps": (0, None),
+    "eval_every": (0, None), "eval_tokens": (1, None), "log_every": (1, None), "sample_tokens": (0, None),
+    "checkpoint_every": (0, None), "keep_checkpoints": (1, None), "peak_tflops": (0, None),
+    "seed": (0, 2**63 - 1),  # numpy's generator takes no negative seed
+}
+CHOICES = {"matrix_optimizer": ("muon", "adamw"), "device": ("auto", "neuron", "cuda", "cpu"),
+           "dtype": ("auto", "bfloat16", "float32")}
+
+
+def validate_config(cfg, model_cfg):
+    """Every field's type, range and choices, all problems in one message with the fix. Needs no data,
+    model or device, so main calls it first. (The tokenizer is checked when it is loaded.)"""
+    problems = []
+    for f in dataclasses.fields(cfg):
+        value, kind = getattr(cfg, f.name), type(f.default)
+        if not isinstance(value, (int, float) if kind is float else kind) or (kind is not bool and isinstance(value, bool)):
+            problems.append(f"--{f.name}={value!r} must be {TYPE_NAMES[kind]}")
+        elif f.name in RANGES:
+            low, high = RANGES[f.name]
+            if not (low <= value and (high is None or value <= high) and math.isfinite(value)):
+                problems.append(f"--{f.name}={value} must be " + (f"between {low} and {high}" if high is not None else f">= {low}"))
+        elif f.name in CHOICES and value not in CHOICES[f.name]:
+            problems.append(f"--{f.name}={value!r}: use {' or '.join(CHOICES[f.name])}")
+    if not problems:
+        if not (cfg.max_steps or cfg.time_budget_s):
+            problems.append("set --max_steps or --time_budget_s (or both), otherwise training never stops")
+        if cfg.muon_momentum >= 1 or cfg.muon_momentum_start >= 1 or cfg.muon_beta2 >= 1:
+            problems.append("Muon's momenta and --muon_beta2 must be below 1 (a decay of 1 never forgets)")
+        if not cfg.out_dir:
+            problems.append("--out_dir must name a folder")
+    if problems:
+        raise ValueError("; ".join(problems) + " (--help lists every field)")
+    model_cfg.validate()
+
+
+def check_device(device_type):
+    """Refuse a device this machine lacks, before data preparation and model building."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device=cuda: no CUDA device is available to this torch ({torch.__version__}, "
+                         f"built with CUDA {torch.version.cuda}); use --device=cpu or --device=auto")
+    if device_type == "neuron":
+        try:
+            import torch_neuronx  # noqa: F401  registers the "neuron" device
+        except ImportError as e:
+            raise ValueError(f"--device=neuron needs torch_neuronx ({e}); install the Neuron SDK or use --device=auto") from e
 
 
 # -----------------------------------------------------------------------------
@@ -243,6 +326,21 @@ def detect_device():
         return "neuron"
     except ImportError:  # not installed, or the PyPI placeholder
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def configure_determinism(cfg):
+    """--deterministic: torch's deterministic kernels everywhere (an error where an op has none) and
+    Inductor's deterministic mode (no benchmark-picked kernels, whose choice can vary run to run).
+    Results are then the same bit for bit across runs on one machine with one torch build and the same
+    thread count (OMP_NUM_THREADS): reductions split over threads add in another order with another count."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for deterministic matmuls
+    torch.use_deterministic_algorithms(True)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = True
+    inductor_config.fallback_random = True  # random ops in compiled code draw what eager would
 
 
 def setup_distributed(device_type):
@@ -631,10 +729,13 @@ def write_atomically(path, payload):
         dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         os.fsync(dir_fd)  # make the rename itself durable
         os.close(dir_fd)
-    except OSError as e:
-        if os.path.exists(tmp):
+    except (OSError, RuntimeError) as e:  # a full disk shows as either, depending on where the write stops
+        with suppress(FileNotFoundError):  # the half-written file would only take space
             os.remove(tmp)
-        raise OSError(f"could not write {path}: {e.strerror or e}; the previous file there, if any, is intact") from e
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
+        raise OSError(f"cannot write {path} ({reason}; {free / 2**20:.1f} MiB free there); the previous file there "
+                      "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
 
 
 def save_checkpoint(path, model, optimizers, step, train_time, loader_state, train_cfg, model_cfg):
@@ -680,9 +781,36 @@ def periodic_checkpoints(out_dir):
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
 
 
-def load_checkpoint(path, device="cpu"):
-    """Tensors and plain containers only (weights_only=True): a checkpoint can never run code."""
-    return torch.load(path, map_location=device, weights_only=True)
+class CheckpointError(ValueError):
+    """A file that is not a usable checkpoint; the message names it and says why."""
+
+
+CHECKPOINT_KEYS = ("model", "optimizers", "step", "train_time", "loader", "rng", "train_config", "model_config")
+
+
+def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
+    """Tensors and plain containers only (weights_only=True): a checkpoint can never run code. Every way a
+    file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing) raises
+    CheckpointError naming it; torch's own advice for some of these (weights_only=False) would be unsafe.
+    mmap: map the tensors instead of reading them, to look at a checkpoint's configs cheaply."""
+    size = os.path.getsize(path)  # a missing file raises FileNotFoundError, which names it
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never written; use another checkpoint")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive whose directory is at its end
+        raise CheckpointError(f"checkpoint {path} ({size:,} bytes) is not a PyTorch checkpoint: truncated, or another "
+                              "kind of file; use another checkpoint")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: not for a file like this
+        what = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "unknown content")
+        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain containers, refused "
+                              f"unloaded ({what}); only load files you trust") from e
+    except RuntimeError as e:  # the zip reader's errors: a damaged archive whose directory survived
+        raise CheckpointError(f"checkpoint {path} is damaged ({str(e).splitlines()[0]}); use another checkpoint") from e
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this train.py")
+    return state
 
 
 def inference_model(weights, model_config, device):
@@ -699,7 +827,7 @@ def load_for_eval(checkpoint_path, device="cpu"):
     next-token logits (B, T, vocab) for any T (rotary tables grow on demand), from final.pt or any
     checkpoint this script wrote. The scorer applies no autocast (CONTEST.md), so on Trainium and GPUs
     the weights themselves are bf16 and the model computes in bf16; on a CPU it stays fp32."""
-    device, state = torch.device(device), load_checkpoint(checkpoint_path, "cpu")
+    device, state = torch.device(device), load_checkpoint(checkpoint_path, "cpu", keys=("model", "model_config"))
     model = inference_model(state["model"], state["model_config"], "cpu")
     if device.type in ("cuda", "neuron"):
         model = model.to(torch.bfloat16)
@@ -854,13 +982,11 @@ class ChargedClock:
         running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
         return self.already + running
 
-    def progress(self):
-        return self.charged() / self.budget_s if self.budget_s else 0.0
+    def out_of_time(self, charged, next_step_s, reserve_s):
+        """True when one more step and the final save would not fit in the budget (`charged`: the value the
+        ranks agreed on)."""
+        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
 
-    def must_stop(self, next_step_s, reserve_s):
-        """True when one more step and the final save would not fit in the budget."""
-        return bool(self.budget_s) and self.started is not None and \
-            self.charged() + next_step_s + reserve_s >= self.budget_s
 
 
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
@@ -993,16 +1119,46 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
 # the training run
 
 class Logger:
-    """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl."""
+    """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl. Each line goes out
+    in one write, and a write that fails is cut back off, so a crash leaves at most one torn last line;
+    appending (a resumed run) first cuts such a line off and then writes a "resume" marker."""
 
     def __init__(self, out_dir, enabled, append):
-        self.file = open(os.path.join(out_dir, "log.jsonl"), "a" if append else "w") if enabled else None
+        self.path = os.path.join(out_dir, "log.jsonl")
+        self.file = None
+        if not enabled:
+            return
+        self.file = open(self.path, "ab" if append else "wb", buffering=0)
+        if append:
+            torn = self._cut_torn_line()
+            self._write({"event": "resume", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torn_bytes_dropped": torn})
+
+    def _cut_torn_line(self):
+        """Drops an unterminated last line (a crash mid-write) so new lines do not run on from it; returns
+        its length. Read whole: this happens once per resume, and a log is a few MB at most."""
+        with open(self.path, "rb") as f:
+            content = f.read()
+        keep = content.rfind(b"\n") + 1
+        os.truncate(self.path, keep)
+        return len(content) - keep
+
+    def _write(self, record):
+        line = (json.dumps(record) + "\n").encode()
+        start = self.file.tell()
+        try:
+            done = 0
+            while done < len(line):  # an unbuffered write may take part of the line
+                done += self.file.write(line[done:])
+        except OSError as e:
+            with suppress(OSError):  # not to leave half a line; if this fails too, the next resume cuts it
+                self.file.truncate(start)
+            hint = "; free space and resume with --resume=latest" if e.errno == errno.ENOSPC else ""
+            raise OSError(f"cannot write {self.path}: {e.strerror}{hint}") from e
 
     def __call__(self, event, text, **fields):
         if self.file:
             print(text, flush=True)
-            self.file.write(json.dumps({"event": event, **fields}) + "\n")
-            self.file.flush()
+            self._write({"event": event, **fields})
 
 
 class StopSignal:
@@ -1028,41 +1184,114 @@ class Stopped(Exception):
     """A stop signal arrived before there was anything worth saving."""
 
 
-def resolve_resume(cfg):
+# TrainConfig fields a resumed run may change without becoming another run: how long it goes on, what it
+# logs and saves, and where it runs. Any other difference makes a checkpoint another run's.
+RESUME_MAY_CHANGE = {"max_steps", "time_budget_s", "startup_steps", "eval_every", "eval_tokens", "log_every",
+                     "sample_tokens", "out_dir", "checkpoint_every", "keep_checkpoints", "resume", "resume_any_config",
+                     "start_over", "device", "peak_tflops", "compile", "data_dir", "deterministic", "startup_cap_s",
+                     "charge_evals", "competition_dir", "export_submission"}
+
+
+def config_differences(state, cfg, model_cfg):
+    """(incompatible, other): 'field (checkpoint X, now Y)' for the differences that make the checkpoint
+    unloadable (model shape, optimizer kind) and for the rest of the run config."""
+    def differ(saved, now, skip=()):
+        return [f"{k} (checkpoint {saved[k]!r}, now {v!r})" for k, v in now.items()
+                if k in saved and k not in skip and saved[k] != v]
+
+    now = asdict(cfg)
+    skip = RESUME_MAY_CHANGE | {"matrix_optimizer"} | ({"dtype"} if cfg.dtype == "auto" else set())
+    incompatible = differ(state["model_config"], asdict(model_cfg))
+    incompatible += differ(state["train_config"], {"matrix_optimizer": cfg.matrix_optimizer})
+    return incompatible, differ(state["train_config"], now, skip)
+
+
+def is_rank0():
+    return int(os.environ.get("RANK", "0")) == 0  # torchrun sets it, also before the process group exists
+
+
+def say(text):
+    if is_rank0():
+        print(text, flush=True)
+
+
+def resolve_resume(cfg, model_cfg):
+    """The checkpoint to resume from. An explicit path is taken if it can be loaded into this run (another
+    model shape or matrix optimizer cannot); --resume=latest takes the newest periodic checkpoint of out_dir
+    whose run config matches this one (any loadable one with --resume_any_config), saying which it took
+    and which it skipped and why."""
     if cfg.resume != "latest":
         if not os.path.exists(cfg.resume):
             raise FileNotFoundError(f"--resume={cfg.resume}: no such checkpoint")
+        incompatible, other = config_differences(load_checkpoint(cfg.resume, mmap=True), cfg, model_cfg)
+        if incompatible:
+            raise CheckpointError(f"{cfg.resume} holds a different model or optimizer: {'; '.join(incompatible)}; "
+                                  "pass the flags it was trained with")
+        if other:
+            say(f"resuming from {cfg.resume}, which was trained with other settings: {'; '.join(other)}")
         return cfg.resume
     found = periodic_checkpoints(cfg.out_dir)
     if not found:
         raise FileNotFoundError(f"--resume=latest: no ckpt_*.pt in {cfg.out_dir}; pass a checkpoint path instead")
-    return found[-1]
+    skipped = []
+    for path in reversed(found):
+        try:
+            incompatible, other = config_differences(load_checkpoint(path, mmap=True), cfg, model_cfg)
+        except CheckpointError as e:  # a damaged newest checkpoint should not hide a good older one
+            skipped.append(f"{path}: {e}")
+            continue
+        if incompatible or (other and not cfg.resume_any_config):
+            skipped.append(f"{path}: another run config: {'; '.join(incompatible + other)}")
+            continue
+        say(f"resuming from {path}" + (f" (its run config differs: {'; '.join(other)})" if other else "")
+            + "".join(f"\n  skipped {s}" for s in skipped))
+        return path
+    hint = " or --resume_any_config=true to accept other settings" if not cfg.resume_any_config else ""
+    raise CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
+                          f"trained with{hint} (skipped {' | '.join(skipped)})")
+
+
+RUN_FILES = ("log.jsonl", "final.pt", "ckpt_*.pt")
+
+
+def check_out_dir(cfg):
+    """A new run never writes over another run's files: with them in out_dir it is refused, or with
+    --start_over they are moved to out_dir/old_<time>/ (by rank 0; the other ranks only check)."""
+    if cfg.resume or not os.path.isdir(cfg.out_dir):
+        return
+    found = sorted(os.path.basename(p) for pattern in RUN_FILES for p in glob.glob(os.path.join(cfg.out_dir, pattern)))
+    if not found:
+        return
+    listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    if not cfg.start_over:
+        raise ValueError(f"--out_dir={cfg.out_dir} holds another run's files ({listed}): continue that run with "
+                         "--resume=latest, choose a new --out_dir, or pass --start_over=true to move them aside")
+    if is_rank0():
+        old = os.path.join(cfg.out_dir, time.strftime("old_%Y%m%d-%H%M%S"))
+        os.makedirs(old)
+        for name in found:
+            os.replace(os.path.join(cfg.out_dir, name), os.path.join(old, name))
+        say(f"--start_over: moved {listed} to {old}/")
 
 
 def setup(cfg, model_cfg, stop, argv):
     """Everything before the first step, cheapest checks first. Returns the run's state as a namespace
     (None after --export_submission, which trains nothing)."""
     run = SimpleNamespace(cfg=cfg, model_cfg=model_cfg, stop=stop)
+    validate_config(cfg, model_cfg)
+    configure_determinism(cfg)
     prepare = find_prepare(cfg)
     if prepare is not None:
         apply_contest_rules(cfg, prepare)
     corpus = ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else KitCorpus(cfg)
     model_cfg.vocab_size = corpus.vocab_size
     model_cfg.validate()
-    if not (cfg.max_steps or cfg.time_budget_s):
-        raise ValueError("set --max_steps or --time_budget_s (or both), otherwise training never stops")
-    if cfg.matrix_optimizer not in ("muon", "adamw"):
-        raise ValueError(f"--matrix_optimizer={cfg.matrix_optimizer!r}: use muon or adamw")
-    if cfg.keep_checkpoints < 1:
-        raise ValueError(f"--keep_checkpoints={cfg.keep_checkpoints}: keep at least 1 (the one just written)")
-    if cfg.dtype not in ("auto", "bfloat16", "float32"):
-        raise ValueError(f"--dtype={cfg.dtype!r}: use auto, bfloat16 or float32")
     device_type = detect_device() if cfg.device == "auto" else cfg.device
-    if device_type not in ("neuron", "cuda", "cpu"):
-        raise ValueError(f"--device={device_type!r}: use auto, neuron, cuda or cpu")
+    check_device(device_type)
     if cfg.export_submission:
         export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
         return None
+    check_out_dir(cfg)  # after the other checks: with --start_over it moves files
 
     rank, world_size, device = setup_distributed(device_type)
     vars(run).update(rank=rank, world_size=world_size, device=device, device_type=device_type, master=rank == 0,
@@ -1085,13 +1314,8 @@ def setup(cfg, model_cfg, stop, argv):
     if prepare is not None and cfg.row_pool:
         raise ValueError("--row_pool reorders the kit's loader; the contest's make_dataloader streams its own rows. "
                          "Pass --row_pool=0 in competition mode")
-    resume_path = resolve_resume(cfg) if cfg.resume else None
+    resume_path = resolve_resume(cfg, model_cfg) if cfg.resume else None
     state = load_checkpoint(resume_path) if resume_path else None
-    if state and state["model_config"] != asdict(model_cfg):
-        diff = {k: (v, asdict(model_cfg).get(k)) for k, v in state["model_config"].items() if asdict(model_cfg).get(k) != v}
-        raise ValueError(f"{resume_path} holds a different model (field: (checkpoint, now) = {diff}); pass the same flags")
-    if state and "optimizers" not in state:
-        raise ValueError(f"{resume_path} holds weights only (a final.pt); resume from a ckpt_*.pt instead")
     torch.manual_seed(cfg.seed)
 
     if run.master:
@@ -1169,14 +1393,17 @@ def checkpoint(run):
 
 def train_loop(run):
     """Steps until the step limit, the budget (keeping the final save's reserve) or a stop signal. Each step
-    is synchronised with the device before the clock is read, as the contest's clock is."""
+    is synchronised with the device before the clock is read, as the contest's clock is. Ranks agree after
+    every step, on one all-reduce of host numbers, on the charged time (so they schedule alike), the loss,
+    a non-finite value or a signal on any rank, and whether the budget has room for another step."""
     cfg, clock = run.cfg, run.clock
-    steps_this_run, step_times = 0, []
+    steps_this_run, step_times, charged = 0, [], clock.charged()
     interval_time, interval_tokens = 0.0, 0
     clock.steps_done(0)
     while not (cfg.max_steps and run.step >= cfg.max_steps):
         t0 = time.monotonic()
-        scheduled = schedule(cfg, run.step, max(run.step / cfg.max_steps if cfg.max_steps else 0.0, clock.progress()))
+        progress = max(run.step / cfg.max_steps if cfg.max_steps else 0.0, charged / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+        scheduled = schedule(cfg, run.step, progress)
         apply_schedule(run.optimizers, scheduled, run.raw_model)
         micro_batches = [run.corpus.next_batch() for _ in range(round(run.accum_steps * scheduled["batch_fraction"]))]
         loss, grad_norm = train_step(run.model, run.raw_model, run.optimizers, micro_batches, run.device,
@@ -1188,44 +1415,44 @@ def train_loop(run):
         if run.prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
             run.prepare.record_step_boundary(run.step - 1)
         loss_value, norm_value = torch.stack([loss, grad_norm.to(loss)]).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         dt = time.monotonic() - t0
         clock.steps_done(steps_this_run)
         if steps_this_run > cfg.startup_steps:
             step_times.append(dt)
             step_tokens = run.total_tokens * len(micro_batches) // run.accum_steps  # fewer during a batch warm-up
             interval_time, interval_tokens = interval_time + dt, interval_tokens + step_tokens
+        t_side = time.monotonic()  # evaluations and checkpoints: never of a non-finite model
+        if finite and cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
+            run_eval(run)
+        if finite and cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
+            checkpoint(run)
+        if not cfg.charge_evals:
+            clock.exclude(time.monotonic() - t_side)
         next_step_s = statistics.median(step_times[-10:]) if step_times else dt
-        # every rank decides alike, on the mean over ranks: step time, loss, any rank's signal or non-finite loss
-        decision = [next_step_s, loss_value, float(run.stop.received), float(not (math.isfinite(loss_value) and math.isfinite(norm_value)))]
-        if run.ddp:
+        decision = [clock.charged(), next_step_s, loss_value, float(not finite), float(run.stop.received)]
+        if run.ddp:  # the mean over ranks; a flag raised on any rank stays above zero
             agreed = torch.tensor(decision, dtype=torch.float64)
             dist.all_reduce(agreed, group=run.control)
             decision = (agreed / run.world_size).tolist()
-        next_step_s, loss_value, stopping, nonfinite = decision[0], decision[1], decision[2] > 0, decision[3] > 0
+        charged, next_step_s, loss_value, nonfinite, stopping = decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
         if nonfinite:
             raise FloatingPointError(
                 f"step {run.step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
                 f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
                 f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
-        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps or steps_this_run == 1:
             tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
             mfu = tokens_per_s * run.flops_per_token / run.peak
             speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if interval_time else "start-up step"
             run.log("train", f"step {run.step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {speed} | "
-                    f"charged {clock.charged():.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
-                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=clock.charged(),
+                    f"charged {charged:.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
+                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=charged,
                     startup_time=clock.startup_s)
             interval_time, interval_tokens = 0.0, 0
-        t_side = time.monotonic()
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
-            run_eval(run)
-        if cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0 and not stopping:
-            checkpoint(run)
-        if not cfg.charge_evals:
-            clock.exclude(time.monotonic() - t_side)
         if stopping:
             return "signal"
-        if clock.must_stop(next_step_s, run.reserve_s):
+        if clock.out_of_time(charged, next_step_s, run.reserve_s):
             return "budget"
     return "steps"
 
@@ -1284,5 +1511,7 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except Stopped as e:  # a requested stop, not a failure
         print(e, file=sys.stderr)
+    # the foreseeable failures (bad flags, files, devices, data, a full disk, a diverged run) carry their
+    # fix in one line; anything else is a bug and keeps its traceback
     except (ValueError, OSError, FloatingPointError) as e:
         sys.exit(f"error: {e}")

@@ -29,11 +29,14 @@ def attention_logsumexp_reference(q, k):
 
 
 def mlp_reference(x, w_up, w_down, activation, w_gate=None):
-    """act(x @ w_up^T) @ w_down^T with the activations written out: relu2 = relu(h)^2, gelu = the tanh
-    approximation, swiglu = silu(x @ w_gate^T) * h. Weights in nn.Linear layout (out, in)."""
+    """act(x @ w_up^T) @ w_down^T with the activations written out: relu2 = relu(h)^2, leaky_relu2 =
+    (h if h > 0 else 0.35 h)^2, gelu = the tanh approximation, swiglu = silu(x @ w_gate^T) * h. Weights in
+    nn.Linear layout (out, in)."""
     h = x @ w_up.T
     if activation == "relu2":
         act = torch.clamp(h, min=0) ** 2
+    elif activation == "leaky_relu2":
+        act = torch.where(h > 0, h, 0.35 * h) ** 2
     elif activation == "gelu":
         act = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
     elif activation == "swiglu":

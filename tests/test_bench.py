@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import bench
+import kernels
 import train
 
 
@@ -94,3 +95,37 @@ def test_kernel_estimates_are_deterministic_and_labelled():
     assert by_name["attention"]["matmuls"] > 0 and 0 < by_name["attention"]["tensore_utilisation"] <= 1
     assert by_name["mlp (relu2)"]["matmul_flops"] >= 3 * 2 * 2 * 128 * 128 * 512  # fwd + bwd of both matmuls
     assert by_name["rms_norm"]["dma_bytes"] > 0
+
+
+TINY_CHECK_MODEL = dict(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
+
+
+def test_first_hour_check_passes_under_the_emulator(monkeypatch):
+    monkeypatch.setattr(bench, "CHECK_MODEL", TINY_CHECK_MODEL)
+    monkeypatch.setattr(bench, "CHECK_STEPS", 2)
+    rows = bench.main(["--check", "--compile=false", "--dtype=float32", "--matrix_optimizer=adamw"])["check"]
+    assert [r["check"] for r in rows if not r["passed"]] == []
+    names = " | ".join(r["check"] for r in rows)
+    for activation in kernels.MLP_ACTIVATIONS:
+        assert f"mlp {activation} forward, no grad" in names and f"mlp {activation} forward+backward" in names
+    for part in ("attention forward, no grad", "rms_norm weighted forward+backward", "Block (nki)", "2 training steps",
+                 "causality"):
+        assert part in names
+
+
+def test_first_hour_check_reports_a_broken_kernel(monkeypatch):
+    """An attention kernel that no longer masks the future: its checks and causality fail, each with its
+    first error, and the rest still run. (Two of the kernel cases, to keep it short.)"""
+    monkeypatch.setattr(bench, "CHECK_MODEL", TINY_CHECK_MODEL)
+    monkeypatch.setattr(bench, "CHECK_STEPS", 1)
+    monkeypatch.setattr(kernels, "_MASKED_SCORE", 0.0)
+    all_cases = bench._kernel_checks
+    monkeypatch.setattr(bench, "_kernel_checks",
+                        lambda *a: [case for case in all_cases(*a) if case[0] in ("attention", "mlp relu2")])
+    rows = {r["check"]: r for r in bench.main(["--check", "--compile=false", "--dtype=float32",
+                                               "--matrix_optimizer=adamw"])["check"]}
+    assert not rows["attention forward, no grad"]["passed"]
+    assert "max |nki - torch|" in rows["attention forward, no grad"]["error"]
+    assert not rows["causality of the model on nki"]["passed"]
+    assert "changed logits at or before it" in rows["causality of the model on nki"]["error"]
+    assert rows["mlp relu2 forward+backward"]["passed"] and "1 training steps, nki vs torch" in rows

@@ -35,7 +35,7 @@ def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_t
     clock.steps_done(2)
     assert clock.charged() == 0.0 and clock.startup_s == 6.0  # within the cap: nothing charged
     now.t = 136.0
-    assert clock.charged() == 30.0 and clock.progress() == 0.5
+    assert clock.charged() == 30.0
 
     slow = FakeTime()
     late = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
@@ -49,11 +49,11 @@ def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     clock = train.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
     clock.steps_done(0)
     now.t = 185.0
-    assert not clock.must_stop(next_step_s=4.0, reserve_s=10.0)  # 85 + 4 + 10 < 100
+    assert not clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 85 + 4 + 10 < 100
     now.t = 187.0
-    assert clock.must_stop(next_step_s=4.0, reserve_s=10.0)  # 87 + 4 + 10 >= 100
+    assert clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 87 + 4 + 10 >= 100
     clock.exclude(5.0)  # e.g. an evaluation kept off the clock
-    assert clock.charged() == 82.0 and not clock.must_stop(4.0, 10.0)
+    assert clock.charged() == 82.0 and not clock.out_of_time(clock.charged(), 4.0, 10.0)
     resumed = train.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
     resumed.steps_done(0)
     assert resumed.charged() == 40.0

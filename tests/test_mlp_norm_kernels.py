@@ -69,6 +69,8 @@ MLP_CASES = [
     (640, 256, 512, "gelu", torch.float32),
     (256, 384, 1024, "relu2", torch.bfloat16),
     (128, 256, 1536, "swiglu", torch.float32),
+    (640, 256, 512, "leaky_relu2", torch.bfloat16),
+    (128, 384, 1024, "leaky_relu2", torch.float32),
 ]
 
 
@@ -117,6 +119,19 @@ def test_mlp_hidden_activation_stays_on_chip():
         assert counts.matmul_flops == 2 * 2 * n_tokens * dim * hidden
         assert {k for k, *_ in counts.matmul_shapes} == {128}
         assert max(n for _, _, n, _ in counts.matmul_shapes) == 512
+
+
+def test_leaky_relu2_torch_path_matches_reference():
+    """The PyTorch fallback of leaky_relu2, forward and gradients, on both sides of zero."""
+    x, w_up, w_down, _ = random_mlp(64, 32, 96, "leaky_relu2", torch.float64)
+    out = mlp(x, w_up, w_down, "leaky_relu2", mode="torch")
+    out.square().sum().backward()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_up, w_down)]
+    expected = mlp_reference(*leaves, "leaky_relu2")
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip((x, w_up, w_down), leaves):
+        torch.testing.assert_close(got.grad, want.grad)
 
 
 def test_mlp_shape_limits():

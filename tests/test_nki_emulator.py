@@ -512,7 +512,9 @@ def test_psum_tile_is_at_most_one_bank():
 
 def test_psum_capacity_counts_live_tiles():
     def nine_banks(x):
-        tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
+        tiles = []
+        for _ in range(9):
+            tiles.append(nl.ndarray((128, 512), nl.float32, buffer=nl.psum))
         for t in tiles:
             nisa.memset(t, 0.0)
         sink = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
@@ -651,12 +653,23 @@ def test_reads_of_never_written_memory():
 def test_launch_rules():
     with pytest.raises(NkiValidationError, match="outside a kernel"):
         nl.ndarray((128, 128), nl.float32)
-    raises(lambda x: nl.load(x), rand((4, 4)), match=["nki.jit", "shared_hbm", "sbuf"])
-    with pytest.raises(NkiValidationError, match="LNC degree 1 or 2"):
-        jit(lambda x: x)[3]
+    def load(x):
+        return nl.load(x)
 
-    inner = jit(lambda x: x)
-    raises(lambda x: inner(x), rand((1, 1)), match=["cannot launch another kernel"])
+    raises(load, rand((4, 4)), match=["nki.jit", "shared_hbm", "sbuf"])
+
+    def identity(x):
+        return x
+
+    with pytest.raises(NkiValidationError, match="LNC degree 1 or 2"):
+        jit(identity)[3]
+
+    inner = jit(identity)
+
+    def launches_another(x):
+        return inner(x)
+
+    raises(launches_another, rand((1, 1)), match=["cannot launch another kernel"])
 
 
 # ---- kernels in the documented style ---------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_load_for_eval_reproduces_the_trained_model(tmp_path, data_dir):
 
 def test_resume_with_another_model_shape_is_refused(tmp_path, data_dir):
     run(tmp_path, data_dir, "--max_steps=1", "--checkpoint_every=1")
-    with pytest.raises(ValueError, match="different model.*n_embd"):
+    with pytest.raises(ValueError, match="no checkpoint .* fits this run.*n_embd"):
         run(tmp_path, data_dir, "--max_steps=2", "--resume=latest", "--n_embd=128")
 
 

@@ -4,8 +4,10 @@
 Kernels run unmodified: ``kernel = nki.jit(fn)`` and ``kernel(*arrays, **scalars)`` or
 ``kernel[lnc](...)`` execute ``fn`` eagerly on numpy, instruction by instruction, enforcing the
 documented hardware rules (they raise :class:`NkiValidationError`, naming the instruction and the
-limit). Arguments may be numpy arrays or CPU torch tensors (bf16/fp8 included); results come back as
-the same kind. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
+limit). ``nki.jit`` first checks the kernel's source against the NKI meta-programming subset of Python
+(see :mod:`._subset`). Arguments may be numpy arrays or CPU torch tensors (bf16/fp8 included); results
+come back as the same kind, and with torch tensors a kernel that returns one output gives it back bare,
+not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
 :class:`Counts`). ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
 trn2) picks the generation whose limits apply. Memory model: see :mod:`._memory`.
 
@@ -17,16 +19,20 @@ import sys
 
 import numpy as np
 
-from . import isa, language
+from . import isa, language, typing
 from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
 from ._runtime import Core, Counts, NkiValidationError, counting, running, set_target, target
+from ._subset import check_kernel
 
 __all__ = ["jit", "simulate", "install", "counting", "Counts", "set_target", "target", "NkiValidationError",
-           "language", "isa"]
+           "language", "isa", "typing", "dtype"]
+
+dtype = language.DType  # ``nki.dtype``: what kernel signatures annotate dtypes with (nki-library API docs)
 
 
 def jit(fn=None, **options):
     """``nki.jit``: make ``fn`` a launchable kernel; usable as ``@nki.jit`` or ``@nki.jit(...)``.
+    The kernel's source is checked against the NKI subset of Python here (NkiValidationError).
     Options of the real compiler (``mode``, ...) are accepted and ignored."""
     if fn is None:
         return jit
@@ -45,6 +51,7 @@ class Kernel:
     their ``nl.shared_hbm`` tensors, as the two physical cores of LNC=2 do."""
 
     def __init__(self, fn, lnc=1, grid=False):
+        check_kernel(fn)
         functools.update_wrapper(self, fn)
         self.fn, self.lnc, self.grid = fn, lnc, grid
 
@@ -64,7 +71,14 @@ class Kernel:
             with running(core):
                 result = self.fn(*args, **kwargs)
             check_capacity(core)
-        return _to_host(result, torch_out)
+        outputs = _to_host(result, torch_out)
+        if torch_out and isinstance(outputs, tuple) and len(outputs) == 1:
+            # TorchNeuron returns a kernel's only output bare, however the kernel wrapped it: one return type
+            # gives one tensor, several a tuple (torch_neuronx/nki_hop.py, nki_kernel_wrapper's meta and
+            # fake-tensor impls; torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public copy in
+            # parmoham-aws/test-repo-parmoham).
+            return outputs[0]
+        return outputs
 
 
 # ---- host <-> device -------------------------------------------------------------------------------
@@ -136,5 +150,5 @@ def install():
         return nki
     except ImportError:
         pass
-    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa})
+    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa, "nki.typing": typing})
     return sys.modules[__name__]

@@ -3,8 +3,10 @@
 Model
 -----
 - Every allocation (``nl.ndarray`` or a kernel argument) is a *storage*: a numpy array of the tensor's
-  dtype (bf16/fp8 through ``ml_dtypes``), a boolean *written* mask of the same shape, and for PSUM a
-  *matmul-written* mask that drives ``nc_matmul``'s overwrite-then-accumulate rule. New storage is
+  dtype (bf16/fp8 through ``ml_dtypes``), a boolean *written* mask with one flag per byte (shape
+  ``array.shape + (itemsize,)``, so that a view reinterpreting the bytes as another dtype, ``ap(dtype=)``,
+  still tracks what was written), and for PSUM a *matmul-written* mask, one flag per element, that
+  drives ``nc_matmul``'s overwrite-then-accumulate rule. New storage is
   filled with NaN (integers with 4), as the official simulator does, and reading an element whose
   written flag is still False raises.
 - An ``NkiTensor`` is a view: the same numpy view taken of the data and of the masks, so writes through
@@ -104,8 +106,8 @@ class _Storage:
         self.buffer = buffer
         self.name = name
         self.label = label  # for messages: name, shape, dtype, buffer, allocation site
-        self.unwritten = 0 if initialised else array.size  # 0: every element has been written
-        self.written = None if initialised else np.zeros(array.shape, np.bool_)
+        self.unwritten = 0 if initialised else array.nbytes  # bytes not yet written; 0: all of them
+        self.written = None if initialised else np.zeros(array.shape + (array.itemsize,), np.bool_)
         self.matmul_written = np.zeros(array.shape, np.bool_) if buffer is PSUM else None
         self.liveness = None
 
@@ -113,10 +115,11 @@ class _Storage:
 class NkiTensor:
     """A view of a storage: shape, dtype and buffer of an NKI tensor (kernel argument or allocation)."""
 
-    __slots__ = ("_storage", "_data", "_written", "_matmul_written")
+    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect")
 
-    def __init__(self, storage, data, written, matmul_written):
+    def __init__(self, storage, data, written, matmul_written, indirect=False):
         self._storage, self._data, self._written, self._matmul_written = storage, data, written, matmul_written
+        self._indirect = indirect  # made by ap(scalar_offset=...): addressed through a runtime index
 
     shape = property(lambda self: self._data.shape)
     dtype = property(lambda self: self._data.dtype)
@@ -124,16 +127,127 @@ class NkiTensor:
     ndim = property(lambda self: self._data.ndim)
     size = property(lambda self: self._data.size)
     name = property(lambda self: self._storage.name)
+    strides = property(lambda self: tuple(s // self.dtype.itemsize for s in self._data.strides))
+    offset = property(lambda self: (self._data.__array_interface__["data"][0]
+                                    - self._storage.array.__array_interface__["data"][0]) // self.dtype.itemsize)
+
+    def get_pattern(self):
+        """The view as ``[[stride, count], ...]`` in elements, one pair per dim: what ``ap`` takes."""
+        pattern = []
+        for stride, count in zip(self.strides, self.shape):
+            pattern.append([stride, count])
+        return pattern
+
+    def is_contiguous(self):
+        """Whether the view covers its elements in row-major order without gaps; on chip the partition
+        dim does not count (partitions are separate memories)."""
+        expected = 1
+        first = 1 if self.buffer in ON_CHIP else 0
+        for stride, count in reversed(list(zip(self.strides, self.shape))[first:]):
+            if count != 1 and stride != expected:
+                return False
+            expected *= count
+        return True
+
+    def is_indirect(self):
+        return self._indirect
+
+    def slice(self, dim, start, end, step=1):
+        """``t[..., start:end:step, ...]`` along ``dim``."""
+        return self[(slice(None),) * dim + (slice(start, end, step),)]
+
+    def select(self, dim, index):
+        """``t[..., index, ...]`` along ``dim``, dropping it; a tensor index (dynamic) is not emulated."""
+        if isinstance(index, NkiTensor):
+            raise NotImplementedError("NkiTensor.select with a tensor index (dynamic select) is not emulated")
+        return self.slice(dim, index, index + 1).squeeze_dim(dim)
+
+    def expand_dim(self, dim):
+        """A size-1 dim inserted at ``dim`` (not before an on-chip partition dim)."""
+        self._check_not_partition("expand_dim", dim)
+        return self.reshape(self.shape[:dim] + (1,) + self.shape[dim:])
+
+    def squeeze_dim(self, dim):
+        """The size-1 dim ``dim`` removed (not an on-chip partition dim)."""
+        self._check_not_partition("squeeze_dim", dim)
+        if self.shape[dim] != 1:
+            raise NkiValidationError(f"squeeze_dim: dim {dim} of {self.shape} is not of size 1")
+        return self.reshape(self.shape[:dim] + self.shape[dim + 1:])
+
+    def flatten_dims(self, start_dim, end_dim):
+        """Dims ``start_dim..end_dim`` (inclusive) merged into one; they must be contiguous."""
+        self._check_not_partition("flatten_dims", start_dim)
+        merged = int(np.prod(self.shape[start_dim:end_dim + 1]))
+        return self.reshape(self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1:])
+
+    def reshape_dim(self, dim, shape):
+        """Dim ``dim`` split into ``shape`` (one entry may be -1)."""
+        shape = tuple(int(s) for s in shape)
+        if -1 in shape:
+            known = -int(np.prod(shape))
+            shape = tuple(self.shape[dim] // known if s == -1 else s for s in shape)
+        if int(np.prod(shape)) != self.shape[dim]:
+            raise NkiValidationError(f"reshape_dim: {shape} does not multiply to dim {dim} of {self.shape}")
+        if len(shape) > 1:
+            self._check_not_partition("reshape_dim", dim)
+        return self.reshape(self.shape[:dim] + shape + self.shape[dim + 1:])
+
+    def broadcast(self, dim, size):
+        """The size-1 dim ``dim`` repeated ``size`` times, without copying (a read-only view)."""
+        self._check_not_partition("broadcast", dim)
+        if self.shape[dim] != 1:
+            raise NkiValidationError(f"broadcast: dim {dim} of {self.shape} is not of size 1")
+        shape = self.shape[:dim] + (int(size),) + self.shape[dim + 1:]
+        return self._view(fn=lambda a, trailing: np.broadcast_to(a, shape + a.shape[a.ndim - trailing:]))
+
+    def view(self, dtype):
+        """The same bytes as ``dtype``; the last dim (contiguous) scales by the ratio of item sizes."""
+        new = as_dtype(dtype, "view")
+        pattern = self.get_pattern()
+        if pattern[-1][0] != 1:
+            raise NkiValidationError(f"view: the last dim of {self.shape} must be contiguous")
+        for pair in pattern[:-1]:
+            pair[0] = pair[0] * self.dtype.itemsize // new.itemsize
+        last_bytes = pattern[-1][1] * self.dtype.itemsize
+        if last_bytes % new.itemsize:
+            raise NkiValidationError(f"view: {last_bytes} bytes per row do not divide into {new.name}")
+        pattern[-1][1] = last_bytes // new.itemsize
+        return self.ap(pattern, offset=0, dtype=new)
+
+    def _check_not_partition(self, what, dim):
+        if self.buffer in ON_CHIP and dim == 0:
+            raise NkiValidationError(f"{what}: dim 0 of an on-chip tensor is the partition dim, which stays")
+
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
+        raise NotImplementedError("NkiTensor.rearrange is not emulated")
+
+    def vector_select(self, dim, vector_offset):
+        raise NotImplementedError("NkiTensor.vector_select is not emulated")
+
+    def indirect(self, index, num_elem=None):
+        raise NotImplementedError("NkiTensor.indirect is not emulated")
+
+    def reinterpret_cast(self, *args, **kwargs):
+        raise NotImplementedError("NkiTensor.reinterpret_cast is not emulated")
+
+    def __setitem__(self, key, value):
+        raise NotImplementedError("NkiTensor.__setitem__ (t[...] = value) is not emulated; write with an nki.isa "
+                                  "instruction")
 
     def __repr__(self):
         return f"NkiTensor(shape={self.shape}, dtype={self.dtype.name}, buffer={self.buffer.value}, " \
                f"name={self.name!r})"
 
     def _view(self, index=None, fn=None):
-        """The same view of data and masks: numpy ``index`` or a view function ``fn``."""
-        apply = (lambda a: a[index]) if fn is None else fn
-        masks = (self._written, self._matmul_written)
-        return NkiTensor(self._storage, apply(self._data), *(None if m is None else apply(m) for m in masks))
+        """The same view of data and masks: a full numpy ``index`` (one entry per dim) or a view function
+        ``fn(array, trailing)`` that leaves ``trailing`` extra dims at the end untouched (the written
+        mask has one, its bytes)."""
+        if fn is None:
+            def fn(a, trailing):
+                return a[index]
+        written = None if self._written is None else fn(self._written, 1)
+        matmul_written = None if self._matmul_written is None else fn(self._matmul_written, 0)
+        return NkiTensor(self._storage, fn(self._data, 0), written, matmul_written)
 
     def __getitem__(self, key):
         """NumPy-style basic indexing: ints, slices (step >= 1), ``...``, ``nl.ds``; returns a view."""
@@ -177,7 +291,7 @@ class NkiTensor:
             raise NkiValidationError(f"reshape: on-chip tensors keep their partition dim {self.shape[0]}, "
                                      f"got shape {shape}")
         try:
-            return self._view(fn=lambda a: np.reshape(a, shape, copy=False))
+            return self._view(fn=lambda a, trailing: np.reshape(a, shape + a.shape[a.ndim - trailing:], copy=False))
         except ValueError as error:
             raise NkiValidationError(f"reshape: cannot view shape {self.shape} as {shape}: {error}") from None
 
@@ -187,33 +301,59 @@ class NkiTensor:
         if sorted(dims) != list(range(self.ndim)) or (self.buffer in ON_CHIP and dims[0] != 0):
             raise NkiValidationError(f"permute: {dims} is not a permutation of the dims of {self.shape} "
                                      "that keeps an on-chip partition dim first")
-        return self._view(fn=lambda a: a.transpose(dims))
+        return self._view(fn=lambda a, trailing: a.transpose(dims + tuple(range(len(dims), a.ndim))))
 
-    def ap(self, pattern, offset=None):
-        """Explicit access pattern ``[[stride, count], ...]`` (in elements) over the storage, starting at
-        element ``offset`` of the storage (default: where this view starts). On-chip tensors: the
-        first pair is the partition step, whose stride must be the storage's row length."""
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Explicit access pattern ``[[stride, count], ...]`` over this tensor's storage, as the NKI 0.6
+        stub of ``NkiTensor.ap`` documents it (aws-neuron/aws-neuron-sdk,
+        nki/api/nki/language/__init__.py): the view starts where this view starts, plus ``offset``
+        elements; ``dtype`` reinterprets the storage's bytes (strides, counts and ``offset`` are then in
+        elements of ``dtype``); ``scalar_offset``, a one-element integer tensor, adds its value times the
+        stride of this view's dim ``indirect_dim``. The emulator reads ``scalar_offset`` when ``ap`` is
+        called, so the index must be written before the view is made. On-chip tensors: the first pair
+        is the partition step, whose stride must be the storage's row length."""
+        if vector_offset is not None:
+            raise NotImplementedError("NkiTensor.ap(vector_offset=...) is not emulated")
         storage = self._storage
-        strides, counts = zip(*((int(s), int(c)) for s, c in pattern))
-        if offset is None:
-            offset = (self._data.__array_interface__["data"][0]
-                      - storage.array.__array_interface__["data"][0]) // self.dtype.itemsize
-        row = storage.array.size // storage.array.shape[0]
-        if self.buffer in ON_CHIP and strides[0] != row:
+        element = self.dtype if dtype is None else as_dtype(dtype, "ap")
+        if element.itemsize != self.dtype.itemsize and storage.buffer is PSUM:
+            raise NotImplementedError("NkiTensor.ap(dtype=...) changing the element size of a PSUM tensor is not "
+                                      "emulated")
+        strides, counts = [], []
+        for stride, count in pattern:
+            strides.append(int(stride))
+            counts.append(int(count))
+        start = self._data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
+        start += (0 if offset is None else int(offset)) * element.itemsize
+        if scalar_offset is not None:
+            check_written("ap", "scalar_offset", scalar_offset)
+            if scalar_offset.size != 1 or scalar_offset.dtype.kind not in "iu":
+                raise NkiValidationError(f"ap: scalar_offset must be a one-element integer tensor, got "
+                                         f"{scalar_offset.shape} {scalar_offset.dtype.name}")
+            start += int(np.asarray(scalar_offset._data).reshape(-1)[0]) * self._data.strides[indirect_dim]
+        row_bytes = storage.array.nbytes // storage.array.shape[0]
+        if self.buffer in ON_CHIP and strides[0] * element.itemsize != row_bytes:
             raise NkiValidationError(f"ap: the partition stride of an on-chip tensor must be its row length "
-                                     f"{row}, got {strides[0]}")
-        low = offset + sum((c - 1) * s for s, c in zip(strides, counts) if s < 0)
-        high = offset + sum((c - 1) * s for s, c in zip(strides, counts) if s > 0)
-        if min(counts) < 1 or low < 0 or high >= storage.array.size:
-            raise NkiValidationError(f"ap: pattern {pattern} at offset {offset} leaves the storage of "
-                                     f"{storage.array.size} elements")
+                                     f"{row_bytes // element.itemsize}, got {strides[0]}")
+        low = start + element.itemsize * sum((c - 1) * s for s, c in zip(strides, counts) if s < 0)
+        high = start + element.itemsize * (1 + sum((c - 1) * s for s, c in zip(strides, counts) if s > 0))
+        if min(counts) < 1 or start % element.itemsize or low < 0 or high > storage.array.nbytes:
+            raise NkiValidationError(f"ap: pattern {pattern} starting at byte {start} leaves the storage of "
+                                     f"{storage.array.nbytes} bytes (or is not aligned to {element.name})")
 
-        def strided(whole):
-            flat = whole.reshape(-1)[offset:]
-            return np.lib.stride_tricks.as_strided(flat, counts, tuple(s * flat.itemsize for s in strides))
+        def strided(flat, bytes_per_entry, per_element):
+            """The pattern over ``flat``, an array with one entry per ``bytes_per_entry`` bytes of storage;
+            ``per_element`` > 0 adds a last dim of that many consecutive entries per element."""
+            step = flat.itemsize * element.itemsize // bytes_per_entry
+            trailing = [per_element] if per_element else []
+            return np.lib.stride_tricks.as_strided(flat[start // bytes_per_entry:], counts + trailing,
+                                                   [s * step for s in strides] + [flat.itemsize] * len(trailing))
 
-        masks = (storage.written, storage.matmul_written)
-        return NkiTensor(storage, strided(storage.array), *(None if m is None else strided(m) for m in masks))
+        data = strided(storage.array.reshape(-1).view(np.uint8), 1, element.itemsize).view(element)[..., 0]
+        written = None if storage.written is None else strided(storage.written.reshape(-1), 1, element.itemsize)
+        matmul_written = None if storage.matmul_written is None else \
+            strided(storage.matmul_written.reshape(-1), element.itemsize, 0)
+        return NkiTensor(storage, data, written, matmul_written, indirect=scalar_offset is not None)
 
 
 def _check_slice(k, n, dim):

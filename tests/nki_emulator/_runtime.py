@@ -147,6 +147,8 @@ class Core:
         self.tiles = []  # liveness records of the on-chip tiles allocated on this core
         # ScalarE's per-lane accumulation registers (nisa.activation reduce_cmd); undefined until reset.
         self.activation_regs = np.full(PARTITIONS, np.nan, np.float32)
+        # VectorE's per-lane accumulation registers (nisa.tensor_scalar_reduce reduce_cmd); undefined until reset.
+        self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
 
 
 _core = None

@@ -25,6 +25,7 @@ import numpy as np
 from . import language as nl
 from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
 from ._runtime import NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, target
+from ._unemulated import not_emulated
 
 
 class engine(Enum):
@@ -68,6 +69,13 @@ class oob_mode(Enum):
 class matmul_perf_mode(Enum):
     none = 0
     double_row = 1
+
+
+class dma_engine(Enum):
+    """DMA queues a transfer can use (not modelled: every DMA is one ``dma`` instruction here)."""
+
+    dma = 0
+    gpsimd_dma = 1
 
 
 class nc_version(Enum):
@@ -543,3 +551,171 @@ def bn_aggr(dst, data, name=None):
     variance = (m2 + counts * (means - mean[:, None]) ** 2).sum(axis=1) / total
     write(dst, np.stack([mean, variance], axis=1))
     count("bn_aggr", "vector", p, f)
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
+    """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF) with the permutation the 0.6 stub gives
+    per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that
+    one). Both lowerings the stub describes need a 2-byte dtype and ``src.shape[-1] <= 128``; the
+    indirect (``vector_offset``) form is not emulated."""
+    permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    core = begin("dma_transpose")
+    operand(core, "dma_transpose", "dst", dst, (SBUF,), "the DMA transpose writes only SBUF")
+    operand(core, "dma_transpose", "src", src, (SBUF,) + HBM, "the DMA transpose reads HBM or SBUF")
+    permutation = permutations.get(src.ndim)
+    if permutation is None or (axes is not None and tuple(axes) != permutation):
+        raise NkiValidationError(f"dma_transpose: supported axes are (1, 0), (2, 1, 0) and (3, 1, 2, 0) for 2-, 3- "
+                                 f"and 4-d sources; got axes={axes} for a {src.ndim}-d source")
+    if src.dtype != dst.dtype or src.dtype.itemsize != 2:
+        raise NkiValidationError(f"dma_transpose: src and dst need one 2-byte dtype, got {src.dtype.name} and "
+                                 f"{dst.dtype.name}")
+    if src.shape[-1] > PARTITIONS:
+        raise NkiValidationError(f"dma_transpose: src.shape[-1] = {src.shape[-1]} exceeds {PARTITIONS}")
+    expected = tuple(src.shape[a] for a in permutation)
+    if dst.shape != expected:
+        raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
+                                 f"{permutation}), got {dst.shape}")
+    check_written("dma_transpose", "src", src)
+    write(dst, np.transpose(src._data, permutation))
+    count_dma(dst.size * dst.dtype.itemsize)
+    count("dma_transpose", "dma", *_layout(dst))
+
+
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
+    """VectorE scan along the free axis, per partition, in fp32 (the 0.6 stub's pseudo-code):
+    ``dst[:, 0] = op1(op0(data0[:, 0], initial), data1[:, 0])``, then
+    ``dst[:, i] = op1(op0(data0[:, i], dst[:, i-1]), data1[:, i])``. ``reverse0`` makes data0 the right
+    operand of op0, ``reverse1`` makes data1 the left operand of op1. ``initial``: scalar or (P, 1)
+    tile. data0 and data1 may not both be in PSUM."""
+    core = begin("tensor_tensor_scan")
+    _operands(core, "tensor_tensor_scan", "vector", dst=dst, data0=data0, data1=data1)
+    if data0.buffer is PSUM and data1.buffer is PSUM:
+        raise NkiValidationError("tensor_tensor_scan: data0 and data1 are both in PSUM; at most one may be")
+    _same_layout("tensor_tensor_scan", ("data0", data0), ("data1", data1), ("dst", dst))
+    for op in (op0, op1):
+        if op not in nl.ALU_BINARY:
+            raise NkiValidationError(f"tensor_tensor_scan: op0 and op1 must be binary nl ALU operators, got {op!r}")
+    p, f = _layout(data0)
+    x0 = read("tensor_tensor_scan", "data0", data0).reshape(p, f)
+    x1 = read("tensor_tensor_scan", "data1", data1).reshape(p, f)
+    state = _scalar_or_column(core, "tensor_tensor_scan", "initial", initial, p, "vector", fp32_only=False)
+    first, second = nl.ALU_BINARY[op0], nl.ALU_BINARY[op1]
+    result = np.empty((p, f), np.float32)
+    with _quiet():
+        for i in range(f):
+            column = x0[:, i:i + 1]
+            combined = first(state, column) if reverse0 else first(column, state)
+            state = second(x1[:, i:i + 1], combined) if reverse1 else second(combined, x1[:, i:i + 1])
+            result[:, i:i + 1] = state
+    write(dst, result)
+    count("tensor_tensor_scan", "vector", p, f)
+
+
+_VECTOR_REDUCE_OPS = {nl.add: nl.add, nl.multiply: nl.multiply, nl.maximum: nl.maximum, nl.minimum: nl.minimum,
+                      nl.max: nl.maximum, nl.min: nl.minimum}
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+    """VectorE ``dst = data op0 operand0`` (as tensor_scalar, one operator) plus a reduction of the result
+    over all free axes into VectorE's per-lane accumulator registers (the 0.6 stub): ``reset_reduce``
+    starts them at the identity of ``reduce_op`` (0, 1, -inf, +inf for add, multiply, max, min),
+    ``reduce`` keeps accumulating, ``load_reduce`` starts from ``reduce_init`` (scalar or float32 (P, 1)
+    tile). ``reduce_res`` (P, 1), if given, receives the registers, negated if ``reduce_res_negate``.
+    ``reverse0`` is documented as not supported yet and is refused."""
+    if reverse0:
+        raise NkiValidationError("tensor_scalar_reduce: reverse0 is not supported (NKI 0.6)")
+    if reduce_op not in _VECTOR_REDUCE_OPS:
+        raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min, "
+                                 f"got {reduce_op!r}")
+    if reduce_cmd not in (_COMMANDS.reset_reduce, _COMMANDS.reduce, _COMMANDS.load_reduce):
+        raise NkiValidationError(f"tensor_scalar_reduce: reduce_cmd must be reset_reduce, reduce or load_reduce, "
+                                 f"got {reduce_cmd}")
+    if (reduce_init is not None) != (reduce_cmd is _COMMANDS.load_reduce):
+        raise NkiValidationError("tensor_scalar_reduce: reduce_init is given exactly when reduce_cmd is load_reduce")
+    reduce_op = _VECTOR_REDUCE_OPS[reduce_op]
+    core = begin("tensor_scalar_reduce")
+    _operands(core, "tensor_scalar_reduce", "vector", dst=dst, data=data, reduce_res=reduce_res)
+    _same_layout("tensor_scalar_reduce", ("data", data), ("dst", dst))
+    p, f = _layout(data)
+    x = read("tensor_scalar_reduce", "data", data).reshape(p, f)
+    with _quiet():
+        y = _alu("tensor_scalar_reduce", op0,
+                 x, _scalar_or_column(core, "tensor_scalar_reduce", "operand0", 0.0 if operand0 is None else operand0,
+                                      p, "vector", True), False)
+    write(dst, y)
+    regs = core.vector_regs
+    if reduce_cmd is _COMMANDS.reset_reduce:
+        regs[:p] = _REDUCE_IDENTITY[reduce_op]
+    elif reduce_cmd is _COMMANDS.load_reduce:
+        initial = _scalar_or_column(core, "tensor_scalar_reduce", "reduce_init", reduce_init, p, "vector", True)
+        regs[:p] = np.broadcast_to(initial, (p, 1)).reshape(p)
+    with _quiet():
+        regs[:p] = nl.ALU_BINARY[reduce_op](regs[:p], nl.REDUCTIONS[reduce_op](y, axis=1))
+    if reduce_res is not None:
+        if _layout(reduce_res) != (p, 1):
+            raise NkiValidationError(f"tensor_scalar_reduce: reduce_res must be a ({p}, 1) tile, got "
+                                     f"{reduce_res.shape}")
+        write(reduce_res, -regs[:p] if reduce_res_negate else regs[:p])
+    count("tensor_scalar_reduce", "vector", p, f)
+
+
+_COMMANDS = reduce_cmd  # the enum, under a name that tensor_scalar_reduce's reduce_cmd argument does not hide
+_REDUCE_IDENTITY = {nl.add: 0.0, nl.multiply: 1.0, nl.maximum: -np.inf, nl.minimum: np.inf}
+
+
+# ---- the rest of the NKI 0.6 nki.isa API: present by name, not emulated ------------------------------
+
+class NkiInstruction:
+    """Handle of an issued instruction (scheduling hints); not emulated."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("nki.isa.NkiInstruction is not emulated")
+
+    def depends_on(self, *args, **kwargs):
+        raise NotImplementedError("nki.isa.NkiInstruction.depends_on is not emulated")
+
+
+class VirtualRegister:
+    """A device register (dynamic loops); not emulated."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("nki.isa.VirtualRegister is not emulated")
+
+
+get_nc_sub_version = not_emulated("nki.isa.get_nc_sub_version", "")
+tensor_copy_predicated = not_emulated("nki.isa.tensor_copy_predicated", "dst src predicate reverse_pred name")
+nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx", "dst stationary moving stationary_scale moving_scale "
+                                                    "tile_position tile_size accumulate name")
+tensor_partition_reduce = not_emulated("nki.isa.tensor_partition_reduce", "dst op data name")
+tensor_scalar_cumulative = not_emulated("nki.isa.tensor_scalar_cumulative", "dst src op0 op1 imm0 imm1 reduce_cmd name")
+activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op "
+                                              "reduce_res reduce_cmd name")
+local_gather = not_emulated("nki.isa.local_gather", "dst src_buffer index num_elem_per_idx num_valid_indices name")
+nc_n_gather = not_emulated("nki.isa.nc_n_gather", "dst data indices name")
+nc_stream_shuffle = not_emulated("nki.isa.nc_stream_shuffle", "dst src shuffle_mask name")
+rng = not_emulated("nki.isa.rng", "dst engine name")
+dropout = not_emulated("nki.isa.dropout", "dst data prob name")
+set_rng_seed = not_emulated("nki.isa.set_rng_seed", "src_seeds name")
+rand_set_state = not_emulated("nki.isa.rand_set_state", "src_seeds engine name")
+rand_get_state = not_emulated("nki.isa.rand_get_state", "dst engine name")
+rand2 = not_emulated("nki.isa.rand2", "dst min max name")
+exponential = not_emulated("nki.isa.exponential", "dst src max_value reduce_res reduce_cmd reduce_init name")
+max8 = not_emulated("nki.isa.max8", "dst src name")
+sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name")
+core_barrier = not_emulated("nki.isa.core_barrier", "data cores engine name")
+dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
+quantize_mx = not_emulated("nki.isa.quantize_mx", "dst src dst_scale name")
+range_select = not_emulated("nki.isa.range_select", "dst on_true_tile comp_op0 comp_op1 bound0 bound1 reduce_cmd "
+                                                    "reduce_res reduce_op range_start on_false_value name")
+select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "
+                                                      "reverse_pred name")
+sendrecv = not_emulated("nki.isa.sendrecv", "src dst send_to_rank recv_from_rank pipe_id dma_engine name")
+register_alloc = not_emulated("nki.isa.register_alloc", "x")
+register_move = not_emulated("nki.isa.register_move", "dst src")
+register_load = not_emulated("nki.isa.register_load", "dst src")
+register_store = not_emulated("nki.isa.register_store", "dst src")
+nc_find_index8 = not_emulated("nki.isa.nc_find_index8", "dst data vals name")
+nc_match_replace8 = not_emulated("nki.isa.nc_match_replace8", "dst data vals imm dst_idx name")
+nonzero_with_count = not_emulated("nki.isa.nonzero_with_count", "dst src index_offset padding_val name")
+topk = not_emulated("nki.isa.topk", "val_dst idx_dst src n name")

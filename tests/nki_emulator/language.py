@@ -16,8 +16,11 @@ import numpy as np
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
 from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, target
+from ._unemulated import module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
+
+DType = np.dtype  # the type of nl.float32 etc. here (the 0.6 stub declares DType = str; both only name dtypes)
 
 bool_ = DTYPES["bool_"]
 int8, int16, int32 = DTYPES["int8"], DTYPES["int16"], DTYPES["int32"]
@@ -49,7 +52,46 @@ def is_sbuf(buffer):
 
 
 class NKIObject:
-    """Base class for kernel-side helper classes (configuration dataclasses and the like)."""
+    """Base class of kernel-side classes. As the NKI language guide says (aws-neuron/aws-neuron-sdk,
+    nki/get-started/nki-language-guide.rst, "Class Support"), with or without ``@dataclass`` such a class
+    gets an ``__init__`` taking its annotated fields in order, positionally or by keyword, each
+    defaulting to its class-level value or None, and calling ``__post_init__`` if the class has one;
+    a class that writes its own ``__init__`` keeps it. The base takes keyword arguments only and sets
+    them as attributes (the 0.6 stub's ``NKIObject.__init__(self, **kwargs)``)."""
+
+    def __init__(self, **kwargs):
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            return
+        fields = []
+        for klass in reversed(cls.__mro__):
+            for name in klass.__dict__.get("__annotations__", {}):
+                if name not in fields:
+                    fields.append(name)
+
+        def __init__(self, *args, **kwargs):
+            if len(args) > len(fields):
+                raise TypeError(f"{cls.__name__}() takes {len(fields)} fields ({', '.join(fields)}), got {len(args)}")
+            unknown = set(kwargs) - set(fields)
+            if unknown:
+                raise TypeError(f"{cls.__name__}() has no fields {sorted(unknown)}; its fields: {fields}")
+            values = dict(zip(fields, args))
+            for name in fields:
+                if name in kwargs:
+                    if name in values:
+                        raise TypeError(f"{cls.__name__}() got field {name!r} twice")
+                    values[name] = kwargs[name]
+                setattr(self, name, values.get(name, getattr(cls, name, None)))
+            post_init = getattr(self, "__post_init__", None)
+            if post_init is not None:
+                post_init()
+
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__
 
 
 class _TileSize:
@@ -67,6 +109,16 @@ class _TileSize:
     sbuf_fmax_bytes = property(lambda self: target().sbuf_partition_bytes)
     sbuf_fmax = property(lambda self: target().sbuf_partition_bytes // 4)
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
+    # deprecated in NKI 0.4: despite its name the per-partition size (aws-neuron-sdk nki/migration/index.rst)
+    total_available_sbuf_size = sbuf_fmax_bytes
+
+    @property
+    def psum_min_align(self):
+        raise NotImplementedError("nki.language.tile_size.psum_min_align is not emulated")
+
+    @property
+    def sbuf_min_align(self):
+        raise NotImplementedError("nki.language.tile_size.sbuf_min_align is not emulated")
 
 
 tile_size = _TileSize()
@@ -370,6 +422,41 @@ def transpose(x, dtype=None):
     return cast
 
 
+def broadcast_to(x, shape, dtype=None):
+    """``x`` broadcast to ``shape`` by numpy's rules (same rank; each dim equal or from 1) in a new SBUF
+    tile (the 0.6 stub; x in SBUF or PSUM; ``x`` itself when nothing changes). How the compiler lowers
+    it is not documented; here free dims are broadcast by one VectorE copy of a stride-0 view, and the
+    partition dim (from 1) by TensorE: a K=1 matmul of a row of ones with the row, one PSUM bank of
+    columns at a time, copied to SBUF."""
+    shape = tuple(int(n) for n in shape)
+    dtype = _memory.as_dtype(dtype or x.dtype, "broadcast_to")
+    if len(shape) != x.ndim or any(n != m and n != 1 for n, m in zip(x.shape, shape)):
+        raise NkiValidationError(f"broadcast_to: cannot broadcast {x.shape} to {shape} (same rank, dims equal or 1)")
+    if shape == x.shape and dtype == x.dtype:
+        return x
+    spread = x
+    for dim in range(1, x.ndim):
+        if x.shape[dim] != shape[dim]:
+            spread = spread.broadcast(dim, shape[dim])
+    if shape[0] == x.shape[0]:
+        dst = _new_tile(shape, dtype)
+        isa.tensor_copy(dst, spread)
+        return dst
+    operand = float32 if dtype == float32 else bfloat16  # TensorE pairs fp32 only with fp32
+    row = _new_tile((1,) + shape[1:], operand)
+    isa.tensor_copy(row, spread)
+    row = row.reshape((1, row.size))
+    ones = full((1, shape[0]), 1.0, operand)
+    dst = _new_tile(shape, dtype)
+    flat = dst.reshape((shape[0], row.size))
+    for start in range(0, row.size, tile_size.psum_bank_fmax):
+        width = row.size - start if row.size - start < tile_size.psum_bank_fmax else tile_size.psum_bank_fmax
+        rows = _new_tile((shape[0], width), float32, psum)
+        isa.nc_matmul(rows, ones, row[:, start:start + width], accumulate=False)
+        isa.tensor_copy(flat[:, start:start + width], rows)
+    return dst
+
+
 def matmul(x, y, transpose_x=False):
     """``x @ y`` (or ``x.T @ y`` with ``transpose_x``) into a new float32 PSUM tile. Without
     ``transpose_x``, x (M, K) is first transposed on TensorE and copied back to SBUF, because
@@ -379,6 +466,53 @@ def matmul(x, y, transpose_x=False):
     result = _new_tile((x.size // x.shape[0], y.size // y.shape[0]), float32, psum)
     isa.nc_matmul(result, x, y)
     return result
+
+
+# ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
+
+abs_max = not_emulated("nki.language.abs_max", "x y dtype")
+abs_min = not_emulated("nki.language.abs_min", "x y dtype")
+bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
+bitwise_or = not_emulated("nki.language.bitwise_or", "x y dtype")
+bitwise_xor = not_emulated("nki.language.bitwise_xor", "x y dtype")
+invert = not_emulated("nki.language.invert", "x dtype")
+left_shift = not_emulated("nki.language.left_shift", "x y dtype")
+right_shift = not_emulated("nki.language.right_shift", "x y dtype")
+logical_and = not_emulated("nki.language.logical_and", "x y dtype")
+logical_or = not_emulated("nki.language.logical_or", "x y dtype")
+logical_xor = not_emulated("nki.language.logical_xor", "x y dtype")
+logical_not = not_emulated("nki.language.logical_not", "x dtype")
+cos = not_emulated("nki.language.cos", "x dtype")
+tan = not_emulated("nki.language.tan", "x dtype")
+ceil = not_emulated("nki.language.ceil", "x dtype")
+floor = not_emulated("nki.language.floor", "x dtype")
+trunc = not_emulated("nki.language.trunc", "x dtype")
+negative = not_emulated("nki.language.negative", "x dtype")
+fmod = not_emulated("nki.language.fmod", "x y dtype")
+mod = not_emulated("nki.language.mod", "x y dtype")
+var = not_emulated("nki.language.var", "x axis dtype keepdims")
+all = not_emulated("nki.language.all", "x axis dtype")
+softmax = not_emulated("nki.language.softmax", "x axis dtype")
+rms_norm = not_emulated("nki.language.rms_norm", "x w axis n epsilon dtype compute_dtype")
+where = not_emulated("nki.language.where", "condition x y dtype")
+dropout = not_emulated("nki.language.dropout", "x rate dtype")
+zeros_like = not_emulated("nki.language.zeros_like", "x dtype buffer name")
+empty_like = not_emulated("nki.language.empty_like", "x dtype buffer name")
+random_seed = not_emulated("nki.language.random_seed", "seed")
+expand_dims = not_emulated("nki.language.expand_dims", "x axis")
+no_reorder = not_emulated("nki.language.no_reorder", "")
+load_transpose2d = not_emulated("nki.language.load_transpose2d", "src dtype")
+gather_flattened = not_emulated("nki.language.gather_flattened", "data indices axis dtype")
+dynamic_range = not_emulated("nki.language.dynamic_range", "start stop step")
+fori_loop = not_emulated("nki.language.fori_loop", "lower upper body_fun step")
+while_loop = not_emulated("nki.language.while_loop", "init body_fun")
+shared_constant = not_emulated("nki.language.shared_constant", "constant")
+shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
+rand = not_emulated("nki.language.rand", "shape dtype buffer name")
+
+# dtypes without a numpy counterpart here, and operators the emulator's ALU lacks
+__getattr__ = module_getattr("nki.language", ("tfloat32", "float8_e5m2_x4", "float8_e4m3fn_x4", "float8_e8m0fnu",
+                                              "float4_e2m1fn_x4", "average", "prelu", "bypass"))
 
 
 from . import isa  # noqa: E402 -- last: nki.isa reads the operator functions defined above

@@ -1,0 +1,336 @@
+"""Foreseeable mistakes and failures end in one line that names the flag or file and the fix, with no
+traceback, and nothing already saved is lost: bad flags, used out_dirs, resuming another run, bad
+checkpoints of every kind, a full disk, a torn log, shards that do not match their manifest, bad input files."""
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import kernels
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
+        "--eval_tokens=2048", "--sample_tokens=0", "--time_budget_s=0", "--compile=false", "--log_every=1",
+        "--dtype=float32", "--warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def run(out_dir, data_dir, *extra):
+    return train.main(TINY + [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *extra])
+
+
+def cli(script, *args):
+    """(exit code, stderr) of `python script args`; its stdout is not looked at."""
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+def assert_one_line_error(rc, stderr, *needles):
+    assert rc != 0 and "Traceback" not in stderr, stderr
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("error: "), stderr
+    for needle in needles:
+        assert needle in line, line
+
+
+def snapshot(directory):
+    """{name: bytes} of a folder's files, to show that a refused or failed command changed none."""
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory)) if os.path.isfile(os.path.join(directory, name))}
+
+
+def log_events(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]  # fails on a torn line
+
+
+# --- flags ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n_head=0"], "n_head=0 must be positive"),
+        (["--batch_size=0"], "--batch_size=0 must be >= 1"),
+        (["--log_every=0"], "--log_every=0 must be >= 1"),
+        (["--eval_tokens=-5"], "--eval_tokens=-5 must be >= 1"),
+        (["--seed=-1"], "--seed=-1 must be between 0"),
+        (["--matrix_lr=nan"], "--matrix_lr=nan must be >= 0"),
+        (["--warmdown_frac=2"], "--warmdown_frac=2.0 must be between 0 and 1"),
+        (["--muon_momentum=1"], "must be below 1"),
+        (["--dtype=fp8"], "--dtype='fp8': use auto or bfloat16 or float32"),
+        (["--n_kv_head=3"], "n_head=4 is not divisible by n_kv_head=3"),
+        (["--rope_base=0"], "rope_base=0.0 must be > 1"),
+        (["--max_steps=0", "--time_budget_s=0"], "training never stops"),
+    ],
+)
+def test_bad_values_are_refused_with_the_fix_before_any_work(argv, message):
+    cfg, model_cfg = train.parse_args(argv)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train.validate_config(cfg, model_cfg)
+
+
+def test_wrong_types_from_code_are_refused():
+    cfg, model_cfg = train.TrainConfig(batch_size="8", compile="yes"), train.GPTConfig(n_layer=2.5)
+    with pytest.raises(ValueError, match="--batch_size='8' must be an integer; --compile='yes' must be true or false"):
+        train.validate_config(cfg, model_cfg)
+    with pytest.raises(ValueError, match="n_layer=2.5 must be an integer"):
+        model_cfg.validate()
+
+
+def test_both_flag_conventions_and_n_kv_head_following_n_head():
+    cfg, model_cfg = train.parse_args(["--n_layer", "3", "--dtype=float32", "--seed", "7", "--n_head", "8", "--n_embd=256"])
+    assert (model_cfg.n_layer, cfg.dtype, cfg.seed) == (3, "float32", 7)
+    assert model_cfg.n_kv_head == 8  # the default 0 means "same as n_head"
+    train.validate_config(cfg, model_cfg)
+    assert train.parse_args(["--n_kv_head=2", "--n_head=8"])[1].n_kv_head == 2
+    with pytest.raises(SystemExit, match="--max_steps needs a value"):
+        train.parse_args(["--max_steps"])
+
+
+def test_help_describes_every_field_in_aligned_columns(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+    names = {f.name for cls in (train.TrainConfig, train.GPTConfig) for f in train.dataclasses.fields(cls)}
+    assert {row.split()[0].split("=")[0][2:] for row in rows} == names | {"preset"}
+    starts = [re.match(r"  \S+\s+", row).end() for row in rows]  # where each description starts
+    assert len(set(starts)) == 1 and all(len(row[start:]) > 10 for row, start in zip(rows, starts))
+
+
+def test_bad_flags_and_a_missing_device_print_one_line_without_a_traceback(tmp_path):
+    for args, needles in [
+        (["--n_head=0"], ["n_head=0 must be positive"]),
+        (["--log_every", "0"], ["--log_every=0 must be >= 1"]),
+        (["--device=cuda", "--max_steps=1", f"--out_dir={tmp_path}"], ["--device=cuda: no CUDA device"]),
+        (["--resume=nowhere.pt", f"--out_dir={tmp_path}"], ["--resume=nowhere.pt: no such checkpoint"]),
+    ]:
+        assert_one_line_error(*cli("train.py", *args), *needles)
+    assert os.listdir(tmp_path) == []  # refused before data preparation or any file was written
+
+
+# --- out_dir and resume ----------------------------------------------------------------------------------
+
+def test_a_new_run_into_a_used_out_dir_is_refused_or_moves_the_old_files_aside(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=1")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"holds another run's files \(ckpt_0000001.pt, ckpt_0000002.pt, final.pt, "
+                                         r"log.jsonl\).*--resume=latest.*--start_over=true"):
+        run(tmp_path, data_dir, "--max_steps=2", "--seed=2")
+    assert snapshot(tmp_path) == before
+    run(tmp_path, data_dir, "--max_steps=1", "--seed=2", "--start_over=true")
+    [old] = [d for d in os.listdir(tmp_path) if d.startswith("old_")]
+    assert snapshot(tmp_path / old) == before  # the first run, whole
+    assert log_events(tmp_path)[0]["train_config"]["seed"] == 2 and "ckpt_0000002.pt" not in os.listdir(tmp_path)
+
+
+def test_resume_latest_takes_the_newest_checkpoint_of_this_run_config(tmp_path, data_dir, capsys):
+    run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=1", "--keep_checkpoints=5")
+    other = torch.load(tmp_path / "ckpt_0000002.pt", weights_only=True)
+    other["train_config"]["seed"], other["step"] = 99, 3
+    torch.save(other, tmp_path / "ckpt_0000003.pt")  # the newest, from another run (seed 99)
+    (tmp_path / "ckpt_0000004.pt").write_bytes(b"")  # and a newer one still, never written
+    run(tmp_path, data_dir, "--max_steps=3", "--resume=latest")
+    out = capsys.readouterr().out
+    assert f"resuming from {tmp_path}/ckpt_0000002.pt" in out
+    assert "skipped" in out and "ckpt_0000004.pt is empty" in out and "seed (checkpoint 99, now 1337)" in out
+    resumed = [e for e in log_events(tmp_path) if e["event"] in ("resume", "train")][-2:]
+    assert resumed[0]["event"] == "resume" and resumed[1]["step"] == 3
+    # every checkpoint is where it was; with the override, the seed-99 checkpoint is accepted
+    assert {"ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"} <= set(os.listdir(tmp_path))
+    os.remove(tmp_path / "ckpt_0000004.pt")
+    with pytest.raises(train.CheckpointError, match="matrix_optimizer \\(checkpoint 'muon', now 'adamw'\\)"):
+        run(tmp_path, data_dir, "--max_steps=4", f"--resume={tmp_path / 'ckpt_0000003.pt'}", "--matrix_optimizer=adamw")
+    run(tmp_path, data_dir, "--max_steps=4", "--resume=latest", "--seed=5", "--resume_any_config=true")
+    assert "resuming from" in capsys.readouterr().out
+
+
+def test_resume_latest_with_only_other_runs_checkpoints_is_refused(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=1", "--checkpoint_every=1")
+    with pytest.raises(train.CheckpointError, match=r"no checkpoint .* fits this run.*--resume_any_config=true.*seed "
+                                                    r"\(checkpoint 1337, now 3\)"):
+        run(tmp_path, data_dir, "--max_steps=2", "--resume=latest", "--seed=3")
+
+
+# --- bad checkpoints ------------------------------------------------------------------------------------
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("good")
+    run(out, data_dir, "--max_steps=1")
+    return out / "final.pt"
+
+
+def bad_checkpoints(directory, good):
+    """{kind: (path, what its error says)} for every way a checkpoint file can be unusable."""
+    content = good.read_bytes()
+    files = {"empty": (b"", "is empty"), "random": (os.urandom(4096), "is not a PyTorch checkpoint"),
+             "truncated": (content[: len(content) // 2], "is not a PyTorch checkpoint")}
+    paths = {}
+    for kind, (payload, message) in files.items():
+        (directory / f"{kind}.pt").write_bytes(payload)
+        paths[kind] = (directory / f"{kind}.pt", message)
+    torch.save({"model": {}}, directory / "keys.pt")
+    paths["missing keys"] = (directory / "keys.pt", "lacks optimizers, step")
+    torch.save({"model": {}, "evil": Payload()}, directory / "pickle.pt")
+    paths["pickled object"] = (directory / "pickle.pt", "holds objects other than tensors")
+    return paths
+
+
+def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkpoint):
+    for kind, (path, message) in bad_checkpoints(tmp_path, good_checkpoint).items():
+        with pytest.raises(train.CheckpointError, match=f"checkpoint {path} .*{message}"):
+            train.load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="nowhere.pt"):
+        train.load_checkpoint(tmp_path / "nowhere.pt")
+    assert train.load_checkpoint(good_checkpoint)["step"] == 1
+
+
+def test_bad_checkpoints_on_the_command_line_print_one_line(tmp_path, good_checkpoint):
+    cases = bad_checkpoints(tmp_path, good_checkpoint)
+    for kind in ("empty", "random", "truncated", "pickled object"):
+        path, message = cases[kind]
+        rc, stderr = cli("train.py", *TINY, "--max_steps=2", f"--resume={path}", f"--out_dir={tmp_path / 'out'}")
+        assert_one_line_error(rc, stderr, str(path), message)
+        assert "pwned" not in stderr and "weights_only=False" not in stderr
+
+
+# --- a full disk and a torn log ---------------------------------------------------------------------------
+
+def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, monkeypatch):
+    run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=1")
+    saved = snapshot(tmp_path)
+
+    def disk_full_save(state, f):  # writes a part, as a filling disk does, then fails
+        f.write(b"PK\x03\x04 partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train.torch, "save", disk_full_save)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/ckpt_0000003.pt .*No space left.*--resume=latest"):
+        run(tmp_path, data_dir, "--max_steps=4", "--checkpoint_every=1", "--resume=latest")
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    monkeypatch.undo()
+    for name in ("ckpt_0000001.pt", "ckpt_0000002.pt", "final.pt"):
+        assert (tmp_path / name).read_bytes() == saved[name]
+    log_before = (tmp_path / "log.jsonl").read_bytes()
+
+    real_open = open
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if str(path).endswith("log.jsonl") and "a" in mode:
+            class Full:  # half of the first line is written, then the disk is full
+                def __getattr__(self, name):
+                    return getattr(f, name)
+
+                def write(self, b):
+                    f.write(b[: len(b) // 2])
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return Full()
+        return f
+
+    monkeypatch.setattr(train, "open", open_on_a_full_disk, raising=False)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/log.jsonl: No space left on device; free space"):
+        run(tmp_path, data_dir, "--max_steps=3", "--resume=latest")
+    monkeypatch.undo()
+    assert (tmp_path / "log.jsonl").read_bytes() == log_before  # the half line was cut back off
+
+
+def test_a_torn_last_log_line_is_cut_on_resume_and_a_marker_written(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=2")
+    with open(tmp_path / "log.jsonl", "ab") as f:
+        f.write(b'{"event": "train", "step": 3, "lo')  # a crash mid-line
+    run(tmp_path, data_dir, "--max_steps=3", "--resume=latest")
+    events = log_events(tmp_path)  # every line parses
+    marker = next(e for e in events if e["event"] == "resume")
+    assert marker["torn_bytes_dropped"] == len(b'{"event": "train", "step": 3, "lo')
+    assert [e["step"] for e in events if e["event"] == "train"] == [1, 2, 3]
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def prepared(tmp_path, data_dir):
+    """A copy of the prepared Shakespeare shards, to damage."""
+    source = data.prepare("shakespeare", "bytes", data_dir)
+    copy = tmp_path / os.path.basename(source)
+    shutil.copytree(source, copy)
+    return copy
+
+
+def test_shards_are_checked_against_their_manifest(prepared):
+    assert data.shard_paths(prepared, "train")
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["tokens"] += 1
+    (prepared / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(data.DataError, match="train_000.bin holds .* tokens but manifest.json lists"):
+        data.shard_paths(prepared, "train")
+    data.write_shard(prepared / "val_009.bin", np.arange(100))
+    with pytest.raises(data.DataError, match=r"not listed: \['val_009.bin'\]"):
+        data.shard_paths(prepared, "val")
+    with pytest.raises(data.DataError, match="with 257 ids, but the model's vocabulary has 300"):
+        data.TokenLoader([prepared / "val_000.bin"], 2, 64, vocab_size=300)
+    renamed = prepared.parent / "shakespeare-gpt2"
+    os.rename(prepared, renamed)
+    with pytest.raises(data.DataError, match="made by the bytes tokenizer"):
+        data.shard_paths(renamed, "val")
+    os.remove(renamed / "manifest.json")
+    with pytest.raises(data.DataError, match="manifest.json is missing"):
+        data.shard_paths(renamed, "val")
+
+
+def test_data_errors_print_one_line_naming_the_file(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"plain text\n")
+    (tmp_path / "b.txt").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe binary")
+    rc, stderr = cli("data.py", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--data_dir", str(tmp_path / "d"), "--workers", "1")
+    assert_one_line_error(rc, stderr, f"{tmp_path / 'b.txt'} is not UTF-8 text")
+
+
+def test_an_offline_gpt2_tokenizer_is_one_error(monkeypatch):
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(data.tiktoken, "get_encoding", offline)
+    with pytest.raises(data.DataError, match=r"could not load the GPT-2 encoding \(ConnectionError\).*--tokenizer=bytes"):
+        data.get_tokenizer("gpt2")
+
+
+# --- information, not noise ----------------------------------------------------------------------------
+
+def test_missing_nki_is_said_once_for_all_kernels(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "nki", None)
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        for op in ("attention", "mlp", "rms_norm", "attention"):
+            assert not kernels._use_nki(op, "auto", "cpu")
+    assert [(r.levelno, "all kernels" in r.getMessage()) for r in caplog.records] == [(logging.INFO, True)]
+
+
+def test_deterministic_turns_on_torch_and_inductor_determinism(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "deterministic", False)
+    monkeypatch.setattr(inductor_config, "fallback_random", False)
+    try:
+        train.configure_determinism(train.TrainConfig(deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled() and inductor_config.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -1,0 +1,706 @@
+"""The emulator against the NKI 0.6 API as AWS documents it.
+
+1. API surface: every function, class (with its members) and keyword of the 0.6 stubs of ``nki``,
+   ``nki.language`` and ``nki.isa`` (aws-neuron/aws-neuron-sdk @ 81ce03a, nki/api/nki/__init__.py,
+   nki/api/nki/language/__init__.py, nki/api/nki/isa/__init__.py), recorded below as facts, is either
+   implemented by the emulator with the same keywords or raises NotImplementedError naming it; never
+   AttributeError.
+2. Conformance: what the emulator added for official new-dialect kernels, each checked against the
+   semantics the stubs, the language guide (nki/get-started/nki-language-guide.rst) and the migration
+   guide (nki/migration/index.rst) state: pseudo-code, examples and rules.
+"""
+import dataclasses
+import inspect
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import nki_emulator
+import nki_emulator.isa as nisa
+import nki_emulator.language as nl
+from nki_emulator import NkiValidationError
+
+MODULES = {"nki": nki_emulator, "nki.language": nl, "nki.isa": nisa}
+
+# name -> keywords (functions), None (constants), or a tuple of members ("method(keywords)" or attribute)
+NKI_0_6_API = {
+    "nki": {
+        "jit": "fn",
+        "simulate": "kernel",
+    },
+    "nki.language": {
+        "DType": None,
+        "bool_": None,
+        "int8": None,
+        "int16": None,
+        "int32": None,
+        "uint8": None,
+        "uint16": None,
+        "uint32": None,
+        "float16": None,
+        "float32": None,
+        "bfloat16": None,
+        "tfloat32": None,
+        "float8_e4m3": None,
+        "float8_e4m3fn": None,
+        "float8_e5m2": None,
+        "float8_e5m2_x4": None,
+        "float8_e4m3fn_x4": None,
+        "float8_e8m0fnu": None,
+        "float4_e2m1fn_x4": None,
+        "sbuf": None,
+        "psum": None,
+        "hbm": None,
+        "private_hbm": None,
+        "shared_hbm": None,
+        "tile_size": None,
+        "average": None,
+        "prelu": None,
+        "bypass": None,
+        "MemoryRegion": ('sbuf', 'psum', 'private_hbm', 'shared_hbm'),
+        "NKIObject": ('__init__()',),
+        "NkiTensor": (
+            'shape', 'strides', 'offset', 'name', 'dtype', 'buffer', 'ndim', 'size',
+            '__init__(shape dtype storage buffer name)', 'is_contiguous()', 'get_pattern()', 'is_indirect()',
+            '__getitem__(key)', 'permute(dims)', 'broadcast(dim size)', 'expand_dim(dim)', 'squeeze_dim(dim)',
+            'reshape_dim(dim shape)', 'flatten_dims(start_dim end_dim)', 'reshape(shape)',
+            'rearrange(src_pattern dst_pattern fixed_sizes)', '__setitem__(key value)',
+            'slice(dim start end step)', 'select(dim index)', 'vector_select(dim vector_offset)',
+            'ap(pattern offset scalar_offset vector_offset indirect_dim dtype)', 'view(dtype)',
+            'reinterpret_cast', 'indirect(index num_elem)',
+        ),
+        "_TileSize": (
+            'pmax', 'psum_fmax', 'psum_bank_fmax', 'psum_bank_fmax_bytes', 'gemm_stationary_fmax',
+            'gemm_moving_fmax', 'bn_stats_fmax', 'psum_min_align', 'sbuf_min_align', 'psum_num_banks()',
+            'sbuf_size_bytes()', 'sbuf_fmax()', 'sbuf_fmax_bytes()', 'total_available_sbuf_size()',
+        ),
+        "is_hbm": "buffer",
+        "is_on_chip": "buffer",
+        "is_psum": "buffer",
+        "is_sbuf": "buffer",
+        "add": "x y dtype",
+        "subtract": "x y dtype",
+        "multiply": "x y dtype",
+        "divide": "x y dtype",
+        "maximum": "x y dtype",
+        "minimum": "x y dtype",
+        "abs_max": "x y dtype",
+        "abs_min": "x y dtype",
+        "abs": "x dtype",
+        "square": "x dtype",
+        "power": "x y dtype",
+        "equal": "x y dtype",
+        "not_equal": "x y dtype",
+        "less": "x y dtype",
+        "less_equal": "x y dtype",
+        "greater": "x y dtype",
+        "greater_equal": "x y dtype",
+        "bitwise_and": "x y dtype",
+        "bitwise_or": "x y dtype",
+        "bitwise_xor": "x y dtype",
+        "invert": "x dtype",
+        "left_shift": "x y dtype",
+        "right_shift": "x y dtype",
+        "logical_and": "x y dtype",
+        "logical_or": "x y dtype",
+        "logical_xor": "x y dtype",
+        "logical_not": "x dtype",
+        "exp": "x dtype",
+        "log": "x dtype",
+        "sqrt": "x dtype",
+        "rsqrt": "x dtype",
+        "tanh": "x dtype",
+        "sigmoid": "x dtype",
+        "relu": "x dtype",
+        "gelu": "x dtype",
+        "gelu_apprx_sigmoid": "x dtype",
+        "gelu_apprx_tanh": "x dtype",
+        "gelu_dx": "x dtype",
+        "gelu_apprx_sigmoid_dx": "x dtype",
+        "silu": "x dtype",
+        "silu_dx": "x dtype",
+        "softplus": "x dtype",
+        "mish": "x dtype",
+        "erf": "x dtype",
+        "erf_dx": "x dtype",
+        "reciprocal": "x dtype",
+        "copy": "x dtype",
+        "sin": "x dtype",
+        "cos": "x dtype",
+        "tan": "x dtype",
+        "arctan": "x dtype",
+        "ceil": "x dtype",
+        "floor": "x dtype",
+        "trunc": "x dtype",
+        "negative": "x dtype",
+        "sign": "x dtype",
+        "fmod": "x y dtype",
+        "mod": "x y dtype",
+        "sum": "x axis dtype keepdims",
+        "max": "x axis dtype keepdims",
+        "min": "x axis dtype keepdims",
+        "mean": "x axis dtype keepdims",
+        "prod": "x axis dtype keepdims",
+        "var": "x axis dtype keepdims",
+        "all": "x axis dtype",
+        "softmax": "x axis dtype",
+        "rms_norm": "x w axis n epsilon dtype compute_dtype",
+        "where": "condition x y dtype",
+        "dropout": "x rate dtype",
+        "ones": "shape dtype buffer name",
+        "full": "shape fill_value dtype buffer name",
+        "zeros_like": "x dtype buffer name",
+        "empty_like": "x dtype buffer name",
+        "random_seed": "seed",
+        "expand_dims": "x axis",
+        "broadcast_to": "x shape dtype",
+        "transpose": "x dtype",
+        "matmul": "x y transpose_x",
+        "no_reorder": "",
+        "load_transpose2d": "src dtype",
+        "gather_flattened": "data indices axis dtype",
+        "ds": "start size",
+        "affine_range": "start stop step",
+        "sequential_range": "start stop step",
+        "static_range": "start stop step",
+        "dynamic_range": "start stop step",
+        "fori_loop": "lower upper body_fun step",
+        "while_loop": "init body_fun",
+        "ndarray": "shape dtype buffer name address",
+        "zeros": "shape dtype buffer name",
+        "load": "src dtype",
+        "store": "dst value",
+        "program_id": "axis",
+        "num_programs": "axes",
+        "program_ndim": "",
+        "shared_constant": "constant",
+        "shared_identity_matrix": "n dtype dst",
+        "device_print": "print_prefix tensor",
+        "rand": "shape dtype buffer name",
+    },
+    "nki.isa": {
+        "tensor_engine": None,
+        "vector_engine": None,
+        "scalar_engine": None,
+        "gpsimd_engine": None,
+        "unknown_engine": None,
+        "engine": ('tensor', 'vector', 'scalar', 'gpsimd', 'dma', 'sync', 'unknown'),
+        "reduce_cmd": ('idle', 'reset', 'reduce', 'reset_reduce', 'load_reduce'),
+        "dge_mode": ('unknown', 'swdge', 'hwdge', 'none'),
+        "oob_mode": ('error', 'skip'),
+        "matmul_perf_mode": ('none', 'double_row'),
+        "nc_version": ('gen2', 'gen3', 'gen4'),
+        "dma_engine": ('dma', 'gpsimd_dma'),
+        "NkiInstruction": ('__init__(handle)', 'depends_on()'),
+        "NkiValidationError": (),
+        "VirtualRegister": ('__init__(state frozen)',),
+        "get_nc_sub_version": "",
+        "get_nc_version": "",
+        "dma_copy": "dst src priority oob_mode dge_mode engine name",
+        "tensor_copy": "dst src engine name",
+        "memset": "dst value engine name",
+        "tensor_copy_predicated": "dst src predicate reverse_pred name",
+        "nc_matmul": ('dst stationary moving is_stationary_onezero is_moving_onezero is_transpose '
+                      'accumulate tile_position tile_size perf_mode name'),
+        "nc_matmul_mx": "dst stationary moving stationary_scale moving_scale tile_position tile_size accumulate name",
+        "nc_transpose": "dst data engine name",
+        "dma_transpose": "dst src axes priority dge_mode oob_mode name",
+        "tensor_tensor": "dst data1 data2 op engine name",
+        "tensor_scalar": "dst data op0 operand0 reverse0 op1 operand1 reverse1 engine name",
+        "tensor_reduce": "dst op data axis negate keepdims name",
+        "tensor_partition_reduce": "dst op data name",
+        "tensor_scalar_cumulative": "dst src op0 op1 imm0 imm1 reduce_cmd name",
+        "activation": "dst op data bias scale reduce_op reduce_res reduce_cmd name",
+        "activation_reduce": "dst op data reduce_op reduce_res bias scale name",
+        "activate2": ('dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op reduce_res '
+                      'reduce_cmd name'),
+        "iota": "dst pattern offset channel_multiplier name",
+        "affine_select": "dst pattern channel_multiplier on_true_tile on_false_value cmp_op offset name",
+        "local_gather": "dst src_buffer index num_elem_per_idx num_valid_indices name",
+        "nc_n_gather": "dst data indices name",
+        "bn_stats": "dst data name",
+        "bn_aggr": "dst data name",
+        "tensor_tensor_scan": "dst data0 data1 initial op0 op1 reverse0 reverse1 name",
+        "nc_stream_shuffle": "dst src shuffle_mask name",
+        "rng": "dst engine name",
+        "dropout": "dst data prob name",
+        "set_rng_seed": "src_seeds name",
+        "rand_set_state": "src_seeds engine name",
+        "rand_get_state": "dst engine name",
+        "rand2": "dst min max name",
+        "exponential": "dst src max_value reduce_res reduce_cmd reduce_init name",
+        "reciprocal": "dst data name",
+        "max8": "dst src name",
+        "sequence_bounds": "dst segment_ids name",
+        "scalar_tensor_tensor": "dst data op0 operand0 op1 operand1 reverse0 reverse1 name",
+        "tensor_scalar_reduce": ('dst data op0 operand0 reduce_op reduce_res reverse0 reduce_cmd reduce_init '
+                                 'reduce_res_negate name'),
+        "core_barrier": "data cores engine name",
+        "dma_compute": "dst srcs reduce_op scales unique_indices oob_mode name",
+        "quantize_mx": "dst src dst_scale name",
+        "range_select": ('dst on_true_tile comp_op0 comp_op1 bound0 bound1 reduce_cmd reduce_res reduce_op '
+                         'range_start on_false_value name'),
+        "select_reduce": "dst predicate on_true on_false reduce_res reduce_cmd reduce_op reverse_pred name",
+        "sendrecv": "src dst send_to_rank recv_from_rank pipe_id dma_engine name",
+        "register_alloc": "x",
+        "register_move": "dst src",
+        "register_load": "dst src",
+        "register_store": "dst src",
+        "nc_find_index8": "dst data vals name",
+        "nc_match_replace8": "dst data vals imm dst_idx name",
+        "nonzero_with_count": "dst src index_offset padding_val name",
+        "topk": "val_dst idx_dst src n name",
+    },
+}
+
+# The emulator builds tensors on its own storage; kernels make them with nl.ndarray, as the stub advises.
+CONSTRUCTOR_EXCEPTIONS = {("nki.language", "NkiTensor", "__init__")}
+
+
+def lookup(owner, name):
+    """getattr, turning NotImplementedError into a marker (the name exists but is not emulated)."""
+    try:
+        return getattr(owner, name)
+    except NotImplementedError as error:
+        return error
+
+
+def keywords_problem(qualname, fn, keywords):
+    """None if ``fn`` accepts every keyword of the stub, else what is missing."""
+    parameters = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    missing = [k for k in keywords.split() if k not in parameters]
+    return f"{qualname}: lacks keywords {missing}" if missing else None
+
+
+def emulated(qualname, fn):
+    """Call ``fn`` with no arguments: NotImplementedError naming it means 'not emulated'; anything else
+    (a result, a missing-argument TypeError, 'called outside a kernel') means it is implemented."""
+    try:
+        fn()
+    except NotImplementedError as error:
+        assert qualname.rpartition(".")[2] in str(error), (qualname, str(error))
+        return False
+    except (TypeError, NkiValidationError):
+        pass
+    return True
+
+
+def test_every_name_of_the_0_6_api_is_implemented_or_raises_not_implemented():
+    problems, implemented, missing = [], [], []
+    for module_name, names in NKI_0_6_API.items():
+        module = MODULES[module_name]
+        for name, spec in names.items():
+            qualname = f"{module_name}.{name}"
+            try:
+                value = lookup(module, name)
+            except AttributeError as error:
+                problems.append(f"{qualname}: AttributeError {error}")
+                continue
+            if isinstance(value, NotImplementedError):
+                assert name in str(value), (qualname, str(value))
+                missing.append(qualname)
+            elif isinstance(spec, str):
+                problems.append(keywords_problem(qualname, value, spec))
+                (implemented if emulated(qualname, value) else missing).append(qualname)
+            elif isinstance(spec, tuple):
+                owner = nl.tile_size if name == "_TileSize" else value
+                for member in spec:
+                    member_name, _, member_keywords = member.partition("(")
+                    try:
+                        attribute = lookup(owner, member_name)
+                    except AttributeError as error:
+                        problems.append(f"{qualname}.{member_name}: AttributeError {error}")
+                        continue
+                    if member_keywords and callable(attribute) and \
+                            (module_name, name, member_name) not in CONSTRUCTOR_EXCEPTIONS:
+                        problems.append(keywords_problem(f"{qualname}.{member_name}", attribute,
+                                                         member_keywords.rstrip(")")))
+                implemented.append(qualname)
+            else:
+                implemented.append(qualname)
+    problems = [p for p in problems if p]
+    assert problems == []
+    print(f"NKI 0.6 API: {len(implemented)} names implemented, {len(missing)} raise NotImplementedError")
+    for must_have in ("nki.isa.tensor_tensor_scan", "nki.isa.dma_transpose", "nki.isa.tensor_scalar_reduce",
+                      "nki.isa.nc_matmul", "nki.language.ndarray"):
+        assert must_have in implemented
+
+
+# ---- the NKI meta-programming subset (language guide; migration guide "Language restrictions") ---------
+
+def subset_helper_with_zip(a, b):
+    pairs = []
+    for x, y in zip(a, b):
+        pairs.append((x, y))
+    return pairs
+
+
+def kernel_calling_a_helper(x):
+    subset_helper_with_zip((1, 2), (3, 4))
+    return x
+
+
+def kernel_with_generator(x):
+    sizes = tuple(n for n in x.shape)
+    return sizes
+
+
+def kernel_with_identity_test(x, flag=None):
+    if flag is None:  # against None: as nki-library's kernels write it
+        return x
+    if flag is True:
+        return x
+    return x
+
+
+def kernel_with_keyword_only(x, *, scale=1.0):
+    return x
+
+
+def kernel_with_nested_def(x):
+    def inner():
+        return x
+
+    return inner()
+
+
+@pytest.mark.parametrize("kernel, construct, line", [
+    (kernel_with_generator, "a generator expression", kernel_with_generator.__code__.co_firstlineno + 1),
+    (kernel_with_identity_test, "'is' / 'is not' other than against None",
+     kernel_with_identity_test.__code__.co_firstlineno + 3),
+    (kernel_with_keyword_only, "keyword-only '*'", kernel_with_keyword_only.__code__.co_firstlineno),
+    (kernel_with_nested_def, "a nested function definition", kernel_with_nested_def.__code__.co_firstlineno + 1),
+    (kernel_calling_a_helper, "zip()", subset_helper_with_zip.__code__.co_firstlineno + 2),
+])
+def test_jit_refuses_python_outside_the_nki_subset_naming_construct_and_line(kernel, construct, line):
+    with pytest.raises(NkiValidationError) as error:
+        nki_emulator.jit(kernel)
+    message = str(error.value)
+    assert construct in message and f"test_nki_api.py:{line} " in message, message
+
+
+def test_jit_accepts_the_documented_subset():
+    """Lists with .append, dicts with str keys, tuples, if/for/while, f-strings, functions as values."""
+
+    def double(dst, src):
+        nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=2.0)
+
+    @nki_emulator.jit
+    def kernel(x, tile_fn=double):
+        tiles, names = [], {"first": 0}
+        i = 0
+        while i < 2:
+            tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=x)
+            tiles.append(tile)
+            i += 1
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        if names["first"] == 0 and f"{len(tiles)}" == "2":
+            result = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+            tile_fn(result, tiles[0])
+            nisa.dma_copy(dst=out, src=result)
+        return out
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(kernel(x), 2 * x)
+
+
+# ---- outputs as TorchNeuron hands them back (parmoham-aws/test-repo-parmoham: torch_neuronx/nki_hop.py) ----
+
+def copy_kernel(x, as_tuple, outputs):
+    results = []
+    for _ in range(outputs):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=x)
+        results.append(out)
+    if outputs == 1 and not as_tuple:
+        return results[0]
+    return tuple(results)
+
+
+def test_one_output_comes_back_bare_on_torch_tensors_however_the_kernel_wraps_it():
+    kernel = nki_emulator.jit(copy_kernel)
+    x = torch.arange(6.0).reshape(2, 3)
+    for as_tuple in (False, True):
+        out = kernel(x, as_tuple, 1)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, x)
+    two = kernel(x, True, 2)
+    assert isinstance(two, tuple) and len(two) == 2
+    numpy_out = kernel(x.numpy(), True, 1)  # standalone numpy launch: the kernel's own tuple
+    assert isinstance(numpy_out, tuple) and len(numpy_out) == 1
+
+
+# ---- NkiTensor.ap and the view methods (0.6 stub of NkiTensor) ---------------------------------------------
+
+def run_on_sbuf(body, x, out_shape, out_dtype=None):
+    """DMA x into an SBUF tile, let ``body(tile, out_sbuf)`` fill an SBUF tile of out_shape, return it."""
+
+    def kernel(x):
+        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x)
+        result = nl.ndarray(out_shape, out_dtype or x.dtype, buffer=nl.sbuf)
+        body(tile, result)
+        out = nl.ndarray(out_shape, out_dtype or x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+
+    return nki_emulator.jit(kernel)(x)
+
+
+def test_ap_offset_is_relative_to_the_view_and_none_keeps_the_view_start():
+    x = np.arange(128 * 32, dtype=np.float32).reshape(128, 32)
+
+    def body(tile, result):
+        view = tile[:, 8:32]  # starts at element 8 of each partition
+        nisa.tensor_copy(dst=result[:, 0:4], src=view.ap([[32, 128], [1, 4]]))  # offset None: the view's start
+        nisa.tensor_copy(dst=result[:, 4:8], src=view.ap([[32, 128], [1, 4]], offset=2))  # 2 past it
+
+    out = run_on_sbuf(body, x, (128, 8))
+    np.testing.assert_array_equal(out[:, 0:4], x[:, 8:12])
+    np.testing.assert_array_equal(out[:, 4:8], x[:, 10:14])
+
+
+def test_ap_dtype_reinterprets_bytes_and_scalar_offset_scales_by_the_dim_stride():
+    """The stub's example shape: a (128, 32) fp32 tile read as bf16 with partition stride 64; and a
+    scalar index tensor selecting a row of an HBM tensor through indirect_dim=0."""
+    x = np.random.default_rng(0).standard_normal((128, 32)).astype(np.float32)
+
+    def body(tile, result):
+        nisa.tensor_copy(dst=result, src=tile.ap(pattern=[[64, 128], [1, 16]], dtype=nl.bfloat16))
+
+    out = run_on_sbuf(body, x, (128, 16), out_dtype=nl.bfloat16)
+    np.testing.assert_array_equal(out.view(np.uint16), x.view(np.uint16)[:, 0:16])
+
+    def gather_row(table, index):
+        idx = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=index)
+        row = nl.ndarray((1, table.shape[1]), table.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=table.ap([[table.shape[1], 1], [1, table.shape[1]]], scalar_offset=idx,
+                                            indirect_dim=0))
+        out = nl.ndarray((1, table.shape[1]), table.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=row)
+        return out
+
+    table = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    np.testing.assert_array_equal(nki_emulator.jit(gather_row)(table, np.array([[3]], np.int32)), table[3:4])
+
+
+def test_view_methods_follow_the_stub_examples():
+    @nki_emulator.jit
+    def kernel(x):
+        t = nl.ndarray((128, 4, 6), nl.float32, buffer=nl.sbuf)
+        assert t.reshape((128, 24)).shape == (128, 24)
+        flat = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+        assert flat.slice(1, 8, 24, 1).shape == (128, 16) and flat.slice(1, 0, 64, 2).shape == (128, 32)
+        assert flat.view(nl.uint8).shape == (128, 256) and flat.view(nl.int32).shape == (128, 64)
+        assert nl.ndarray((128, 256), nl.uint8).view(nl.float32).shape == (128, 64)
+        assert flat.expand_dim(1).shape == (128, 1, 64)
+        assert nl.ndarray((128, 1, 64), nl.float32).squeeze_dim(1).shape == (128, 64)
+        assert nl.ndarray((128, 1, 64), nl.float32).broadcast(1, 8).shape == (128, 8, 64)
+        assert nl.ndarray((128, 24), nl.float32).reshape_dim(1, (4, -1)).shape == (128, 4, 6)
+        assert nl.ndarray((128, 2, 3, 4), nl.float32).flatten_dims(1, 2).shape == (128, 6, 4)
+        assert nl.ndarray((128, 8, 64), nl.float32).select(1, 3).shape == (128, 64)
+        assert flat[:, 8:24].get_pattern() == [[64, 128], [1, 16]] and flat[:, 8:24].offset == 8
+        assert flat.is_contiguous() and not flat[:, 0:64:2].is_contiguous() and flat[:, 0:8].is_contiguous()
+        return x
+
+    kernel(np.zeros((1, 1), np.float32))
+
+    def partition_dim_moved(x):
+        nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf).expand_dim(0)
+
+    with pytest.raises(NkiValidationError, match="partition dim"):  # on chip, the partition dim stays first
+        nki_emulator.jit(partition_dim_moved)(np.zeros((1, 1), np.float32))
+
+
+# ---- classes (language guide, "Class Support") and small names ---------------------------------------------
+
+class Plain(nl.NKIObject):
+    x: int
+    y: bool = False
+
+    def toggle(self):
+        self.y = not self.y
+
+
+@dataclasses.dataclass
+class Decorated(nl.NKIObject):
+    x: int
+    y: bool = False
+
+    def __post_init__(self):
+        self.described = f"x={self.x}"
+
+
+def test_nkiobject_classes_get_keyword_constructors_with_and_without_dataclass():
+    for cls in (Plain, Decorated):
+        c = cls(1)
+        assert (c.x, c.y) == (1, False)
+        c = cls(x=2, y=True)
+        assert (c.x, c.y) == (2, True)
+        assert cls().x is None  # fields without a class-level default start as None
+    c = Plain(1)
+    c.toggle()
+    assert c.y is True  # the guide's example: "prints 1 True"
+    assert Decorated(x=3).described == "x=3"  # __post_init__ runs
+    with pytest.raises(TypeError):
+        Plain(z=1)
+
+
+def test_typing_dtype_and_deprecated_tile_size_names():
+    import nki_emulator.typing as nt
+
+    assert nt.tensor[128, 512].shape == (128, 512)
+    assert isinstance(nl.float32, nki_emulator.dtype)
+    # deprecated in 0.4, same value: the usable SBUF bytes per partition (migration guide)
+    assert nl.tile_size.total_available_sbuf_size == nl.tile_size.sbuf_fmax_bytes == 224 * 1024
+
+
+# ---- instructions added for official kernels: semantics from their stub docstrings ------------------------
+
+def scan_reference(data0, data1, initial, op0, op1, reverse0, reverse1):
+    """The stub's pseudo-code for tensor_tensor_scan, with its operand-order flags."""
+    result = np.empty_like(data0)
+    previous = np.broadcast_to(initial, (data0.shape[0],)).astype(np.float32)
+    for i in range(data0.shape[1]):
+        combined = op0(previous, data0[:, i]) if reverse0 else op0(data0[:, i], previous)
+        previous = op1(data1[:, i], combined) if reverse1 else op1(combined, data1[:, i])
+        result[:, i] = previous
+    return result
+
+
+@pytest.mark.parametrize("op0, op1, reverse0, reverse1, initial", [
+    (nl.multiply, nl.add, False, False, 0.0),  # the mamba tutorial's h_t = a_t * h_{t-1} + b_t
+    (nl.subtract, nl.subtract, True, True, "tile"),
+])
+def test_tensor_tensor_scan_follows_the_stub_pseudo_code(op0, op1, reverse0, reverse1, initial):
+    rng = np.random.default_rng(1)
+    data0, data1 = rng.uniform(-1, 1, (128, 37)).astype(np.float32), rng.uniform(-1, 1, (128, 37)).astype(np.float32)
+    start = rng.uniform(-1, 1, (128, 1)).astype(np.float32)
+
+    @nki_emulator.jit
+    def kernel(a, b, start):
+        tiles = []
+        for src in (a, b, start):
+            tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=src)
+            tiles.append(tile)
+        result = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor_scan(dst=result, data0=tiles[0], data1=tiles[1], initial=tiles[2] if initial == "tile"
+                                else initial, op0=op0, op1=op1, reverse0=reverse0, reverse1=reverse1)
+        out = nl.ndarray(a.shape, nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=result)
+        return out
+
+    numpy_ops = {nl.multiply: np.multiply, nl.add: np.add, nl.subtract: np.subtract}
+    expected = scan_reference(data0, data1, start[:, 0] if initial == "tile" else initial, numpy_ops[op0],
+                              numpy_ops[op1], reverse0, reverse1)
+    np.testing.assert_allclose(kernel(data0, data1, start), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_scalar_reduce_computes_and_accumulates_across_calls():
+    """result = data op0 operand0; reduce_res = reduce_op over the free axis; reduce_cmd.reduce keeps
+    accumulating, load_reduce starts from reduce_init, reduce_res_negate negates only what is written."""
+    rng = np.random.default_rng(2)
+    a, b = rng.uniform(0.5, 1.5, (64, 40)).astype(np.float32), rng.uniform(0.5, 1.5, (64, 40)).astype(np.float32)
+
+    @nki_emulator.jit
+    def kernel(a, b):
+        tiles = []
+        for src in (a, b):
+            tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=src)
+            tiles.append(tile)
+        scaled = nl.ndarray(a.shape, nl.float32, buffer=nl.sbuf)
+        sums = nl.ndarray((a.shape[0], 3), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=scaled, data=tiles[0], op0=nl.multiply, operand0=3.0, reduce_op=nl.add,
+                                  reduce_res=sums[:, 0:1])
+        nisa.tensor_scalar_reduce(dst=scaled, data=tiles[1], op0=nl.multiply, operand0=3.0, reduce_op=nl.add,
+                                  reduce_res=sums[:, 1:2], reduce_cmd=nisa.reduce_cmd.reduce, reduce_res_negate=True)
+        nisa.tensor_scalar_reduce(dst=scaled, data=tiles[1], op0=nl.add, operand0=1.0, reduce_op=nl.max,
+                                  reduce_res=sums[:, 2:3], reduce_cmd=nisa.reduce_cmd.load_reduce, reduce_init=2.25)
+        out = nl.ndarray((a.shape[0], 3 + a.shape[1]), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:3], src=sums)
+        nisa.dma_copy(dst=out[:, 3:], src=scaled)
+        return out
+
+    out = kernel(a, b)
+    np.testing.assert_allclose(out[:, 0], 3 * a.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(out[:, 1], -3 * (a.sum(1) + b.sum(1)), rtol=1e-5)
+    np.testing.assert_allclose(out[:, 2], np.maximum(2.25, (b + 1).max(1)), rtol=1e-6)
+    np.testing.assert_allclose(out[:, 3:], b + 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, permutation", [((16, 96), (1, 0)), ((4, 8, 32), (2, 1, 0)),
+                                                ((2, 3, 4, 16), (3, 1, 2, 0))])
+def test_dma_transpose_permutes_as_the_stub_lists(shape, permutation):
+    x = np.random.default_rng(3).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    out_shape = tuple(shape[a] for a in permutation)
+
+    @nki_emulator.jit
+    def kernel(x):
+        tile = nl.ndarray(out_shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=tile, src=x)
+        out = nl.ndarray(out_shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+
+    np.testing.assert_array_equal(kernel(x), np.transpose(x, permutation))
+    with pytest.raises(NkiValidationError, match="2-byte"):
+        kernel(x.astype(np.float32))
+
+
+def test_average_pool_in_the_tutorial_style():
+    """A 2-D average pool over a (C, H, W) tensor written as the average_pool2d tutorial does it
+    (nki/examples/average_pool2d): one 5-D access pattern groups each pool window last, nl.sum reduces
+    those two axes, a tensor_scalar scales; nki.typing annotates the input."""
+    import nki_emulator.typing as nt
+
+    def avg_pool(in_tensor: nt.tensor[8, 12, 12], pool: int):
+        channels, height, width = in_tensor.shape
+        tile = nl.ndarray(in_tensor.shape, in_tensor.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=in_tensor)
+        windows = tile.ap([[height * width, channels], [pool * width, height // pool], [pool, width // pool],
+                           [width, pool], [1, pool]])
+        sums = nl.sum(windows, axis=[3, 4])
+        scaled = nl.ndarray(sums.shape, sums.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=scaled, data=sums, op0=nl.multiply, operand0=1.0 / (pool * pool))
+        out = nl.ndarray(sums.shape, in_tensor.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=scaled)
+        return out
+
+    x = np.random.default_rng(4).standard_normal((8, 12, 12)).astype(np.float32)
+    expected = x.reshape(8, 4, 3, 4, 3).mean(axis=(2, 4))
+    np.testing.assert_allclose(nki_emulator.jit(avg_pool)(x, 3), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_broadcast_to_follows_numpy_rules_across_free_and_partition_dims():
+    """nl.broadcast_to as the mamba tutorial (nki/examples/fused_mamba) uses it: a (1, seq) row to every
+    partition, and a (P, 1) column along the free axis; numpy's rules, same rank."""
+    row, column = np.arange(600, dtype=np.float32).reshape(1, 600), np.arange(128, dtype=np.float32).reshape(128, 1)
+
+    @nki_emulator.jit
+    def kernel(row, column):
+        outs = []
+        for src, shape in ((row, (128, 600)), (column, (128, 16))):
+            tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=src)
+            out = nl.ndarray(shape, src.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out, src=nl.broadcast_to(tile, shape))
+            outs.append(out)
+        return outs[0], outs[1]
+
+    spread_row, spread_column = kernel(row, column)
+    np.testing.assert_array_equal(spread_row, np.broadcast_to(row, (128, 600)))
+    np.testing.assert_array_equal(spread_column, np.broadcast_to(column, (128, 16)))
+
+    def wrong_rank(row, column):
+        tile = nl.ndarray(row.shape, row.dtype, buffer=nl.sbuf)
+        nl.broadcast_to(tile, (4, 1, 600))
+
+    with pytest.raises(NkiValidationError, match="cannot broadcast"):
+        nki_emulator.jit(wrong_rank)(row, column)
