@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
 import train
 from model import GPT, GPTConfig
 
@@ -96,13 +95,10 @@ class OpRecorder(TorchDispatchMode):
 
 
 def frontier_configs():
-    """The frontier preset's levers at a tiny shape. LeakyReLU^2 comes from kernels.py (another branch adds
-    it); until it is there the MLP falls back to ReLU^2, which changes no other lever."""
+    """The frontier preset's levers at a tiny shape."""
     cfg, model_cfg = train.parse_args(["--preset=frontier", "--max_steps=20", "--warmup_steps=5",
                                        "--muon_momentum_warmup_steps=10", "--loss_chunks=2"])
     model_cfg = dataclasses.replace(model_cfg, sequence_len=32, vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1)
-    if model_cfg.mlp not in kernels.MLP_ACTIVATIONS:
-        model_cfg.mlp = "relu2"
     return cfg, model_cfg
 
 
