@@ -375,10 +375,10 @@ def run_ablation(seeds, steps, extra=()):
     started = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory() as out:
-        for name, args in ablation_rows(steps):
+        for row, (name, args) in enumerate(ablation_rows(steps)):
             for seed in range(1, seeds + 1):
                 argv = [*args, *ABLATION_SHAPE, f"--max_steps={steps}", f"--seed={seed}",
-                        f"--out_dir={os.path.join(out, 'run')}", *extra]
+                        f"--out_dir={os.path.join(out, f'{row}-{seed}')}", *extra]  # a fresh folder per run
                 with contextlib.redirect_stdout(io.StringIO()):
                     final = train.main(argv)["final_eval"]["val_bpb"]
                 results.setdefault(name, []).append(final)

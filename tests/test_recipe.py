@@ -243,3 +243,12 @@ def test_competition_mode_masks_bos_targets_and_refuses_a_row_pool(monkeypatch, 
     monkeypatch.setattr(train, "find_prepare", lambda cfg: fake_prepare([]))
     with pytest.raises(ValueError, match="--row_pool=0 in competition mode"):
         train.main(["--data_order=stream", "--row_pool=8", "--dtype=float32", f"--out_dir={tmp_path}"])
+
+
+def test_the_ablation_runs_every_seed_of_a_row_in_its_own_folder(monkeypatch, tmp_path, capsys):
+    import bench
+    rows = bench.ablation_rows(2)
+    monkeypatch.setattr(bench, "ablation_rows", lambda steps: [rows[0], rows[-1]])  # baseline and + chunked_ce
+    results = bench.run_ablation(seeds=2, steps=2, extra=[f"--data_dir={tmp_path}", "--eval_tokens=2048"])
+    assert list(results) == ["baseline", "+ chunked_ce"] and all(len(v) == 2 and all(map(math.isfinite, v)) for v in results.values())
+    assert "| + chunked_ce |" in capsys.readouterr().out
