@@ -647,6 +647,9 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
     except RuntimeError as e:  # the zip reader's errors: a damaged archive whose directory survived
         raise CheckpointError(f"checkpoint {path} is damaged ({str(e).splitlines()[0]}); use another checkpoint") from e
     missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if "optimizers" in missing and isinstance(state, dict) and {"model", "model_config"} <= state.keys():
+        raise CheckpointError(f"checkpoint {path} holds the weights only (a final.pt, for evaluation); resume from "
+                              "a ckpt_*.pt (written with --checkpoint_every or by a stop signal)")
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this train.py")
     return state
