@@ -437,7 +437,7 @@ def _training_losses(cfg, model_cfg, mode, device_type, device):
     torch.manual_seed(cfg.seed)
     raw_model = GPT(_check_model_config(model_cfg, mode)).to(device)
     model = train.wrap_for_training(raw_model, cfg, device_type, device)
-    optimizers = train.make_optimizers(raw_model, cfg, device_type)
+    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
     autocast = train.autocast_context(cfg, device_type)
     tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
                            generator=torch.Generator().manual_seed(2))
