@@ -1,6 +1,8 @@
 """
-Evaluate a saved checkpoint. One subcommand for now, `core`:
+Evaluate a saved checkpoint: val_bpb (`bpb`) and the CORE suite (`core`).
 
+    python evaluate.py bpb --checkpoint=out/final.pt                      # val_bpb at context 1024
+    python evaluate.py bpb --competition_dir=PATH                         # the contest's own evaluate_bpb
     python evaluate.py core --checkpoint=out/final.pt                     # the whole CORE suite
     python evaluate.py core --checkpoint out/final.pt --max_per_task=100  # a quick, approximate pass
     torchrun --standalone --nproc_per_node=4 evaluate.py core --checkpoint=out/final.pt   # data-parallel
@@ -28,6 +30,7 @@ checkpoint, <name>_core.json).
 """
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -360,9 +363,44 @@ def run_core(args):
     return report
 
 
+def run_bpb(args):
+    """val_bpb of a checkpoint. With the contest's prepare.py (--competition_dir, or beside train.py) it is its
+    own evaluate_bpb, the scorer's function, on the public validation shard, called as the baseline-derived
+    train.py files call it (FrontierForge recipes/K82s4/train.py), so the number is computed as the
+    leaderboard's is; otherwise the kit's evaluation on the held-out split of the data it was trained on."""
+    device_type = train.detect_device() if args.device == "auto" else args.device
+    device = "cuda" if device_type == "cuda" else device_type
+    prepare = train.find_prepare(train.TrainConfig(competition_dir=args.competition_dir))
+    model = train.load_for_eval(args.checkpoint, device)
+    if prepare is not None:
+        tokenizer = prepare.ensure_tokenizer(build_if_missing=False)
+        val_bpb = prepare.evaluate_bpb(model, tokenizer, args.batch_size, args.sequence_len, device, split="public_val",
+                                       max_tokens=args.tokens)["val_bpb"]
+        source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
+    else:
+        saved = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=True)["train_config"]
+        names = {f.name for f in dataclasses.fields(train.TrainConfig)}
+        cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
+        cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size
+        corpus = train.KitCorpus(cfg)
+        corpus.load(args.batch_size, args.sequence_len, 0, 1, device, True)
+        val_bpb = train.evaluate(model, corpus.val_batches, corpus.token_bytes, device, nullcontext())["val_bpb"]
+        source = f"the held-out split of {cfg.dataset} ({cfg.tokenizer} tokens)"
+    print(f"val_bpb {val_bpb:.4f}: {args.checkpoint} at context {args.sequence_len}, {args.tokens:,} tokens of {source}")
+    return {"val_bpb": val_bpb}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    bpb = commands.add_parser("bpb", help="val_bpb, through the contest's own evaluate_bpb where prepare.py is found",
+                              description=run_bpb.__doc__)
+    bpb.add_argument("--checkpoint", default="out/final.pt", help="a checkpoint written by train.py (default: %(default)s)")
+    bpb.add_argument("--competition_dir", default="", help="folder of the contest's prepare.py ('' = beside train.py)")
+    bpb.add_argument("--sequence_len", type=int, default=1024, help="context of the evaluation (the scorer's: %(default)s)")
+    bpb.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass (default: %(default)s)")
+    bpb.add_argument("--tokens", type=int, default=1_048_576, help="validation tokens to score (default: %(default)s)")
+    bpb.add_argument("--device", default="auto", choices=["auto", "neuron", "cuda", "cpu"])
     core = commands.add_parser("core", help="the CORE suite (22 in-context tasks), as nanochat runs it",
                                description="Score a checkpoint on the CORE suite; see `python evaluate.py --help`.")
     core.add_argument("--checkpoint", default="out/final.pt", help="a checkpoint written by train.py (default: %(default)s)")
@@ -377,7 +415,7 @@ def main(argv=None):
     core.add_argument("--data_dir", help="where the checkpoint's trained tokenizer lives (default: its training run's)")
     core.add_argument("--out", help="the JSON report (default: <checkpoint without .pt>_core.json)")
     args = parser.parse_args(argv)
-    return {"core": run_core}[args.command](args)
+    return {"core": run_core, "bpb": run_bpb}[args.command](args)
 
 
 def cli(argv=None):

@@ -753,14 +753,15 @@ def save_checkpoint(path, model, optimizers, step, train_time, loader_state, tra
     })
 
 
-def save_final(path, model, model_cfg, step, train_time):
-    """final.pt: the weights and the model config only (a third of a resumable checkpoint), which is all
-    the scorer's load_for_eval reads. Refuses non-finite weights rather than write a model that scores NaN."""
+def save_final(path, model, model_cfg, train_cfg, step, train_time):
+    """final.pt: the weights and the configs, no optimizer state (a third of a resumable checkpoint); the
+    scorer's load_for_eval reads the weights and model config, evaluate.py the tokenizer named in the run
+    config. Refuses non-finite weights rather than write a model that scores NaN."""
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
     write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
-                            "step": step, "train_time": train_time})
+                            "train_config": asdict(train_cfg), "step": step, "train_time": train_time})
 
 
 def check_disk_space(out_dir, n_params, keep_checkpoints):
@@ -808,6 +809,9 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
     except RuntimeError as e:  # the zip reader's errors: a damaged archive whose directory survived
         raise CheckpointError(f"checkpoint {path} is damaged ({str(e).splitlines()[0]}); use another checkpoint") from e
     missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if "optimizers" in missing and isinstance(state, dict) and {"model", "model_config"} <= state.keys():
+        raise CheckpointError(f"checkpoint {path} holds the weights only (a final.pt, for evaluation); resume from "
+                              "a ckpt_*.pt (written with --checkpoint_every or by a stop signal)")
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this train.py")
     return state
@@ -1363,7 +1367,7 @@ def measure_final_save(run):
     path = os.path.join(run.cfg.out_dir, "final.pt.timing")
     t0 = time.monotonic()
     if run.master:
-        save_final(path, run.raw_model, run.model_cfg, 0, 0.0)
+        save_final(path, run.raw_model, run.model_cfg, run.cfg, 0, 0.0)
         os.remove(path)
     reserve = 2 * (time.monotonic() - t0) + 1.0
     if run.ddp:  # every rank stops on the same step, so every rank keeps rank 0's reserve
@@ -1469,7 +1473,7 @@ def finish(run, ended_by):
     if run.ema:  # the final model is the blend of the live weights and their average
         run.ema.finish()
     if run.master:
-        save_final(os.path.join(cfg.out_dir, "final.pt"), run.raw_model, run.model_cfg, run.step, clock.charged())
+        save_final(os.path.join(cfg.out_dir, "final.pt"), run.raw_model, run.model_cfg, cfg, run.step, clock.charged())
     if run.ddp:
         dist.barrier()
     charged = clock.charged()

@@ -175,8 +175,8 @@ class Payload:
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("good")
-    run(out, data_dir, "--max_steps=1")
-    return out / "final.pt"
+    run(out, data_dir, "--max_steps=1", "--checkpoint_every=1")
+    return out / "ckpt_0000001.pt"
 
 
 def bad_checkpoints(directory, good):
@@ -201,6 +201,8 @@ def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkp
             train.load_checkpoint(path)
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
         train.load_checkpoint(tmp_path / "nowhere.pt")
+    with pytest.raises(train.CheckpointError, match="final.pt .*weights only.*ckpt_"):
+        train.load_checkpoint(good_checkpoint.parent / "final.pt")
     assert train.load_checkpoint(good_checkpoint)["step"] == 1
 
 
@@ -219,7 +221,11 @@ def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, 
     run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=1")
     saved = snapshot(tmp_path)
 
-    def disk_full_save(state, f):  # writes a part, as a filling disk does, then fails
+    real_save = torch.save
+
+    def disk_full_save(state, f):  # the disk fills up mid-run: checkpoints write a part, then fail
+        if "ckpt_" not in f.name:  # the start-up's timing of the final save still fits
+            return real_save(state, f)
         f.write(b"PK\x03\x04 partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 

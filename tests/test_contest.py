@@ -94,7 +94,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
         contest_dir, **budget)
     final = contest_dir / "out" / "final.pt"
     state = torch.load(final, weights_only=True)
-    assert set(state) == {"model", "model_config", "step", "train_time"}  # no optimizer state
+    assert set(state) == {"model", "model_config", "train_config", "step", "train_time"}  # no optimizer state
     boundaries = [line.split() for line in step_log.read_text().splitlines()]
     assert [int(i) for i, _ in boundaries] == list(range(state["step"]))  # one record per step
     clock_start = float(boundaries[1][1])  # end of the second (last excluded) step
@@ -112,9 +112,24 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     score = ("import torch, prepare, train; m = train.load_for_eval('out/final.pt', torch.device('cpu')); "
              "assert not any(p.requires_grad for p in m.parameters()) and not m.training; "
              "assert prepare.causality_check(m, None, 2, 64, 'cpu')['passed']; "
-             "print(prepare.evaluate_bpb(m, None, 2, 1024, 'cpu', max_tokens=4096)['val_bpb'])")
+             "print(prepare.evaluate_bpb(m, None, 4, 64, 'cpu', split='public_val', max_tokens=4096)['val_bpb'])")
     bpb = float(run([sys.executable, "-c", score], contest_dir).stdout.split()[-1])
     assert 0 < bpb < 10
+    # the kit's local evaluation command reports the scorer's number
+    local = run([sys.executable, "evaluate.py", "bpb", f"--checkpoint={final}", f"--competition_dir={contest_dir}",
+                 "--sequence_len=64", "--batch_size=4", "--tokens=4096"], ROOT).stdout
+    assert f"val_bpb {bpb:.4f}" in local
+
+
+def test_evaluate_bpb_on_the_kits_data_equals_the_runs_own_final_evaluation(tmp_path):
+    out = tmp_path / "out"
+    result = train.main(TINY + ["--max_steps=3", "--time_budget_s=0", "--eval_tokens=2048", "--sample_tokens=0",
+                                f"--out_dir={out}", f"--data_dir={tmp_path / 'data'}"])
+    import evaluate
+
+    again = evaluate.main(["bpb", f"--checkpoint={out / 'final.pt'}", "--sequence_len=64", "--batch_size=4",
+                           "--tokens=2048"])
+    assert again["val_bpb"] == pytest.approx(result["final_eval"]["val_bpb"], rel=1e-6)
 
 
 def test_the_submission_check_refuses_what_the_contest_would():
@@ -139,7 +154,7 @@ def test_load_for_eval_gives_a_frozen_model_for_contexts_beyond_training(tmp_pat
     model = GPT(config)
     for block in model.blocks:
         torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
-    train.save_final(str(tmp_path / "final.pt"), model, config, step=3, train_time=1.0)
+    train.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), step=3, train_time=1.0)
     loaded = train.load_for_eval(str(tmp_path / "final.pt"), torch.device("cpu"))
     assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
     idx = torch.randint(0, 100, (1, 300))  # ~10x the training context
@@ -156,5 +171,5 @@ def test_a_model_with_non_finite_weights_is_never_saved_as_final(tmp_path):
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="lm_head.weight"):
-        train.save_final(str(tmp_path / "final.pt"), model, config, 1, 1.0)
+        train.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
     assert not os.path.exists(tmp_path / "final.pt")

@@ -295,7 +295,7 @@ def test_a_corrupt_partial_file_is_downloaded_again(tmp_path, hub):
 
 
 def test_a_missing_file_fails_at_once(tmp_path, hub):
-    with pytest.raises(RuntimeError, match="404"):
+    with pytest.raises(data.DataError, match="404"):
         data.download(f"{hub.url}/nope.parquet", str(tmp_path / "nope.parquet"), retry_wait=0)
     assert len(hub.log) == 1
 

@@ -103,3 +103,55 @@ def test_checkpoints_load_tensors_only(tmp_path):
     torch.save({"model": {}, "evil": Payload()}, tmp_path / "evil.pt")
     with pytest.raises(train.CheckpointError, match="holds objects other than tensors"):
         train.load_checkpoint(tmp_path / "evil.pt")
+
+
+@pytest.mark.parametrize("phase", ["preparing data", "first evaluation", "final evaluation"])
+def test_a_signal_in_any_phase_leaves_a_final_pt_or_a_resumable_checkpoint(tmp_path, data_dir, monkeypatch, phase):
+    """SIGTERM outside the training loop: before anything is trained the run says so and saves nothing;
+    during the first evaluation it writes a checkpoint to resume from; during the final one final.pt is
+    already safe. No phase ends in a traceback or a lost run."""
+    real_evaluate, real_load, evaluations = train.evaluate, train.KitCorpus.load, []
+
+    def evaluate(*args, **kwargs):
+        evaluations.append(1)
+        if (phase, len(evaluations)) in (("first evaluation", 1), ("final evaluation", 2)):
+            signal.raise_signal(signal.SIGTERM)
+        return real_evaluate(*args, **kwargs)
+
+    def load(self, *args):
+        real_load(self, *args)
+        if phase == "preparing data":
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(train.KitCorpus, "load", load)
+    args = TINY + ["--max_steps=3", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
+    if phase == "preparing data":
+        with pytest.raises(train.Stopped, match="nothing was trained"):
+            train.main(args)
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]
+        return
+    result = train.main(args)
+    assert result["final_eval"] is None
+    if phase == "first evaluation":
+        assert os.listdir(tmp_path).count("ckpt_0000000.pt") == 1 and not os.path.exists(tmp_path / "final.pt")
+        train.main(TINY + ["--max_steps=3", "--resume=latest", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final["step"] == 3 and all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+def test_a_nan_on_the_last_step_between_log_lines_is_caught_before_final_pt(tmp_path, data_dir, monkeypatch):
+    real_step, calls = train.train_step, []
+
+    def poisoned_step(model, raw_model, *args):
+        calls.append(1)
+        if len(calls) == 4:  # the last step of the run, not a logging step
+            with torch.no_grad():
+                raw_model.lm_head.weight[0, 0] = float("nan")
+        return real_step(model, raw_model, *args)
+
+    monkeypatch.setattr(train, "train_step", poisoned_step)
+    args = TINY + ["--max_steps=4", "--log_every=10", "--checkpoint_every=2", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
+    with pytest.raises(FloatingPointError, match="step 4: loss nan"):
+        train.main(args)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000002.pt"]
