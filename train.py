@@ -59,7 +59,7 @@ class TrainConfig:
     tokenizer: str = opt("bytes", "bytes (257 ids, offline) | gpt2 | bpe<N> | competition (see data.py)")
     data_dir: str = opt("data_cache", "where token shards are prepared and read")
     # batch: tokens per optimizer step = batch_size * sequence_len * world_size * accumulation steps
-    batch_size: int = opt(16, "sequences per micro-batch per rank")
+    batch_size: int = opt(8, "sequences per micro-batch per rank")
     total_batch_tokens: int = opt(0, "tokens per optimizer step; 0 = one micro-batch per rank")
     # optimisation: Muon for hidden matrices, AdamW for embedding and head
     matrix_optimizer: str = opt("muon", "muon (the kit's own) | adamw, for the attention and MLP matrices")
