@@ -340,7 +340,6 @@ def configure_determinism(cfg):
     import torch._inductor.config as inductor_config
 
     inductor_config.deterministic = True
-    inductor_config.fallback_random = True  # random ops in compiled code draw what eager would
 
 
 def setup_distributed(device_type):
