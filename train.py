@@ -1085,17 +1085,29 @@ def check_submission(source):
         raise ValueError("the submission defines no load_for_eval, which the scorer calls")
 
 
-def check_causality(model, vocab_size, sequence_len, device, prepare=None, tokenizer=None):
-    """True when the model's logits at position t do not depend on tokens after t: with prepare.py, its own
-    causality_check (what the contest runs); otherwise by changing the second half of a random sequence."""
+def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=None):
+    """Raises ValueError unless the model's logits at each position depend only on the tokens up to it:
+    with the contest's prepare.py through its own causality_check (what the contest runs); otherwise by
+    changing the tokens after several positions t, which must move no logit at or before t beyond float
+    noise, and must move some logit after it (else the check itself is blind)."""
     if prepare is not None:
-        return bool(prepare.causality_check(model, tokenizer, 1, sequence_len, device)["passed"])
-    idx = torch.randint(0, vocab_size, (1, sequence_len), generator=torch.Generator().manual_seed(0)).to(device)
-    changed = idx.clone()
-    changed[:, sequence_len // 2:] = (changed[:, sequence_len // 2:] + 1) % vocab_size
+        result = prepare.causality_check(model, tokenizer, 1, length, device)
+        if not result["passed"]:
+            raise ValueError(f"prepare.py's causality_check failed: {result}")
+        return
+    generator = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, vocab_size, (1, length), generator=generator)
     with torch.no_grad():
-        a, b = model(idx), model(changed)
-    return torch.equal(a[:, : sequence_len // 2], b[:, : sequence_len // 2])
+        logits = model(idx.to(device)).float()
+        for t in (0, length // 2 - 1, length // 2, length - 2):
+            changed = idx.clone()
+            changed[:, t + 1:] = torch.randint(0, vocab_size, (1, length - t - 1), generator=generator)
+            other = model(changed.to(device)).float()
+            leak = (other[:, :t + 1] - logits[:, :t + 1]).abs().max().item()
+            if leak > 1e-5 * logits.abs().max().item():
+                raise ValueError(f"changing tokens after position {t} changed logits at or before it by {leak:.3g}")
+            if torch.equal(other[:, t + 1:], logits[:, t + 1:]):
+                raise ValueError(f"changing tokens after position {t} changed no later logit: the check is blind")
 
 
 def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
@@ -1106,8 +1118,10 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
     for block in model.blocks:  # zero-initialised output projections would hide a leak
         for linear in (block.attn.c_proj, block.mlp.c_proj):
             torch.nn.init.normal_(linear.weight, std=0.02)
-    if not check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer):
-        raise ValueError("the model's logits depend on later tokens (causality check failed); not exporting")
+    try:
+        check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"not exporting: the model is not causal ({e})") from e
     # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
     flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
     source = bundle_source(__file__, flags)

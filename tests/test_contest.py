@@ -173,3 +173,19 @@ def test_a_model_with_non_finite_weights_is_never_saved_as_final(tmp_path):
     with pytest.raises(FloatingPointError, match="lm_head.weight"):
         train.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
     assert not os.path.exists(tmp_path / "final.pt")
+
+
+def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_embd=32, n_head=2)).eval()
+    for linear in (model.blocks[0].attn.c_proj, model.blocks[0].mlp.c_proj):
+        torch.nn.init.normal_(linear.weight, std=0.1)
+    train.check_causality(model, 100, 32, "cpu")
+    import kernels
+
+    monkeypatch.setattr(kernels, "attention",  # attention without its causal mask
+                        lambda q, k, v, mode: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    with pytest.raises(ValueError, match="changed logits at or before it"):
+        train.check_causality(model, 100, 32, "cpu")
