@@ -222,7 +222,9 @@ def measure_kernels(cfg, model_cfg, device_type, device):
                 seconds = time_call(lambda *a: call(*a, "nki"), make_inputs(), backward, device_type)
                 row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak)
             else:
-                cpu_inputs = [t.detach().cpu().requires_grad_() if t is not None else None for t in make_inputs()]
+                # estimated for Trn2 as training runs there: bf16 inputs, whatever this CPU computes in
+                cpu_inputs = [t.detach().cpu().to(torch.bfloat16).requires_grad_() if t is not None else None
+                              for t in make_inputs()]
                 try:
                     counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
                 except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
