@@ -41,7 +41,7 @@ class GPTConfig:
     n_head: int = opt(2, "query heads; head_dim = n_embd / n_head")
     n_kv_head: int = opt(0, "key/value heads, dividing n_head (grouped-query attention when fewer); 0 = n_head")
     n_embd: int = opt(128, "model width")
-    mlp: str = opt("relu2", "MLP activation: relu2 | gelu | swiglu")
+    mlp: str = opt("relu2", "MLP activation: relu2 | leaky_relu2 | gelu | swiglu")
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)")
     rope_base: float = opt(10000.0, "RoPE base frequency")
     logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables")
