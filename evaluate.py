@@ -378,7 +378,7 @@ def run_bpb(args):
                                        max_tokens=args.tokens)["val_bpb"]
         source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
     else:
-        saved = torch.load(args.checkpoint, map_location="cpu", weights_only=True, mmap=True)["train_config"]
+        saved = train.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size

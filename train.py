@@ -1018,6 +1018,10 @@ def bundle_source(train_path, argv):
     folder = os.path.dirname(os.path.abspath(train_path))
     texts = {name: open(os.path.join(folder, f"{name}.py")).read() for name in ("kernels", "model", "train")}
 
+    def defined_names(node):
+        return {n for n in [getattr(node, "name", None)] + [t.id for t in getattr(node, "targets", [])
+                                                            if isinstance(t, ast.Name)] if n}
+
     def body(name, inline=None):
         """A module's text, top-level statement by statement (each with the comments above it)."""
         text, tree = texts[name], ast.parse(texts[name])
@@ -1026,11 +1030,9 @@ def bundle_source(train_path, argv):
             start, end = node.lineno - 1, node.end_lineno
             while start > previous_end and lines[start - 1].lstrip().startswith(("#", "@")):
                 start -= 1  # comments and decorators belong to the statement below them
-            chunk = "".join(lines[previous_end:end]) if start == previous_end else "".join(lines[start:end])
-            gap = "".join(lines[previous_end:start])
+            chunk, gap = "".join(lines[start:end]), "".join(lines[previous_end:start])
             previous_end = end
-            names = {getattr(node, "name", None)} | {t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)}
-            names.discard(None)
+            names = defined_names(node)
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is tree.body[0]:
                 if name != "train":  # other modules' docstrings become comments
                     chunk = "".join(f"# {line}".rstrip() + "\n" for line in node.value.value.strip().splitlines())
@@ -1048,11 +1050,10 @@ def bundle_source(train_path, argv):
     defined = {}
     for name in ("kernels", "model", "train"):
         for node in ast.parse(texts[name]).body:
-            for n in [getattr(node, "name", None)] + [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]:
-                if n and n not in KIT_ONLY and n not in ("logger",):
-                    if n in defined and defined[n] != name:
-                        raise ValueError(f"{n} is defined in both {defined[n]}.py and {name}.py")
-                    defined[n] = name
+            for n in defined_names(node) - set(KIT_ONLY):
+                if n in defined and defined[n] != name:
+                    raise ValueError(f"{n} is defined in both {defined[n]}.py and {name}.py")
+                defined[n] = name
     model_text = body("model").replace("kernels.", "")
     kernels_text = body("kernels")
     source = body("train", inline=lambda: f"\n# ===== kernels.py =====\n{kernels_text}\n# ===== model.py =====\n{model_text}\n# ===== train.py =====\n")
