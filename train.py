@@ -494,7 +494,7 @@ class Muon(torch.optim.Optimizer):
     hardware.
     """
 
-    def __init__(self, params, lr, momentum, beta2, weight_decay, dtype):
+    def __init__(self, params, lr, momentum, beta2, weight_decay, dtype, compile=False):
         params = list(params)
         shapes = sorted({tuple(p.shape) for p in params})
         device = params[0].device
@@ -506,31 +506,38 @@ class Muon(torch.optim.Optimizer):
             for key in ("lr", "momentum", "weight_decay"):
                 group[key] = group[key].clone()
         self.dtype = dtype
+        # compiled, the update is a few fused loops around the batched matmuls (CPU: 27 -> 21 ms a step at
+        # the default model); one graph per matrix shape, so at most a handful
+        self.update = torch.compile(muon_update, dynamic=False) if compile else muon_update
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             params = group["params"]
-            grads = torch.stack([p.grad for p in params])  # (K, rows, cols)
             state = self.state[params[0]]  # the group's stacked state lives with its first matrix
             if not state:
-                state["momentum"] = torch.zeros_like(grads)
+                state["momentum"] = torch.zeros((len(params), *params[0].shape), device=params[0].device)
                 # NorMuon's second moment: one value per row of the longer side
-                rows_longer = grads.size(-2) >= grads.size(-1)
-                state["second_moment"] = torch.zeros_like(grads[..., :1] if rows_longer else grads[..., :1, :])
-            buf, second = state["momentum"], state["second_moment"]
-            momentum = group["momentum"]
-            buf.lerp_(grads, 1 - momentum)
-            update = orthogonalize(grads.lerp_(buf, momentum), self.dtype).float()
-            if group["beta2"]:
-                norm = update.norm(dim=(-2, -1), keepdim=True)
-                second.lerp_(update.square().mean(dim=-1 if second.size(-1) == 1 else -2, keepdim=True), 1 - group["beta2"])
-                update = update * second.clamp_min(1e-10).rsqrt()
-                update = update * (norm / update.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
-            weights = torch.stack(params)
-            decay = group["weight_decay"] * weights * ((update * weights) >= 0)
-            lr = group["lr"] * max(1.0, grads.size(-2) / grads.size(-1)) ** 0.5
-            torch._foreach_copy_(params, list((weights - lr * (update + decay)).unbind(0)))
+                rows, cols = params[0].shape
+                state["second_moment"] = torch.zeros_like(state["momentum"][..., :1] if rows >= cols else state["momentum"][..., :1, :])
+            self.update(params, state["momentum"], state["second_moment"], group["lr"], group["momentum"],
+                        group["weight_decay"], group["beta2"], self.dtype)
+
+
+def muon_update(params, buf, second, lr, momentum, weight_decay, beta2, dtype):
+    """One Muon step for matrices of one shape, stacked: (K, rows, cols). See `Muon`."""
+    grads = torch.stack([p.grad for p in params])
+    buf.lerp_(grads, 1 - momentum)
+    update = orthogonalize(grads.lerp_(buf, momentum), dtype).float()
+    if beta2:
+        norm = update.norm(dim=(-2, -1), keepdim=True)
+        second.lerp_(update.square().mean(dim=-1 if second.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
+        update = update * second.clamp_min(1e-10).rsqrt()
+        update = update * (norm / update.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    weights = torch.stack(params)
+    decay = weight_decay * weights * ((update * weights) >= 0)
+    lr = lr * max(1.0, grads.size(-2) / grads.size(-1)) ** 0.5
+    torch._foreach_copy_(params, list((weights - lr * (update + decay)).unbind(0)))
 
 
 def make_optimizers(model, cfg, device_type, dtype):
@@ -555,7 +562,8 @@ def make_optimizers(model, cfg, device_type, dtype):
         groups.append({"params": matrices, "lr": cfg.matrix_lr, "weight_decay": cfg.weight_decay})
     optimizers = [torch.optim.AdamW([{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups], **adamw_kwargs)]
     if cfg.matrix_optimizer == "muon":
-        optimizers.append(Muon(matrices, cfg.matrix_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.weight_decay, dtype))
+        optimizers.append(Muon(matrices, cfg.matrix_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.weight_decay, dtype,
+                               compile=cfg.compile and device_type in ("cpu", "cuda")))
     for o in optimizers:
         for group in o.param_groups:
             group["peak_lr"] = group["lr"].item()

@@ -244,3 +244,35 @@ def test_unknown_mode_is_refused():
 def test_config_refuses_kernel_settings_that_cannot_work(overrides, message):
     with pytest.raises(ValueError, match=message):
         GPT(small_config(**overrides))
+
+
+# T around CPU_QUERY_BLOCK (64): one token, a partial single block, one block exactly, a ragged last
+# block, several blocks; and grouped-query heads, which the CPU path expands before its blocks.
+CPU_CASES = [(1, 2, 2, 1, 16), (2, 2, 1, 37, 32), (1, 4, 4, 64, 64), (2, 4, 2, 130, 64), (1, 2, 2, 256, 8)]
+
+
+@pytest.mark.parametrize("batch, n_heads, n_kv_heads, seq_len, head_dim", CPU_CASES,
+                         ids=[f"B{b}-H{h}-kv{kv}-S{s}-d{d}" for b, h, kv, s, d in CPU_CASES])
+def test_cpu_block_causal_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_dim):
+    """The fp32 CPU path (kernels.BlockCausalAttention behind kernels.attention): forward and all three
+    gradients against the float64 reference."""
+    q, k, v = random_qkv(batch, n_heads, n_kv_heads, seq_len, head_dim, torch.float32)
+    out = kernels.attention(q, k, v, mode="torch")
+    assert out.grad_fn.__class__.__name__ == "BlockCausalAttentionBackward", "the CPU fp32 path was not taken"
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(d_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = attention_reference(q64, k64, v64)
+    expected.backward(d_out.double())
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[torch.float32])
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[torch.float32], msg=lambda m: f"{name}: {m}")
+
+
+def test_cpu_attention_keeps_sdpa_for_bf16_and_long_contexts():
+    q, k, v = random_qkv(1, 2, 2, 8, 16, torch.bfloat16)
+    assert "BlockCausal" not in kernels.attention(q, k, v, mode="torch").grad_fn.__class__.__name__
+    long = kernels.CPU_BLOCK_ATTENTION_MAX_LEN + 1
+    q, k, v = (t.detach().requires_grad_() for t in random_qkv(1, 1, 1, long, 8, torch.float32))
+    assert "BlockCausal" not in kernels.attention(q, k, v, mode="torch").grad_fn.__class__.__name__

@@ -1,5 +1,6 @@
 """The kit's Muon, the schedule, and the rule that no op of a step sees a changed Python number."""
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -49,14 +50,19 @@ def reference_muon_step(p, grad, buf, second, lr, momentum, beta2, wd):
     return p - scaled_lr * (normed + decay), buf, second
 
 
-def test_muon_matches_a_per_matrix_reference_over_three_steps():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_muon_matches_a_per_matrix_reference_over_three_steps(compiled, monkeypatch):
+    """Compiled: traced and functionalised as in training (in-place updates of stacked state and of the
+    parameters must survive it), through aot_eager: inductor's C++ build would take ~25 s here."""
+    compile_traced = functools.partial(torch.compile, backend="aot_eager")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_traced(fn, **kwargs))
     torch.manual_seed(0)
     shapes = [(32, 16), (32, 16), (16, 48), (24, 24)]
     params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     reference = [p.detach().clone() for p in params]
     bufs = [torch.zeros(s) for s in shapes]
     seconds = [torch.zeros(s[0], 1) if s[0] >= s[1] else torch.zeros(1, s[1]) for s in shapes]
-    muon = train.Muon(params, lr=0.02, momentum=0.9, beta2=0.95, weight_decay=0.1, dtype=torch.float32)
+    muon = train.Muon(params, lr=0.02, momentum=0.9, beta2=0.95, weight_decay=0.1, dtype=torch.float32, compile=compiled)
     for step in range(3):
         grads = [torch.randn(*s) for s in shapes]
         for p, g in zip(params, grads):
@@ -97,7 +103,7 @@ class OpRecorder(TorchDispatchMode):
 def frontier_configs():
     """The frontier preset's levers at a tiny shape."""
     cfg, model_cfg = train.parse_args(["--preset=frontier", "--max_steps=20", "--warmup_steps=5",
-                                       "--muon_momentum_warmup_steps=10", "--loss_chunks=2"])
+                                       "--muon_momentum_warmup_steps=10", "--loss_chunks=2", "--compile=false"])
     model_cfg = dataclasses.replace(model_cfg, sequence_len=32, vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1)
     return cfg, model_cfg
 
@@ -106,14 +112,15 @@ def frontier_configs():
 def test_a_step_sees_no_changed_python_number_when_hyperparameters_change(recipe):
     """On Neuron a changed Python scalar re-traces the step's graph; hyperparameters live in device
     tensors instead. Two steps at different learning rates, momenta, weight decays, MTP weights and
-    schedule positions must dispatch the very same ops with the very same constants. The frontier's
+    schedule positions must dispatch the very same ops with the very same constants. (Uncompiled, as the
+    optimizers run on Neuron: only CPU and CUDA compile Muon's update.) The frontier's
     batch warm-up changes how many micro-batches a step runs, never what each one dispatches."""
     torch.manual_seed(0)
     if recipe == "frontier":
         cfg, model_cfg = frontier_configs()
     else:
         cfg = train.TrainConfig(matrix_optimizer=recipe, weight_decay=0.1, warmup_steps=5,
-                                muon_momentum_warmup_steps=10, max_steps=20)
+                                muon_momentum_warmup_steps=10, max_steps=20, compile=False)
         model_cfg = GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
     model = GPT(model_cfg)
     optimizers = train.make_optimizers(model, cfg, "cpu", torch.float32)
