@@ -215,6 +215,7 @@ def test_model_levers_compile_to_one_graph_that_the_mtp_fade_does_not_recompile(
     """fullgraph=True, as the Neuron backend compiles the step: no graph break in the levers, and writing
     new MTP weights into the buffer reuses the graph (a Python number would re-trace it)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counts of graphs that earlier tests compiled
     torch.manual_seed(0)
     model = GPT(tiny(value_embeds=True, residual_scalars=True, mtp_extra=2, loss_chunks=2))
     idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(-1, 50, (2, 16))
