@@ -1266,11 +1266,12 @@ CPU_BLOCK_ATTENTION_MAX_LEN = 2048  # measured faster than SDPA up to here (x1.4
 
 
 class BlockCausalAttention(torch.autograd.Function):
-    """Exact causal attention for short contexts on CPU, where SDPA's flash kernel computes every
-    score block it touches and recomputes the scores in backward. Queries go in blocks of
-    CPU_QUERY_BLOCK; block i scores only the keys up to its own end (batched matmuls), so the masked
-    upper triangle is computed only on the diagonal blocks, and the softmax of every block is kept
-    for backward (T x T / 2 floats per head: 2 MB a layer at B=8, H=2, T=256) instead of recomputed.
+    """Exact causal attention for short contexts on CPU. SDPA's flash kernel keeps only the logsumexp
+    and recomputes scores and softmax in backward; at short T memory is cheap and the recomputation is
+    not. Queries go in blocks of CPU_QUERY_BLOCK; block i scores only the keys up to its own end, with
+    one batched matmul over all batch x heads, so the masked upper triangle is computed only on the
+    diagonal blocks, and the softmax of every block is kept for backward (T x T / 2 floats per head:
+    2 MB a layer at B=8, H=2, T=256).
 
     q, k, v: (B, H, T, d), H equal for all three (GQA expands k and v first). `attention` uses it for
     fp32 on CPU; bf16 stays on SDPA, whose speed against this on bf16 hardware has not been measured.
