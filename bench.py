@@ -6,6 +6,7 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     torchrun --standalone --nproc_per_node=4 bench.py # per rank and for the whole job
     python bench.py --check                           # first hour on Trainium: is everything right?
     python bench.py --kernels                         # each kernel against its PyTorch fallback
+    python bench.py --versus_nanogpt=../nanoGPT       # tokens/s against nanoGPT's model at the same shapes
     python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
     OMP_NUM_THREADS=1 python bench.py --ablation      # val_bpb: baseline, frontier, each lever alone (CPU)
 
@@ -31,6 +32,8 @@ and their overlap are not modelled.
 import argparse
 import csv
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -132,6 +135,82 @@ def print_training(r, steps, windows):
     print(f"achieved FLOP/s   {r['flops_per_s'] / 1e12:.3f} T")
     print(f"peak FLOP/s       {r['peak_flops'] / 1e12:.3f} T  ({r['peak_source']})")
     print(f"MFU               {100 * r['mfu']:.1f}%")
+
+
+# -----------------------------------------------------------------------------
+# against nanoGPT: the same shapes, steps interleaved in one process
+
+def load_nanogpt(folder):
+    """karpathy/nanoGPT's model.py from a checkout the user made (the kit never copies or downloads it)."""
+    path = os.path.join(folder, "model.py")
+    if not os.path.isfile(path):
+        raise ValueError(f"--versus_nanogpt={folder}: there is no model.py there; clone "
+                         "https://github.com/karpathy/nanoGPT and pass its folder")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, device_type, device):
+    """Tokens/s of train.py's step and of nanoGPT's (its GPT at the same n_layer, n_head, n_embd, context,
+    padded vocab and batch; bias off, dropout 0, its configure_optimizers' AdamW at its train.py defaults,
+    grad clip 1; eager as its --compile=False, and compiled as its default unless --compile=false).
+    Windows of each run in turn,
+    so a machine whose speed drifts slows all of them alike; both under the kit's autocast setting. The
+    models have the same matmul FLOPs per token, so the ratio of tokens/s is the ratio of model FLOP/s."""
+    if dist.is_initialized():
+        raise ValueError("--versus_nanogpt compares single processes; run it without torchrun")
+    nanogpt = load_nanogpt(folder)
+    config = nanogpt.GPTConfig(block_size=model_cfg.sequence_len, vocab_size=model_cfg.padded_vocab_size,
+                               n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
+                               dropout=0.0, bias=False)
+    autocast = train.autocast_context(cfg, device_type)
+    shape = (cfg.batch_size, model_cfg.sequence_len)
+    x, y = (torch.randint(0, model_cfg.vocab_size, shape, device=device) for _ in range(2))
+
+    def nanogpt_step(model, raw, optimizer):
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    runs = {}
+    for name, compiled in (("nanoGPT, eager", False), ("nanoGPT, torch.compile", True))[: 1 + cfg.compile]:
+        torch.manual_seed(cfg.seed)
+        raw = nanogpt.GPT(config).to(device)
+        optimizer = raw.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
+        model = torch.compile(raw) if compiled else raw
+        runs[name] = functools.partial(nanogpt_step, model, raw, optimizer)
+    torch.manual_seed(cfg.seed)
+    raw_model = GPT(model_cfg).to(device)
+    model = train.wrap_for_training(raw_model, cfg, device_type, device)
+    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
+    runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
+    sync = functools.partial(train.synchronize, device_type)
+    seconds = {name: [] for name in runs}
+    for run in runs.values():
+        timed_windows(run, 0, 0, warmup, sync)
+    for _ in range(windows):
+        for name, run in runs.items():
+            seconds[name] += timed_windows(run, steps, 1, 0, sync)
+    tokens = steps * cfg.batch_size * model_cfg.sequence_len
+    rates = {name: statistics.median(tokens / s for s in times) for name, times in seconds.items()}
+    base = rates["nanoGPT, eager"]
+    return [{"run": name, "tokens_per_s": rate, "vs_nanogpt_eager": rate / base,
+             "tokens_per_s_min": tokens / max(seconds[name]), "tokens_per_s_max": tokens / min(seconds[name])}
+            for name, rate in rates.items()]
+
+
+def print_versus(rows, model_cfg, batch_size):
+    print(f"same shapes: {model_cfg.n_layer} layers, width {model_cfg.n_embd}, {model_cfg.n_head} heads, "
+          f"{model_cfg.sequence_len} tokens, batch {batch_size}, vocab {model_cfg.padded_vocab_size}")
+    print(f"{'run':28} {'tokens/s':>10} {'(min':>9} {'max)':>9}  vs nanoGPT eager")
+    for r in rows:
+        print(f"{r['run']:28} {r['tokens_per_s']:10,.0f} {r['tokens_per_s_min']:9,.0f} {r['tokens_per_s_max']:9,.0f}"
+              f"  {r['vs_nanogpt_eager']:.2f}x")
 
 
 # -----------------------------------------------------------------------------
@@ -595,6 +674,8 @@ def main(argv):
     parser.add_argument("--sweep", action="store_true", help="measure MFU over a grid of shape choices")
     parser.add_argument("--sweep_grid", default="default", choices=list(SWEEPS))
     parser.add_argument("--sweep_out", default="sweep", help="prefix of the sweep's .csv/.json/.png")
+    parser.add_argument("--versus_nanogpt", metavar="DIR", help="tokens/s against karpathy/nanoGPT's model.py in "
+                        "DIR (a checkout of yours) at the same shapes, steps interleaved in one process")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--ablation", action="store_true", help="val_bpb of baseline, frontier and each lever alone (CPU)")
     parser.add_argument("--ablation_seeds", type=int, default=3)
@@ -619,6 +700,10 @@ def main(argv):
         results = {"check": run_checks(cfg, model_cfg, device_type, device)}
         if rank == 0:
             print_checks(results["check"], device_type)
+    elif args.versus_nanogpt:
+        results = {"versus_nanogpt": measure_versus_nanogpt(cfg, model_cfg, args.versus_nanogpt, args.bench_steps,
+                                                            args.bench_windows, args.bench_warmup, device_type, device)}
+        print_versus(results["versus_nanogpt"], model_cfg, cfg.batch_size)
     elif args.kernels:
         results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device)}
         if rank == 0:

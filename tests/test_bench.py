@@ -1,4 +1,5 @@
 import json
+import os
 import types
 
 import pytest
@@ -129,3 +130,31 @@ def test_first_hour_check_reports_a_broken_kernel(monkeypatch):
     assert not rows["causality of the model on nki"]["passed"]
     assert "changed logits at or before it" in rows["causality of the model on nki"]["error"]
     assert rows["mlp relu2 forward+backward"]["passed"] and "1 training steps, nki vs torch" in rows
+
+
+NANOGPT_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt_standin")
+
+
+def test_versus_nanogpt_times_both_in_turns_and_reports_the_ratio(monkeypatch):
+    shapes, load = [], bench.load_nanogpt
+
+    def load_and_record_config(folder):
+        module = load(folder)
+        make_config = module.GPTConfig
+        module.GPTConfig = lambda **fields: shapes.append(fields) or make_config(**fields)
+        return module
+
+    monkeypatch.setattr(bench, "load_nanogpt", load_and_record_config)
+    rows = bench.main([f"--versus_nanogpt={NANOGPT_STANDIN}", "--n_layer=1", "--n_embd=64", "--n_head=2",
+                       "--sequence_len=64", "--batch_size=2", "--compile=false", "--bench_steps=2", "--bench_windows=3",
+                       "--bench_warmup=1"])["versus_nanogpt"]
+    assert [r["run"] for r in rows] == ["nanoGPT, eager", "this kit (train.py's step)"]  # no compiled row: --compile=false
+    assert shapes == [dict(block_size=64, vocab_size=384, n_layer=1, n_head=2, n_embd=64, dropout=0.0, bias=False)]
+    for r in rows:
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert r["vs_nanogpt_eager"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+
+
+def test_versus_nanogpt_names_the_missing_checkout(tmp_path):
+    with pytest.raises(ValueError, match="no model.py there; clone https://github.com/karpathy/nanoGPT"):
+        bench.main([f"--versus_nanogpt={tmp_path}", "--compile=false"])
