@@ -149,6 +149,11 @@ def load_nanogpt(folder):
     spec = importlib.util.spec_from_file_location("nanogpt_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    config = getattr(module, "GPTConfig", None)
+    if not (dataclasses.is_dataclass(config) and "block_size" in {f.name for f in dataclasses.fields(config)}
+            and hasattr(getattr(module, "GPT", None), "configure_optimizers")):
+        raise ValueError(f"--versus_nanogpt={folder}: its model.py is not nanoGPT's (no GPTConfig with block_size, "
+                         "or no GPT.configure_optimizers); pass the folder of a karpathy/nanoGPT clone")
     return module
 
 

@@ -155,6 +155,9 @@ def test_versus_nanogpt_times_both_in_turns_and_reports_the_ratio(monkeypatch):
         assert r["vs_nanogpt_eager"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
 
 
-def test_versus_nanogpt_names_the_missing_checkout(tmp_path):
+def test_versus_nanogpt_names_a_missing_or_wrong_checkout(tmp_path):
     with pytest.raises(ValueError, match="no model.py there; clone https://github.com/karpathy/nanoGPT"):
         bench.main([f"--versus_nanogpt={tmp_path}", "--compile=false"])
+    kit_root = os.path.dirname(os.path.dirname(NANOGPT_STANDIN))  # the kit's own model.py is no nanoGPT
+    with pytest.raises(ValueError, match="its model.py is not nanoGPT's"):
+        bench.main([f"--versus_nanogpt={kit_root}", "--compile=false"])
