@@ -1457,7 +1457,9 @@ def train_loop(run):
             checkpoint(run)
         if not cfg.charge_evals:
             clock.exclude(time.monotonic() - t_side)
-        next_step_s = statistics.median(step_times[-10:]) if step_times else dt
+        # until a step after the start-up ones is timed, none stands for the next: a start-up step's time
+        # includes compilation, and taken as the next step's it would end a short budget before training
+        next_step_s = statistics.median(step_times[-10:]) if step_times else 0.0
         decision = [clock.charged(), next_step_s, loss_value, float(not finite), float(run.stop.received)]
         if run.ddp:  # the mean over ranks; a flag raised on any rank stays above zero
             agreed = torch.tensor(decision, dtype=torch.float64)
