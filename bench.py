@@ -161,9 +161,9 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
     """Tokens/s of train.py's step and of nanoGPT's (its GPT at the same n_layer, n_head, n_embd, context,
     padded vocab and batch; bias off, dropout 0, its configure_optimizers' AdamW at its train.py defaults,
     grad clip 1; eager as its --compile=False, and compiled as its default unless --compile=false).
-    Windows of each run in turn,
-    so a machine whose speed drifts slows all of them alike; both under the kit's autocast setting. The
-    models have the same matmul FLOPs per token, so the ratio of tokens/s is the ratio of model FLOP/s."""
+    Windows of each run in turn, so a machine whose speed drifts slows all of them alike; all under the
+    kit's autocast setting. The models have the same matmul FLOPs per token, so the ratio of tokens/s is
+    the ratio of model FLOP/s."""
     if dist.is_initialized():
         raise ValueError("--versus_nanogpt compares single processes; run it without torchrun")
     nanogpt = load_nanogpt(folder)
