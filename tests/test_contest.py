@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import train
+from tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
-        "--compile=false", "--dtype=float32", "--log_every=1", "--warmup_steps=2"]
+TINY = TINY_MODEL + ["--warmup_steps=2"]
 
 
 class FakeTime:

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
+from tiny import TINY_RUN
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=2", "--n_kv_head=1", "--sequence_len=64", "--batch_size=4",
-        "--eval_tokens=2048", "--sample_tokens=0", "--time_budget_s=0", "--compile=false", "--log_every=1",
-        "--warmup_steps=2", "--dtype=float32"]
+TINY = TINY_RUN + ["--warmup_steps=2"]
 
 
 @pytest.fixture(scope="module")
