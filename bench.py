@@ -82,11 +82,11 @@ def timed_windows(run, steps, windows, warmup, sync):
 def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device):
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
-    model = train.wrap_for_training(raw_model, cfg, device_type, device)
-    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
-    autocast = train.autocast_context(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
+    model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
+    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
+    autocast = train.autocast_context(cfg, device_type)
 
     def step():
         train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
@@ -191,7 +191,7 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
         runs[name] = functools.partial(nanogpt_step, model, raw, optimizer)
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
-    model = train.wrap_for_training(raw_model, cfg, device_type, device)
+    model = train.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
     optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
     runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
     sync = functools.partial(train.synchronize, device_type)
@@ -568,9 +568,9 @@ def _check_compiled_block(cfg, model_cfg, device_type, device, tolerance):
         block = Block(config).to(device)
         for linear in (block.attn.c_proj, block.mlp.c_proj):  # nonzero, so that every gradient is
             torch.nn.init.normal_(linear.weight, std=0.02)
-        run = train.wrap_for_training(block, cfg, device_type, device) if mode == "nki" else block
         cos, sin = (t.to(device) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
         x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(device)
+        run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
         with train.autocast_context(cfg, device_type):
             out = run(x, cos, sin)
         out.float().square().mean().backward()
@@ -585,12 +585,12 @@ def _training_losses(cfg, model_cfg, mode, device_type, device):
 
     torch.manual_seed(cfg.seed)
     raw_model = GPT(_check_model_config(model_cfg, mode)).to(device)
-    model = train.wrap_for_training(raw_model, cfg, device_type, device)
-    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
-    autocast = train.autocast_context(cfg, device_type)
     tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
                            generator=torch.Generator().manual_seed(2))
     batch = [(tokens[:, :-1], tokens[:, 1:])]
+    model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
+    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
+    autocast = train.autocast_context(cfg, device_type)
     losses = []
     for _ in range(CHECK_STEPS):
         loss, _ = train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)

@@ -79,6 +79,8 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
         reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
     else:
         return True
+    if torch.compiler.is_compiling():  # a log call would break the graph: preview_fallbacks said it before
+        return False
     # NKI missing holds for every op alike: said once per process, not once per op
     key = reason if nki is None else (op_name, reason)
     if key not in _fallbacks_logged:
@@ -86,6 +88,18 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
         level = logging.WARNING if device_type == "neuron" else logging.INFO
         logger.log(level, "%s: using the PyTorch path: %s", "all kernels" if nki is None else op_name, reason)
     return False
+
+
+def preview_fallbacks(module, *inputs):
+    """Make every kernel choice of `module(*inputs)` now, logging each fallback, without computing anything:
+    the call runs on fake tensors (shapes, dtypes and devices only), so it takes the very branches that
+    torch.compile traces. Call it before compiling, under the same autocast: inside a compiled region
+    `_use_nki` cannot log (torch.compile(fullgraph=True) refuses a graph break), and a global it wrote there
+    would be guarded on and cost a recompilation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module(*inputs)
 
 
 def _logical_core_degree():

@@ -169,7 +169,8 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # each kv head mixes in the token's own value vector, by a gate in (0, 2) that starts at 1
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, Hkv)
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+            # the table is fp32 and autocast does not touch products: cast back, or v (and so attention) leaves bf16
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).type_as(v)
         v = v.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k = norm(q, self.kernels), norm(k, self.kernels)  # QK-norm bounds the logits without a tuned scale

@@ -50,6 +50,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from kernels import preview_fallbacks  # noqa: E402
 from model import GPT, TYPE_NAMES, GPTConfig, opt  # noqa: E402
 
 
@@ -688,10 +689,14 @@ def autocast_context(cfg, device_type):
     return torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
 
 
-def wrap_for_training(raw_model, cfg, device_type, device):
-    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun."""
+def wrap_for_training(raw_model, cfg, device_type, device, example):
+    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun. `example`:
+    arguments of one forward call (their shapes, dtypes and devices: the kernels' fallbacks are decided and
+    logged on them before compilation, as they cannot be from inside the compiled graph)."""
     model = raw_model
     if cfg.compile:
+        with autocast_context(cfg, device_type):
+            preview_fallbacks(raw_model, *example)
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
     if dist.is_initialized():
@@ -1033,7 +1038,7 @@ def bundle_source(train_path, argv):
     def body(name, inline=None):
         """A module's text, top-level statement by statement (each with the comments above it)."""
         text, tree = texts[name], ast.parse(texts[name])
-        lines, out, previous_end = text.splitlines(keepends=True), [], 0
+        lines, out, previous_end, inlined = text.splitlines(keepends=True), [], 0, False
         for node in tree.body:
             start, end = node.lineno - 1, node.end_lineno
             while start > previous_end and lines[start - 1].lstrip().startswith(("#", "@")):
@@ -1046,7 +1051,7 @@ def bundle_source(train_path, argv):
                     chunk = "".join(f"# {line}".rstrip() + "\n" for line in node.value.value.strip().splitlines())
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and {a.name.split(".")[0] for a in node.names} & {"kernels", "model", "data"} \
                     or isinstance(node, ast.ImportFrom) and node.module in ("model", "kernels", "data"):
-                chunk = inline() if inline else ""
+                chunk, inlined = (inline() if inline and not inlined else ""), True  # inlined at the first import
             elif names & set(KIT_ONLY):
                 chunk = KIT_ONLY[(names & set(KIT_ONLY)).pop()]
             elif names == {"SUBMISSION_ARGS"}:
@@ -1370,7 +1375,8 @@ def setup(cfg, model_cfg, stop, argv):
         torch.set_rng_state(state["rng"])
         del state  # its tensors now live in the model and optimizers
     run.ema = WeightEMA(run.raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
-    run.model = wrap_for_training(run.raw_model, cfg, device_type, device)
+    tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
+    run.model = wrap_for_training(run.raw_model, cfg, device_type, device, (tokens, tokens))
     run.autocast = autocast_context(cfg, device_type)
     run.flops_per_token = run.raw_model.flops_per_token()
     run.peak = peak_flops(device_type, compute_dtype(cfg), cfg.peak_tflops) * world_size
