@@ -22,19 +22,37 @@ import functools
 import logging
 import math
 import os
+import re
 
 import torch
 import torch.nn.functional as F
+
+
+def _nki_version_problem(version):
+    """None if NKI `version` runs these kernels, else why not and the fix. NKI 0.4.0 (Neuron SDK 2.30) is
+    the oldest that does: nc_matmul's accumulate= came in 0.3.0 and nki.simulate takes torch tensors from
+    0.4.0 on (aws-neuron/aws-neuron-sdk: release-notes/components/nki.rst; nki/api/nki/__init__.py at
+    539a73c5 and 3afa0fdf); every other nl/nisa name and keyword used here has the same signature in the
+    0.4, 0.5 and 0.6 stubs. `version` is nki.__version__, "0.5.0+..." or "0.4.0b4+..." in public Trn2
+    samples (littlemex/aws-neuron-samples); the stubs do not declare it, so one that does not read as
+    major.minor is let through."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) >= (0, 4):
+        return None
+    return (f"NKI {version} is older than 0.4, the oldest these kernels run on; install Neuron SDK 2.30 or "
+            "newer (NKI 0.4+)")
+
 
 try:
     import nki
     import nki.isa as nisa
     import nki.language as nl
 
-    NKI_IMPORT_ERROR = None
+    NKI_IMPORT_ERROR = _nki_version_problem(getattr(nki, "__version__", ""))
 except ImportError as error:  # not installed, or PyPI's placeholder package (it raises "WRONG PACKAGE")
-    nki = nl = nisa = None
     NKI_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+if NKI_IMPORT_ERROR is not None:
+    nki = nl = nisa = None
 
 try:
     import torch_neuronx  # registers the "neuron" device and provides nki_op
@@ -67,9 +85,9 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
         return False
     if nki is None:
         if mode == "nki":
-            raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not importable ({NKI_IMPORT_ERROR}); "
+            raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not usable ({NKI_IMPORT_ERROR}); "
                                "use kernels='auto' or kernels='torch' on machines without the Neuron SDK")
-        reason = f"NKI is not importable ({NKI_IMPORT_ERROR})"
+        reason = f"NKI is not usable ({NKI_IMPORT_ERROR})"
     elif shape_problem is not None:
         if mode == "nki":
             raise ValueError(f"{op_name}: kernels='nki' cannot run the NKI kernel: {shape_problem}; or use "

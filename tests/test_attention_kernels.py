@@ -9,8 +9,11 @@ values), so the differences are the kernels' own error:
   step 2^-8): rtol 2e-2, atol 2e-2 on outputs and gradients of unit scale.
 - logsumexp: fp32 whatever the inputs (scores accumulate in fp32 PSUM): rtol 1e-5, atol 1e-4.
 """
+import importlib.util
 import logging
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -225,9 +228,36 @@ def test_nki_mode_without_nki_says_what_to_do(monkeypatch):
     monkeypatch.setattr(kernels, "nki", None)
     monkeypatch.setattr(kernels, "NKI_IMPORT_ERROR", "ModuleNotFoundError: No module named 'nki'")
     q = torch.randn(1, 2, 128, 64)
-    with pytest.raises(RuntimeError, match="not importable.*kernels='auto' or kernels='torch'"):
+    with pytest.raises(RuntimeError, match="not usable.*kernels='auto' or kernels='torch'"):
         kernels.attention(q, q, q, mode="nki")
     assert torch.equal(kernels.attention(q, q, q, mode="auto"), kernels.attention(q, q, q, mode="torch"))
+
+
+@pytest.mark.parametrize("version, refused", [("0.3.0", True), ("0.2.0+1a2b3c", True), ("0.4.0b4+2581.ge7", False),
+                                              ("0.5.0+1f0e", False), ("0.6.0", False), ("1.0", False), ("", False)])
+def test_nki_older_than_0_4_is_refused(version, refused):
+    problem = kernels._nki_version_problem(version)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"NKI {version} is older than 0.4" in problem and "Neuron SDK 2.30" in problem
+
+
+def test_kernels_imported_with_nki_0_3_say_which_version_to_install(monkeypatch):
+    """The check at import: with a fake NKI 0.3.0 importable, kernels.py (loaded afresh under another
+    name) has no NKI, and kernels='nki' says which NKI it found and what to install."""
+    fake = types.ModuleType("nki")
+    fake.__version__ = "0.3.0"
+    fake.isa, fake.language = types.ModuleType("nki.isa"), types.ModuleType("nki.language")
+    monkeypatch.setitem(sys.modules, "nki", fake)
+    monkeypatch.setitem(sys.modules, "nki.isa", fake.isa)
+    monkeypatch.setitem(sys.modules, "nki.language", fake.language)
+    spec = importlib.util.spec_from_file_location("kernels_with_nki_0_3", kernels.__file__)
+    old_nki_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old_nki_kernels)
+    assert old_nki_kernels.nki is None
+    q = torch.randn(1, 2, 128, 64)
+    with pytest.raises(RuntimeError, match=r"NKI 0\.3\.0 is older than 0\.4.*install Neuron SDK 2\.30 or newer"):
+        old_nki_kernels.attention(q, q, q, mode="nki")
 
 
 def test_unknown_mode_is_refused():

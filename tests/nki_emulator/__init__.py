@@ -28,6 +28,7 @@ __all__ = ["jit", "simulate", "install", "counting", "Counts", "set_target", "ta
            "language", "isa", "typing", "dtype"]
 
 dtype = language.DType  # ``nki.dtype``: what kernel signatures annotate dtypes with (nki-library API docs)
+__version__ = "0.6.0"  # the NKI release whose API this emulates (tests/test_nki_api.py)
 
 
 def jit(fn=None, **options):
