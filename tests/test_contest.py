@@ -60,6 +60,25 @@ def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     assert resumed.charged() == 40.0
 
 
+@pytest.mark.parametrize("budget_s", [20.0 + 0.37 * i for i in range(20)])
+def test_jittered_steps_never_run_the_charged_time_past_the_budget(budget_s):
+    """train_loop's stop rule on a fake clock: steps of 0.1 s with one of 1.5 s in every five (a loaded
+    machine), a final save of 0.05 s and the reserve train.py keeps for it (twice that, plus 1 s). The
+    median of recent steps let a slow step run past the end; the slowest recent step does not."""
+    now = FakeTime()
+    clock = train.ChargedClock(budget_s, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    save_s, step_times = 0.05, []
+    reserve_s = 2 * save_s + 1.0
+    clock.steps_done(0)
+    for step in range(10_000):
+        now.t += 1.5 if step % 5 == 4 else 0.1
+        step_times.append(1.5 if step % 5 == 4 else 0.1)
+        if clock.out_of_time(clock.charged(), train.next_step_estimate(step_times), reserve_s):
+            break
+    now.t += save_s
+    assert clock.charged() <= budget_s
+
+
 def test_a_slow_start_up_step_does_not_stand_for_the_steps_after_it(tmp_path, monkeypatch):
     """The start-up step's time includes compilation. Taken as the next step's estimate, it ended a
     20 s budget after the start-up step (57 s of bf16 compilation on a CPU)."""

@@ -1,10 +1,13 @@
 """The configuration Trainium runs, on any CPU: bf16 autocast, torch.compile(fullgraph=True) and the NKI
 kernels (here under the emulator, which computes bf16 in software), with no eager call first.
 
-The Neuron backend compiles what dynamo captures after AOT autograd has traced forward and backward through
-the kernels' fake implementations and functionalised the graph; "aot_eager" runs exactly those stages and
-then executes the graph eagerly, so it tests the contracts the Neuron backend relies on (fake shapes, dtypes
-and strides, autograd registration, no graph break) without a C++ compiler. Each test starts with a fresh
+The Neuron backend hands dynamo's graph to AOT autograd (`aot_autograd(fw_compiler=...,
+keep_inference_input_mutations=True, decompositions=...)`, torch_neuronx/neuron_dynamo_backend/backend.py;
+public copy in parmoham-aws/test-repo-parmoham), which traces forward and backward through the kernels' fake
+implementations and functionalises the graph. PyTorch's "aot_eager_default_partitioner" is that same call
+with the graph then run eagerly (torch/_dynamo/backends/debugging.py), so it tests the contracts the Neuron
+backend relies on (fake shapes, dtypes and strides, autograd registration) without a compiler; fullgraph
+alone (a graph break) is dynamo's, which the "eager" backend checks fastest. Each test starts with a fresh
 dynamo and a fresh fallback log, so nothing compiled or logged by an earlier test helps it through.
 
 Tolerance: both paths compute in bf16 and round in different places (the kernels keep P and dS in bf16
@@ -45,7 +48,7 @@ def relative_error(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def compile_for_trainium(module, *example, backend="aot_eager"):
+def compile_for_trainium(module, *example, backend="aot_eager_default_partitioner"):
     """As train.wrap_for_training compiles for the Neuron backend: fallbacks previewed, then one graph."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         kernels.preview_fallbacks(module, *example)
