@@ -686,7 +686,8 @@ def test_broadcast_to_follows_numpy_rules_across_free_and_partition_dims():
     @nki_emulator.jit
     def kernel(row, column):
         outs = []
-        for src, shape in ((row, (128, 600)), (column, (128, 16))):
+        for case in ((row, (128, 600)), (column, (128, 16))):
+            src, shape = case
             tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=tile, src=src)
             out = nl.ndarray(shape, src.dtype, buffer=nl.shared_hbm)

@@ -44,16 +44,20 @@ def check(out, expected, dtype, atol=1e-5):
 
 def run(body, *inputs, out_dtype=None):
     """Run ``body(*sbuf_tiles) -> tile`` in a kernel: inputs are DMA'd to SBUF, the result (evicted
-    from PSUM if needed) DMA'd back to HBM."""
+    from PSUM if needed) DMA'd back to HBM. NKI has no ``*args``: the kernel takes the inputs as one
+    tuple, and ``spread`` (a test instrument, like ``body``) unpacks the tiles for ``body``."""
+
+    def spread(tiles):
+        return body(*tiles)
 
     @jit
-    def kernel(*hbm_inputs):
+    def kernel(hbm_inputs):
         tiles = []
         for x in hbm_inputs:
             tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=tile, src=x)
             tiles.append(tile)
-        result = body(*tiles)
+        result = spread(tiles)
         if result.buffer == nl.psum:
             evicted = nl.ndarray(result.shape, result.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=evicted, src=result)
@@ -62,7 +66,7 @@ def run(body, *inputs, out_dtype=None):
         nisa.dma_copy(dst=out, src=result)
         return out
 
-    return kernel(*inputs)
+    return kernel(inputs)
 
 
 def raises(kernel_fn, *args, match):
@@ -465,12 +469,13 @@ def test_partition_dim_limit():
     raises(kernel, rand((1, 1)), match=["ndarray", "partition dim 256", "128 partitions"])
 
 
-def _matmul_operands(k=128, m=128, n=512, dst_shape=None, dtype=nl.bfloat16, dst_dtype=nl.float32, **options):
+def _matmul_operands(k=128, m=128, n=512, dst_shape=None, dtype=nl.bfloat16, dst_dtype=nl.float32, tile_position=(),
+                     tile_size=()):
     def kernel(x):
         stationary = nl.zeros((k, m), dtype, buffer=nl.sbuf)
         moving = nl.zeros((k, n), dtype, buffer=nl.sbuf)
         dst = nl.ndarray(dst_shape or (m, n), dst_dtype, buffer=nl.psum)
-        nisa.nc_matmul(dst, stationary, moving, **options)
+        nisa.nc_matmul(dst, stationary, moving, tile_position=tile_position, tile_size=tile_size)
 
     return kernel
 
