@@ -479,7 +479,8 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
                 for i in range(start // TILE, n_tiles):  # only query tiles at or below the block see it
                     _attention_bwd_block(dq_acc, dk_block, dv_block, head, (k_cols, k_rows, v_cols), mask,
                                          scale, i, start)
-                for acc, block in ((dk_acc, dk_block), (dv_acc, dv_block)):
+                for pair in ((dk_acc, dk_block), (dv_acc, dv_block)):
+                    acc, block = pair
                     if h == kv_head * group:
                         nisa.tensor_copy(acc[:, chunks, :], block)
                     else:  # later query heads of the group add onto the first one's dK, dV
@@ -593,7 +594,8 @@ def _load_row_pieces(src, row_start, row_count):
     """src[row_start : row_start + row_count, :] into SBUF as tiles of at most 128 rows, one row per
     partition (one DMA each)."""
     pieces = []
-    for start, count in _spans(row_start, row_start + row_count, TILE):
+    for span in _spans(row_start, row_start + row_count, TILE):
+        start, count = span
         piece = nl.ndarray((count, src.shape[1]), src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=piece, src=src[start:start + count, :])
         pieces.append(piece)
@@ -640,7 +642,8 @@ def _transposed_in_sbuf(matrix):
     the contraction dim C lies on the partitions."""
     rows, cols = matrix.shape
     tiles = _sbuf_tiles(cols // TILE, (TILE, rows), matrix.dtype)
-    for row_start, row_count in _spans(0, rows, BANK_FP32):
+    for span in _spans(0, rows, BANK_FP32):
+        row_start, row_count = span
         _transpose_pieces_into(tiles, row_start, _load_row_pieces(matrix, row_start, row_count))
     return tiles
 
@@ -704,7 +707,8 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
     w_down_t = _transposed_in_sbuf(w_down)  # hidden/128 tiles [128, d]
 
     program_start, program_stop = _program_rows(n_tokens)
-    for block_start, block_tokens in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
+    for span in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
+        block_start, block_tokens = span
         block = slice(block_start, block_start + block_tokens)
         x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
         _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens))
@@ -719,9 +723,11 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
                     _store_from_psum(gate_saved[units, block], gate)
             act_t.append(_mlp_activation(activation, up, gate, x.dtype))
 
-        for offset, tokens in _spans(0, block_tokens, TILE):
+        for piece in _spans(0, block_tokens, TILE):
+            offset, tokens = piece
             out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
-            for col, width in _spans(0, dim, BANK_FP32):
+            for columns in _spans(0, dim, BANK_FP32):
+                col, width = columns
                 acc = _matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
                                         _column_slices(w_down_t, col, col + width))
                 nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
@@ -826,7 +832,8 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         accumulators.append(tiles)
 
     program_start, program_stop = _program_rows(n_tokens)
-    for block_start, block_tokens in _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)):
+    for span in _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)):
+        block_start, block_tokens = span
         block = slice(block_start, block_start + block_tokens)
         dy_pieces = _load_row_pieces(dy, block_start, block_tokens)
         x_pieces = _load_row_pieces(x, block_start, block_tokens)
@@ -835,9 +842,11 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         piece_spans = _spans(0, block_tokens, TILE)
         column_spans = _spans(0, dim, BANK_FP32)
         dx_acc = []  # per 128-token piece, one PSUM tile per bank-wide column span: dx of the block
-        for _, tokens in piece_spans:
+        for piece in piece_spans:
+            _, tokens = piece
             row_of_banks = []
-            for _, width in column_spans:
+            for columns in column_spans:
+                _, width = columns
                 row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
             dx_acc.append(row_of_banks)
 
@@ -918,7 +927,8 @@ def _accumulate_weight_grad(acc, hidden_t, pieces):
     if full < flipped.shape[1]:
         tokens = pieces[-1].shape[0]
         nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:])
-    for col, width in _spans(0, acc.shape[1], BANK_FP32):
+    for span in _spans(0, acc.shape[1], BANK_FP32):
+        col, width = span
         grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
         nisa.tensor_tensor(dst=acc[:, col:col + width], data1=acc[:, col:col + width], data2=grad, op=nl.add)
 
@@ -1014,7 +1024,8 @@ def rms_norm_fwd_kernel(x, weight, eps):
     weighted = weight is not None
     weight_rows = _broadcast_to_partitions(weight) if weighted else None
     program_start, program_stop = _program_rows(n_rows)
-    for row, rows in _spans(program_start, program_stop, TILE):
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
         x_tile = _load_tile(x, slice(row, row + rows), slice(0, dim))
         out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
         rstd = _reciprocal_rms(x_tile, eps_column, squares=out)
@@ -1055,11 +1066,13 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         ones_column = _constant_column(1.0)
         column_spans = _spans(0, dim, BANK_FP32)
         dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
-        for _, width in column_spans:
+        for span in column_spans:
+            _, width = span
             dweight_acc.append(nl.ndarray((1, width), nl.float32, buffer=nl.psum))
 
     program_start, program_stop = _program_rows(n_rows)
-    for row, rows in _spans(program_start, program_stop, TILE):
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
         tile_rows = slice(row, row + rows)
         x_tile = _load_tile(x, tile_rows, slice(0, dim))
         dy_tile = _load_tile(dy, tile_rows, slice(0, dim))
@@ -1130,7 +1143,8 @@ def _broadcast_to_partitions(vector):
     ones_row = nl.ndarray((1, TILE), nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_row, value=1.0)
     rows = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
-    for col, width in _spans(0, dim, BANK_FP32):
+    for span in _spans(0, dim, BANK_FP32):
+        col, width = span
         nisa.tensor_copy(dst=rows[:, col:col + width], src=_matmul_into_psum([ones_row], [row[:, col:col + width]]))
     return rows
 

@@ -3,6 +3,8 @@ every hardware rule with a kernel that breaks it, and two small kernels in the d
 (a tiled matmul and a row softmax). These use the emulator directly, so they run whether or not the
 Neuron SDK's nki is installed."""
 
+import inspect
+import math
 import sys
 
 import ml_dtypes
@@ -13,7 +15,7 @@ import torch
 import nki_emulator
 import nki_emulator.isa as nisa
 import nki_emulator.language as nl
-from nki_emulator import NkiValidationError
+from nki_emulator import NkiValidationError, _subset
 
 jit = nki_emulator.jit
 DTYPES = [np.float32, ml_dtypes.bfloat16]
@@ -44,16 +46,20 @@ def check(out, expected, dtype, atol=1e-5):
 
 def run(body, *inputs, out_dtype=None):
     """Run ``body(*sbuf_tiles) -> tile`` in a kernel: inputs are DMA'd to SBUF, the result (evicted
-    from PSUM if needed) DMA'd back to HBM."""
+    from PSUM if needed) DMA'd back to HBM. NKI has no ``*args``: the kernel takes the inputs as one
+    tuple, and ``spread`` (a test instrument, like ``body``) unpacks the tiles for ``body``."""
+
+    def spread(tiles):
+        return body(*tiles)
 
     @jit
-    def kernel(*hbm_inputs):
+    def kernel(hbm_inputs):
         tiles = []
         for x in hbm_inputs:
             tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=tile, src=x)
             tiles.append(tile)
-        result = body(*tiles)
+        result = spread(tiles)
         if result.buffer == nl.psum:
             evicted = nl.ndarray(result.shape, result.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=evicted, src=result)
@@ -62,7 +68,7 @@ def run(body, *inputs, out_dtype=None):
         nisa.dma_copy(dst=out, src=result)
         return out
 
-    return kernel(*inputs)
+    return kernel(inputs)
 
 
 def raises(kernel_fn, *args, match):
@@ -465,12 +471,13 @@ def test_partition_dim_limit():
     raises(kernel, rand((1, 1)), match=["ndarray", "partition dim 256", "128 partitions"])
 
 
-def _matmul_operands(k=128, m=128, n=512, dst_shape=None, dtype=nl.bfloat16, dst_dtype=nl.float32, **options):
+def _matmul_operands(k=128, m=128, n=512, dst_shape=None, dtype=nl.bfloat16, dst_dtype=nl.float32, tile_position=(),
+                     tile_size=()):
     def kernel(x):
         stationary = nl.zeros((k, m), dtype, buffer=nl.sbuf)
         moving = nl.zeros((k, n), dtype, buffer=nl.sbuf)
         dst = nl.ndarray(dst_shape or (m, n), dst_dtype, buffer=nl.psum)
-        nisa.nc_matmul(dst, stationary, moving, **options)
+        nisa.nc_matmul(dst, stationary, moving, tile_position=tile_position, tile_size=tile_size)
 
     return kernel
 
@@ -743,6 +750,311 @@ def test_softmax_kernel(dtype):
     e = np.exp(f32(x) - f32(x).max(axis=1, keepdims=True))
     check(out, e / e.sum(axis=1, keepdims=True), dtype)
     assert counts.instructions == {"tensor": 0, "vector": 6, "scalar": 2, "gpsimd": 0, "dma": 4}
+
+
+# ---- the NKI subset of Python, as KLR's front end takes it (tests/nki_emulator/_subset.py) ---------------
+#
+# Each refused_* kernel holds one construct the front end refuses, marked "# refused: <its words>"; the
+# check must name that line, the function and those words.
+
+def refused_tuple_loop_target(x):
+    for a, b in ((1, 2), (3, 4)):  # refused: expecting simple variable
+        x = x + a + b
+    return x
+
+
+def refused_for_else(x):
+    for i in range(2):  # refused: for-orelse is not supported in NKI
+        x = x + i
+    else:
+        x = x + 1
+    return x
+
+
+def refused_while_else(x):
+    while x < 2:  # refused: while-orelse is not supported in NKI
+        x = x + 1
+    else:
+        x = 0
+    return x
+
+
+def refused_attribute_in_a_tuple_target(x):
+    x.first, y = 1, 2  # refused: expecting simple variable
+    return y
+
+
+def refused_subscript_in_a_tuple_target(x):
+    sizes = [0, 0]
+    sizes[0], y = 1, 2  # refused: expecting pattern
+    return y
+
+
+def refused_two_mutations_at_once(x):
+    a, b = [0], [0]
+    a[0] = b[0] = x  # refused: mutating assignments must be in separate statements
+    return a
+
+
+def refused_list_target(x):
+    [a, b] = (1, 2)  # refused: mutation not supported
+    return a + b
+
+
+def refused_star_argument(x):
+    shape = (2, 3)
+    return nl.ndarray((*shape,), nl.float32)  # refused: tuple expansion is not supported
+
+
+def refused_keyword_expansion(x):
+    options = {"buffer": nl.sbuf}
+    return nl.ndarray((2, 3), nl.float32, **options)  # refused: keyword expansion is not supported
+
+
+def refused_varargs(*tensors):  # refused: varargs are not supported in NKI
+    return tensors[0]
+
+
+@pytest.mark.skip  # refused: unsupported decorator pytest.mark.skip
+def refused_decorator(x):
+    return x
+
+
+def refused_matmul_operator(x):
+    return x @ x  # refused: the matmul operator is not supported in NKI
+
+
+def refused_chained_in(x):
+    return 1 in (1, 2) in ((1, 2),)  # refused: the 'in' operator is not supported in NKI
+
+
+def refused_identity_test(x, flag=False):
+    if flag is True:  # refused: the 'is' operator is not supported in NKI, use ==
+        return x
+    return x
+
+
+def refused_identity_test_against_a_value(x, flag=False):
+    return flag is not False  # refused: the 'is not' operator is not supported in NKI, use !=
+
+
+def refused_computed_dict_key(x):
+    key = "rows"
+    return {key: x}  # refused: expecting string
+
+
+def refused_ellipsis_value(x):
+    return ...  # refused: invalid use of ellipsis
+
+
+def refused_wide_integer(x):
+    return x + 4294967296  # refused: integer value (4294967296) is too large
+
+
+def refused_format_spec(x):
+    assert x, f"{x:>8}"  # refused: NKI does no support format specifiers
+    return x
+
+
+def refused_with_statement(x):
+    with open("log") as log:  # refused: NKI only supports with statements with a single, simple function call
+        log.write(x)
+    return x
+
+
+def refused_with_context(x):
+    with nl.sequential_range():  # refused: invalid with context nl.sequential_range (only no_reorder
+        pass
+    return x
+
+
+def refused_raise(x):
+    if x < 0:
+        raise ValueError(x)  # refused: NKI does not support 'raise' statements
+    return x
+
+
+def refused_del(x):
+    y = x
+    del y  # refused: NKI does not support 'del' statements
+    return x
+
+
+def refused_import(x):
+    import os  # refused: NKI does not support 'import' statements within a function
+    return os.sep
+
+
+def refused_try(x):
+    try:  # refused: NKI does not support 'try' statements
+        return x
+    finally:
+        pass
+
+
+def refused_global(x):
+    global TILES  # refused: NKI does not support 'global' statements
+    return x
+
+
+def refused_match(x):
+    match x:  # refused: NKI does not support 'match' statements
+        case _:
+            return x
+
+
+def refused_nested_def(x):
+    def inner():  # refused: NKI does not support inner function definitions
+        return x
+
+    return inner()
+
+
+def refused_lambda(x):
+    return (lambda y: y)(x)  # refused: unsupported expression (a lambda
+
+
+def refused_list_comprehension(x):
+    return [n for n in x.shape]  # refused: unsupported expression (a list comprehension
+
+
+def refused_generator(x):
+    return tuple(n for n in x.shape)  # refused: unsupported expression (a generator expression
+
+
+def refused_walrus(x):
+    if (n := len(x.shape)) > 1:  # refused: unsupported expression (an assignment expression :=)
+        return n
+    return x
+
+
+def refused_set_literal(x):
+    return {1, 2}  # refused: unsupported expression (a set literal
+
+
+def refused_builtin_outside_klr(x):
+    pairs = []
+    for pair in zip(x.shape, x.shape):  # refused: zip is not one of NKI's Python builtins
+        pairs.append(pair)
+    return pairs
+
+
+def refused_math_function(x):
+    return math.log(x)  # refused: math.log is not in NKI's math library
+
+
+def refused_range_as_a_value(x):
+    return len(range(x))  # refused: range() outside a for-loop header
+
+
+def refused_range_arguments(x):
+    for i in nl.affine_range(0, x, 1, 1):  # refused: invalid range arguments
+        x = x + i
+    return x
+
+
+def refused_min_of_three(x):
+    return min(x, 1, 2)  # refused: invalid arguments (min() takes one sequence or two numbers)
+
+
+REFUSED = [kernel for name, kernel in globals().items() if name.startswith("refused_")]
+
+
+@pytest.mark.parametrize("kernel", REFUSED, ids=lambda kernel: kernel.__name__)
+def test_jit_refuses_what_the_nki_front_end_refuses_in_its_words_naming_line_and_function(kernel):
+    lines, first_line = inspect.getsourcelines(kernel)
+    [(line, words)] = [(first_line + i, text.split("# refused: ")[1].strip()) for i, text in enumerate(lines)
+                       if "# refused: " in text]
+    with pytest.raises(NkiValidationError) as error:
+        jit(kernel)
+    assert f"test_nki_emulator.py:{line} in {kernel.__name__}: {words}" in str(error.value), str(error.value)
+
+
+def helper_looping_over_pairs(pairs):
+    total = 0
+    for first, second in pairs:
+        total += first * second
+    return total
+
+
+def kernel_calling_a_helper(x):
+    return x + helper_looping_over_pairs(((1, 2), (3, 4)))
+
+
+def test_jit_checks_the_helpers_a_kernel_calls():
+    with pytest.raises(NkiValidationError) as error:
+        jit(kernel_calling_a_helper)
+    line = helper_looping_over_pairs.__code__.co_firstlineno + 2
+    assert f"test_nki_emulator.py:{line} in helper_looping_over_pairs: expecting simple variable" in str(error.value)
+
+
+def _row_spans(n_rows, tile_rows):
+    """(start, count) of each tile of at most tile_rows rows: nki-library's helpers hand back tuples."""
+    full, rest = divmod(n_rows, tile_rows)
+    spans = []
+    for t in range(full):
+        spans.append((t * tile_rows, tile_rows))
+    if rest:
+        spans.append((full * tile_rows, rest))
+    return spans
+
+
+def _scale_into(dst, src, scale, bias=None):
+    if bias is None:
+        nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=scale)
+    else:
+        nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=bias)
+
+
+def _copy_out(dst, src):
+    nisa.dma_copy(dst=dst, src=src)
+
+
+def scale_pair_kernel(x, y, scale, *, bias=None, col_tile=512, store=_copy_out):
+    """(x, y) * scale (+ bias), tiled 128 rows by col_tile columns, in the style of nki-library's kernels:
+    tuple assignment, `is None`, conditional expressions, helpers (one passed as a value), nl.ds, min, len,
+    divmod, //, %, math.ceil, nested loops over ranges, a loop over a tuple of tensors by index, a keyword-only
+    parameter (KLR accepts them), a dict with string keys, an assert with an f-string."""
+    assert len(x.shape) == 2 and x.shape == y.shape, f"x {x.shape} and y {y.shape} must match"
+    n_rows, n_cols = x.shape
+    sizes = {"rows": nl.tile_size.pmax, "cols": min(col_tile, n_cols)}
+    full_col_tiles = n_cols // sizes["cols"]
+    inputs, outputs = (x, y), []
+    for i in range(len(inputs)):
+        outputs.append(nl.ndarray(inputs[i].shape, inputs[i].dtype, buffer=nl.shared_hbm))
+    for i in range(len(inputs)):
+        src, dst = inputs[i], outputs[i]
+        for span in _row_spans(n_rows, sizes["rows"]):
+            row, rows = span
+            for c in nl.affine_range(math.ceil(n_cols / sizes["cols"])):
+                width = sizes["cols"] if c < full_col_tiles else n_cols % sizes["cols"]
+                cols = nl.ds(c * sizes["cols"], width)
+                tile = nl.ndarray((rows, width), src.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=tile, src=src[row:row + rows, cols])
+                scaled = nl.ndarray(tile.shape, src.dtype, buffer=nl.sbuf)
+                _scale_into(scaled, tile, scale, bias)
+                store(dst[row:row + rows, cols], scaled)
+    return outputs[0], outputs[1]
+
+
+def test_jit_accepts_kernels_in_the_style_of_nki_library():
+    x, y = rand((300, 700), seed=1), rand((300, 700), seed=2)
+    kernel = jit(scale_pair_kernel)
+    out_x, out_y = kernel(x, y, 0.5)
+    np.testing.assert_allclose(out_x, x * 0.5, rtol=1e-6)
+    np.testing.assert_allclose(out_y, y * 0.5, rtol=1e-6)
+    out_x, _ = kernel(x, y, 0.5, bias=1.0, col_tile=256)
+    np.testing.assert_allclose(out_x, x * 0.5 + 1.0, rtol=1e-6)
+
+
+def test_every_kernel_in_kernels_py_is_inside_the_subset(monkeypatch):
+    import kernels
+
+    monkeypatch.setattr(_subset, "_checked", set())  # check again what earlier tests' launches passed
+    names = [name for name in vars(kernels) if name.endswith("_kernel") and not name.startswith("_")]
+    assert len(names) == 6, names
+    for name in names:
+        _subset.check_kernel(getattr(kernels, name))
 
 
 # ---- frameworks, LNC, targets, install -------------------------------------------------------------------
