@@ -325,10 +325,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Autoregressive sampling: idx (B, T) -> (B, T + max_new_tokens). The context is cropped to the
-        last sequence_len tokens; temperature 0 picks the argmax."""
+        """Autoregressive sampling: idx (B, T) -> (B, T + max_new_tokens); temperature 0 picks the argmax.
+
+        Every forward has the one shape (B, sequence_len), so a device that compiles each new shape (Neuron)
+        compiles once: the context is the last sequence_len tokens, right-padded while shorter (the model is
+        causal, so padding after the last token changes none of its logits). Sampling runs on the CPU with
+        `generator` (a CPU torch.Generator; device generators are not available everywhere)."""
+        tokens, length = idx.cpu(), self.config.sequence_len
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.sequence_len :])[:, -1, :]
+            context = tokens[:, -length:]
+            window = F.pad(context, (0, length - context.size(1)))
+            logits = self(window.to(self.lm_head.weight.device))[:, context.size(1) - 1, :].float().cpu()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -337,8 +344,8 @@ class GPT(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, -float("inf"))
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, next_id], dim=1)
-        return idx
+            tokens = torch.cat([tokens, next_id], dim=1)
+        return tokens.to(idx.device)
 
 
 # -----------------------------------------------------------------------------

@@ -832,10 +832,12 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
 
 
 def inference_model(weights, model_config, device):
-    """A single-device GPT in eval mode for evaluation and sampling. Its kernels are "auto" whatever the
-    training run chose: prompts come in any length, and "nki" would refuse lengths that are not a
-    multiple of 128 (or any machine without NKI)."""
-    model = GPT(GPTConfig(**{**model_config, "kernels": "auto"}))
+    """A single-device GPT in eval mode for evaluation and sampling, on the kernels the run trained with,
+    except that "nki" becomes "auto": prompts come in any length, and "nki" would refuse one that is not a
+    multiple of 128 (or a machine without NKI) where "auto" falls back to PyTorch for it and logs why once.
+    A --kernels=torch run is scored on PyTorch, paying no NKI compilation for the scorer's shapes."""
+    kernels = "torch" if model_config.get("kernels") == "torch" else "auto"
+    model = GPT(GPTConfig(**{**model_config, "kernels": kernels}))
     model.load_state_dict(weights)
     return model.to(device).eval()
 
@@ -856,23 +858,26 @@ def load_for_eval(checkpoint_path, device="cpu"):
 # evaluation
 
 @torch.no_grad()
-def evaluate(model, batches, token_bytes, device, autocast, stop=None):
+def evaluate(model, batches, token_bytes, device, autocast, stop=None, group=None):
     """Mean val loss over all target tokens, and val_bpb = nats / (ln 2 * bytes) over the target tokens
-    that stand for bytes (document boundaries stand for none). Sums are reduced over all ranks. A stop
-    request (`stop.received`) ends it early: the numbers then cover the batches done."""
+    that stand for bytes (document boundaries stand for none). Sums are reduced over all ranks (`group`: a
+    CPU (gloo) group under torchrun). A stop request (`stop.received`) ends it early: the numbers then
+    cover the batches done. The per-token losses are summed on the CPU in float64: a Neuron device narrows
+    float64 to 32 bits (torch_neuronx python_ops/base.py), and the byte mask is a product, not an index,
+    so no shape depends on the data."""
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats of byte tokens, bytes
+    sums = torch.zeros(4, dtype=torch.float64)  # nats, tokens, nats of byte tokens, bytes
+    token_bytes = token_bytes.cpu().double()
     for x, y in batches:
         if stop is not None and stop.received:
             break
-        x, y = x.to(device), y.to(device)
         with autocast:
-            loss = model(x, y, loss_reduction="none").double()
-        nbytes = token_bytes[y]
-        sums += torch.stack([loss.sum(), torch.tensor(float(y.numel()), device=device, dtype=torch.float64),
-                             loss[nbytes > 0].sum(), nbytes.sum().double()])
+            loss = model(x.to(device), y.to(device), loss_reduction="none").float().cpu().double()
+        nbytes = token_bytes[y.cpu()]
+        sums += torch.stack([loss.sum(), torch.tensor(float(y.numel()), dtype=torch.float64),
+                             (loss * (nbytes > 0)).sum(), nbytes.sum()])
     if dist.is_initialized():
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=group)
     model.train()
     nats, tokens, byte_nats, nbytes = sums.tolist()
     return {"val_loss": nats / max(tokens, 1), "val_bpb": byte_nats / (math.log(2) * max(nbytes, 1))}
@@ -1409,7 +1414,8 @@ def measure_final_save(run):
 
 def run_eval(run):
     # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
-    metrics = evaluate(run.raw_model, run.corpus.val_batches, run.corpus.token_bytes, run.device, run.autocast, run.stop)
+    metrics = evaluate(run.raw_model, run.corpus.val_batches, run.corpus.token_bytes, run.device, run.autocast, run.stop,
+                       run.control)
     run.log("eval", f"step {run.step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}",
             step=run.step, **metrics)
     return metrics
@@ -1529,7 +1535,7 @@ def finish(run, ended_by):
         sampler = inference_model(run.raw_model.state_dict(), asdict(run.model_cfg), run.device)
         with run.autocast:
             out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8,
-                                   generator=torch.Generator(run.device).manual_seed(cfg.seed))
+                                   generator=torch.Generator().manual_seed(cfg.seed))
         print("-" * 40 + "\n" + run.corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
     return {"first_eval": run.first_eval, "final_eval": final_eval, "step": run.step}
 

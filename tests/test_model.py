@@ -101,6 +101,22 @@ def test_generate_appends_tokens_and_greedy_is_deterministic():
     assert sampled.shape == (2, 15)
 
 
+def test_generate_runs_one_shape_and_matches_growing_the_context():
+    """Each forward sees (B, sequence_len), padded while the context is shorter, and picks what a
+    forward over exactly the tokens so far picks."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    shapes = []
+    model.register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
+    prompt = torch.randint(0, 100, (2, 5))
+    out = model.generate(prompt, 40, temperature=0)
+    assert set(shapes) == {(2, model.config.sequence_len)} and len(shapes) == 40
+    with torch.no_grad():
+        for t in range(5, 45):
+            context = out[:, max(0, t - model.config.sequence_len):t]
+            assert torch.equal(model(context)[:, -1].argmax(-1), out[:, t])
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -50,11 +50,14 @@ def test_keeps_only_the_last_checkpoints(tmp_path, data_dir):
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ckpt")) == ["ckpt_0000003.pt", "ckpt_0000004.pt"]
 
 
-def test_load_for_eval_reproduces_the_trained_model(tmp_path, data_dir):
-    run(tmp_path, data_dir, "--max_steps=3")
+def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, data_dir):
+    run(tmp_path, data_dir, "--max_steps=3", "--kernels=torch")
     state = torch.load(tmp_path / "final.pt", weights_only=True)
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
-    assert not model.training
+    assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
+    # a run on NKI is scored on "auto": NKI where the kernels take the shapes, PyTorch (logged) elsewhere
+    trained_on_nki = train.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
+    assert trained_on_nki.config.kernels == "auto"
     reference = train.GPT(train.GPTConfig(**state["model_config"]))
     reference.load_state_dict(state["model"])
     idx = torch.randint(0, 257, (2, 64))
