@@ -30,6 +30,7 @@ inputs), a TensorE transpose costing a matmul with the identity. Utilisation = m
 and their overlap are not modelled.
 """
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -487,15 +488,30 @@ def run_ablation(seeds, steps, extra=()):
 # The model the check builds: two layers, grouped-query heads of 64, two 128-query tiles per sequence.
 CHECK_MODEL = dict(sequence_len=256, n_layer=2, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
 CHECK_STEPS = 20
-# Agreement of NKI with PyTorch, as max |nki - torch| / max |torch|: kernel outputs and gradients, and each
-# step's loss of the short training run (bf16 matmuls round both paths, differently).
-CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# How far NKI may honestly be from PyTorch, measured per check rather than fixed per dtype (a fixed 1e-4 in
+# fp32 failed a sound run at step 13 with 1.2e-4). PyTorch's own error is measured against an exact-enough
+# reference: for a kernel or a Block, the PyTorch path in float64 on the CPU; for the training run, whose
+# losses amplify any rounding difference step by step, the PyTorch run again with every initial weight
+# nudged by one rounding step of the dtype (what a different summation order does to it). Two paths that
+# each round about that much differ by up to twice it, and the kernels round in other places (bf16 P and
+# dS before their matmuls): HONEST_FACTOR times PyTorch's error, never under a few rounding steps.
+HONEST_FACTOR = 4
+
+
+def _error(got, want):
+    """max |got - want| / max |want|: the measure of every check."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _tolerance(torch_error, dtype):
+    return HONEST_FACTOR * max(torch_error, torch.finfo(dtype).eps)
 
 
 def _close(what, got, want, tolerance):
-    error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+    error = _error(got, want)
     if not error <= tolerance:  # also catches NaN
-        raise AssertionError(f"{what}: max |nki - torch| / max |torch| = {error:.3g}, over {tolerance:g}")
+        raise AssertionError(f"{what}: max |nki - torch| / max |torch| = {error:.3g}, over {tolerance:.3g} "
+                             f"({HONEST_FACTOR} x PyTorch's own error here)")
 
 
 def _kernel_checks(dtype, device):
@@ -526,11 +542,15 @@ def _kernel_checks(dtype, device):
 
 def _run_both(call, inputs, grad):
     """Outputs (and with grad, the gradients of every input for one random output gradient) for
-    mode="nki" and mode="torch". (A loss like out.square().mean() would not do: its gradient is parallel
-    to the output, which RMSNorm's dx cancels to almost nothing.)"""
+    mode="nki", mode="torch" and the float64 reference (mode="torch" on the CPU). (A loss like
+    out.square().mean() would not do: its gradient is parallel to the output, which RMSNorm's dx cancels to
+    almost nothing.)"""
     results = []
-    for mode in ("nki", "torch"):
-        leaves = [t.detach().clone().requires_grad_(grad) if t is not None else None for t in inputs]
+    for mode, cast in (("nki", None), ("torch", None), ("torch", torch.float64)):
+        leaves = [t.detach().clone() if t is not None else None for t in inputs]
+        if cast is not None:
+            leaves = [t.cpu().to(cast) if t is not None else None for t in leaves]
+        leaves = [t.requires_grad_(grad) if t is not None else None for t in leaves]
         with torch.set_grad_enabled(grad):
             out = call(*leaves, mode)
             if grad:
@@ -539,14 +559,14 @@ def _run_both(call, inputs, grad):
     return results
 
 
-def _check_kernel(call, inputs, grad, tolerance):
-    nki_results, torch_results = _run_both(call, inputs, grad)
+def _check_kernel(call, inputs, grad):
+    nki_results, torch_results, exact_results = _run_both(call, inputs, grad)
     names = ["output"] + [f"gradient of input {i}" for i in range(len(nki_results) - 1)]
-    for name, got, want in zip(names, nki_results, torch_results):
+    for name, got, want, exact in zip(names, nki_results, torch_results, exact_results):
         if got.shape != want.shape or got.dtype != want.dtype:
             raise AssertionError(f"{name}: NKI gives {tuple(got.shape)} {got.dtype}, PyTorch {tuple(want.shape)} "
                                  f"{want.dtype}")
-        _close(name, got, want, tolerance)
+        _close(name, got, want, _tolerance(_error(want.cpu(), exact), want.dtype))
 
 
 def _check_model_config(model_cfg, kernels_mode):
@@ -555,36 +575,45 @@ def _check_model_config(model_cfg, kernels_mode):
     return GPTConfig(**{**CHECK_MODEL, "mlp": model_cfg.mlp, "kernels": kernels_mode})
 
 
-def _check_compiled_block(cfg, model_cfg, device_type, device, tolerance):
+def _check_compiled_block(cfg, model_cfg, device_type, device):
     """model.Block with every kernel on NKI, compiled as train.py compiles it (the Neuron backend on
     Trainium; not at all with --compile=false), against the same Block eager on PyTorch: output and
-    parameter gradients."""
+    parameter gradients; PyTorch's own error from the Block in float64 on the CPU."""
     from model import Block, rotary_tables
 
     results = []
-    for mode in ("nki", "torch"):
+    for mode, exact in (("nki", False), ("torch", False), ("torch", True)):
         config = _check_model_config(model_cfg, mode)
         torch.manual_seed(cfg.seed)
-        block = Block(config).to(device)
+        block = Block(config)
         for linear in (block.attn.c_proj, block.mlp.c_proj):  # nonzero, so that every gradient is
             torch.nn.init.normal_(linear.weight, std=0.02)
-        cos, sin = (t.to(device) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
-        x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(device)
+        where, dtype = ("cpu", torch.float64) if exact else (device, torch.float32)
+        block = block.to(where, dtype)
+        cos, sin = (t.to(where, dtype) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
+        x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(where, dtype)
         run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
-        with train.autocast_context(cfg, device_type):
+        with train.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
             out = run(x, cos, sin)
         out.float().square().mean().backward()
         results.append([out] + [p.grad for p in block.parameters()])
-    for i, (got, want) in enumerate(zip(*results)):
-        _close("output" if i == 0 else f"gradient of parameter {i - 1}", got, want, tolerance)
+    dtype = train.compute_dtype(cfg)
+    for i, (got, want, exact) in enumerate(zip(*results)):
+        _close("output" if i == 0 else f"gradient of parameter {i - 1}", got, want,
+               _tolerance(_error(want.cpu(), exact), dtype))
 
 
-def _training_losses(cfg, model_cfg, mode, device_type, device):
-    """Losses of CHECK_STEPS steps of train.py's optimizer step on fixed random tokens."""
+def _training_losses(cfg, model_cfg, mode, device_type, device, nudge=0.0):
+    """Losses of CHECK_STEPS steps of train.py's optimizer step on fixed random tokens; `nudge` multiplies
+    every initial weight by (1 + nudge * N(0, 1))."""
     from model import GPT
 
     torch.manual_seed(cfg.seed)
-    raw_model = GPT(_check_model_config(model_cfg, mode)).to(device)
+    raw_model = GPT(_check_model_config(model_cfg, mode))
+    with torch.no_grad():
+        for p in raw_model.parameters():
+            p.mul_(1 + nudge * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    raw_model.to(device)
     tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
                            generator=torch.Generator().manual_seed(2))
     batch = [(tokens[:, :-1], tokens[:, 1:])]
@@ -598,9 +627,12 @@ def _training_losses(cfg, model_cfg, mode, device_type, device):
     return torch.tensor(losses)
 
 
-def _check_training(cfg, model_cfg, device_type, device, tolerance):
+def _check_training(cfg, model_cfg, device_type, device):
+    dtype = train.compute_dtype(cfg)
     nki_losses = _training_losses(cfg, model_cfg, "nki", device_type, device)
     torch_losses = _training_losses(cfg, model_cfg, "torch", device_type, device)
+    nudged = _training_losses(cfg, model_cfg, "torch", device_type, device, nudge=torch.finfo(dtype).eps)
+    tolerance = _tolerance(_error(nudged, torch_losses), dtype)
     for step in range(CHECK_STEPS):
         _close(f"loss of step {step + 1} (NKI {nki_losses[step]:.4f}, PyTorch {torch_losses[step]:.4f})",
                nki_losses[step], torch_losses[step], tolerance)
@@ -626,17 +658,15 @@ def run_checks(cfg, model_cfg, device_type, device):
     """Every check, each caught on its own so that one failure does not hide the others; returns rows of
     (check, passed, seconds, first line of the error), and prints each failure's traceback."""
     dtype = train.compute_dtype(cfg)
-    tolerance = CHECK_TOLERANCE[dtype]
     checks = []
     for name, inputs, call in _kernel_checks(dtype, device):
         for grad in (False, True):
             checks.append((f"{name} {'forward+backward' if grad else 'forward, no grad'}",
-                           lambda call=call, inputs=inputs, grad=grad: _check_kernel(call, inputs, grad, tolerance)))
+                           lambda call=call, inputs=inputs, grad=grad: _check_kernel(call, inputs, grad)))
     checks += [
         (f"Block (nki{', compiled' if cfg.compile else ''}) vs eager (torch)",
-         lambda: _check_compiled_block(cfg, model_cfg, device_type, device, tolerance)),
-        (f"{CHECK_STEPS} training steps, nki vs torch", lambda: _check_training(cfg, model_cfg, device_type, device,
-                                                                                 tolerance)),
+         lambda: _check_compiled_block(cfg, model_cfg, device_type, device)),
+        (f"{CHECK_STEPS} training steps, nki vs torch", lambda: _check_training(cfg, model_cfg, device_type, device)),
         ("causality of the model on nki", lambda: _check_causality(cfg, model_cfg, device_type, device)),
     ]
     rows = []
