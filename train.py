@@ -532,7 +532,7 @@ def muon_update(params, buf, second, lr, momentum, weight_decay, beta2, dtype):
     """One Muon step for matrices of one shape, stacked: (K, rows, cols). See `Muon`."""
     grads = torch.stack([p.grad for p in params])
     buf.lerp_(grads, 1 - momentum)
-    update = orthogonalize(grads.lerp_(buf, momentum), dtype).float()
+    update = orthogonalize(grads.lerp_(buf, momentum), dtype).to(buf.dtype)
     if beta2:
         norm = update.norm(dim=(-2, -1), keepdim=True)
         second.lerp_(update.square().mean(dim=-1 if second.size(-1) == 1 else -2, keepdim=True), 1 - beta2)
