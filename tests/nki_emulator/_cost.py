@@ -22,10 +22,13 @@ one that carries every instruction's "Estimated instruction cost"; the others ar
 - [DMA]   nki/deep-dives/nki-dma-bandwidth-guide.rst: bytes/ns per DMA engine and 16 engines per core
           per generation; bandwidth against bytes per partition
 - [SHARED] nki/api/nki.api.shared.rst, "NKI Engine Selection": GpSimd rsqrt 4x slower than ScalarE
+- [PERF]  nki/deep-dives/nki_perf_guide.rst: the worked examples the tests check (tests/test_cost_model.py)
 
 Where the docs give no number, :data:`ASSUMPTIONS` says what is assumed instead. Not modelled:
-dependencies and semaphore waits between engines, instruction issue and DMA latency (~1.3 us per
-transfer, [DMA]: hidden here behind queued transfers), access-pattern strides (a minor stride over 16
+dependencies and semaphore waits between engines and within one (a chain of tiny dependent ScalarE
+instructions measured ~264 cycles each on trn1, [PERF] Opt #5a, where this model charges MIN_II = 64),
+instruction issue and DMA latency (~1.3 us per transfer, [DMA]: hidden here behind queued transfers),
+access-pattern strides (a minor stride over 16
 bytes halves SBUF bandwidth, [ARCH]), SBUF/PSUM port sharing (VectorE/GpSimd on SBUF, VectorE/ScalarE
 on PSUM: exclusive on trn1, shared with arbitration from trn2), compiler spills, trn3's background
 transposes and fast VectorE exp, and the fp8/MX matmul modes (not emulated).
