@@ -1,6 +1,6 @@
+import dataclasses
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -36,35 +36,6 @@ def test_peak_per_rank_follows_the_logical_core_config(monkeypatch):
     train.peak_flops.cache_clear()
 
 
-def counts(matmuls=(), transposes=()):
-    flops = sum(2 * k * m * n for k, m, n, _ in matmuls)
-    return types.SimpleNamespace(matmul_shapes=list(matmuls), transposes=list(transposes), matmul_flops=flops,
-                                 instructions={"tensor": len(matmuls) + len(transposes)}, dma_bytes=0)
-
-
-@pytest.mark.parametrize(
-    "matmuls, cycles, utilisation",
-    [
-        ([(128, 128, 512, "bfloat16")], 512, 1.0),  # a full tile streams one column per cycle
-        ([(128, 128, 32, "bfloat16")], 64, 0.5),  # narrow moving side: the fixed 64-cycle cost dominates
-        ([(128, 32, 512, "bfloat16")], 512, 0.25),  # narrow stationary: 3/4 of the array idles
-        ([(64, 128, 512, "bfloat16")], 512, 0.5),  # half the contraction rows
-        ([(128, 128, 512, "float32")], 2048, 0.25),  # fp32 inputs run at a quarter of the rate
-    ],
-)
-def test_tensore_estimate_cost_model(matmuls, cycles, utilisation):
-    estimate = bench.tensore_estimate(counts(matmuls), peak_per_core=2 * 128 * 128 * 1e9)
-    assert estimate["tensore_cycles"] == cycles
-    assert estimate["tensore_utilisation"] == pytest.approx(utilisation)
-    assert estimate["tensore_time_s"] == pytest.approx(cycles / 1e9)
-
-
-def test_transposes_cost_tensore_time_but_no_flops():
-    estimate = bench.tensore_estimate(counts([(128, 128, 512, "bfloat16")], [(128, 128, "bfloat16")]), 32768e9)
-    assert estimate["tensore_cycles"] == 512 + 128
-    assert estimate["tensore_utilisation"] == pytest.approx(512 / 640)
-
-
 def test_sweep_on_a_tiny_grid_writes_table_json_and_plot(tmp_path):
     prefix = tmp_path / "sweep"
     r = bench.main(["--sweep", "--sweep_grid=tiny", f"--sweep_out={prefix}", "--n_layer=1", "--n_embd=64",
@@ -77,6 +48,11 @@ def test_sweep_on_a_tiny_grid_writes_table_json_and_plot(tmp_path):
     assert json.loads((tmp_path / "sweep.json").read_text()) == rows
     assert (tmp_path / "sweep.csv").read_text().count("\n") == len(rows) + 1
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+    # off Trainium the points are ranked by their estimated Trn2 tokens/s
+    ranked = sorted(rows, key=lambda row: row["rank"])
+    assert [row["rank"] for row in ranked] == list(range(1, len(rows) + 1))
+    estimates = [row["trn2_estimate_tokens_per_s"] for row in ranked]
+    assert estimates == sorted(estimates, reverse=True) and estimates[-1] > 0
 
 
 def test_kernel_estimates_are_deterministic_and_labelled():
@@ -89,13 +65,63 @@ def test_kernel_estimates_are_deterministic_and_labelled():
         run = []
         for name, _, _, make_inputs, call in cases:
             counts = bench.emulate(lambda *a: call(*a, "nki"), make_inputs(), backward=True)
-            run.append((name, bench.tensore_estimate(counts, train.PEAK_FLOPS["trn2"])))
+            run.append((name, bench.kernel_estimate(counts)))
         estimates.append(run)
     assert estimates[0] == estimates[1]
     by_name = dict(estimates[0])
     assert by_name["attention"]["matmuls"] > 0 and 0 < by_name["attention"]["tensore_utilisation"] <= 1
     assert by_name["mlp (relu2)"]["matmul_flops"] >= 3 * 2 * 2 * 128 * 128 * 512  # fwd + bwd of both matmuls
-    assert by_name["rms_norm"]["dma_bytes"] > 0
+    assert by_name["rms_norm"]["dma_bytes"] > 0 and by_name["rms_norm"]["engines"]["tensor"] == 0
+    for estimate in by_name.values():
+        engines = estimate["engines"]
+        assert set(engines) == {"tensor", "vector", "scalar", "gpsimd", "dma"}
+        assert estimate["estimate_s"] == engines[estimate["bottleneck"]] == max(engines.values())
+        assert estimate["serial_s"] == pytest.approx(sum(engines.values()))
+
+
+def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_path):
+    out = tmp_path / "kernels.json"
+    bench.main(["--kernels", "--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128", "--batch_size=1",
+                "--compile=false", "--dtype=float32", f"--json={out}"])
+    rows = json.loads(out.read_text())["kernels"]
+    assert {(r["kernel"], r["direction"]) for r in rows} >= {("attention", "fwd+bwd"), ("rms_norm", "forward")}
+    for r in rows:
+        assert r["bottleneck"] in r["engines"] and 0 < r["estimate_s"] <= r["serial_s"]
+
+
+def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monkeypatch):
+    from model import GPTConfig
+
+    cfg, _ = train.parse_args(["--batch_size=2", "--total_batch_tokens=1024"])
+    kernel_costs = {"attention": 1e-5, "mlp": 2e-5, "rms_norm": 1e-6}  # seconds per sequence: given, not emulated
+    small, deep = (bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=n, n_embd=128, n_head=1,
+                                                      vocab_size=512), 1, kernel_costs) for n in (2, 4))
+    assert small["step_s"] == pytest.approx(sum(small["components"].values()))
+    assert small["tokens_per_s"] == pytest.approx(1024 / small["step_s"]) and small["micro_steps"] == 2
+    assert small["components"]["kernels: attention"] == pytest.approx(2 * 2 * 2 * 1e-5)  # micro-steps x layers x seqs
+    for part in ("kernels: attention", "kernels: mlp", "projection matmuls", "elementwise"):
+        assert deep["components"][part] == pytest.approx(2 * small["components"][part])  # per-layer work
+    assert deep["components"]["head matmul"] == pytest.approx(small["components"]["head matmul"])
+    assert small["components"]["gradient all-reduce"] == 0
+    on_eight = bench.step_estimate(dataclasses.replace(cfg, total_batch_tokens=8192),
+                                   GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1, vocab_size=512), 8,
+                                   kernel_costs)
+    assert on_eight["micro_steps"] == 2 and on_eight["components"]["gradient all-reduce"] > 0
+    with pytest.raises(ValueError, match="not a multiple"):
+        bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1), 3, kernel_costs)
+
+
+def test_step_estimate_prints_the_references_beside_their_measurements(monkeypatch, capsys):
+    tiny = dict(bench.REFERENCE_RUNS[0], args=["--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128",
+                                                "--batch_size=1"], measured_tokens_per_s=1000.0)
+    monkeypatch.setattr(bench, "REFERENCE_RUNS", (tiny,))
+    results = bench.main(["--step_estimate", "--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128",
+                          "--batch_size=1", "--compile=false"])
+    reference, = results["references"]
+    assert reference["estimate_over_measured"] == pytest.approx(reference["estimate_tokens_per_s"] / 1000.0)
+    assert set(results["step_estimate"]["kernel_costs_s"]) == {"attention", "mlp", "rms_norm"}
+    printed = capsys.readouterr().out
+    assert f"{reference['estimate_tokens_per_s']:,.0f} / 1,000" in printed and "left out:" in printed
 
 
 TINY_CHECK_MODEL = dict(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)

@@ -9,6 +9,7 @@ import contextlib
 import os
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,8 +78,8 @@ class Counts:
     - ``matmul_shapes``: one ``(K, M, N, dtype)`` per ``nc_matmul`` (dtype: the wider input dtype's
       name); ``matmul_histogram()`` tallies them.
     - ``transposes``: one ``(partitions, free_size, dtype)`` per TensorE ``nc_transpose``.
-    - ``trace``: one ``(instruction, engine, partitions, free_elements_per_partition)`` per instruction,
-      the raw input for a cycle-cost model.
+    - ``trace``: one :class:`Instruction` per instruction, in issue order: what the cost model
+      (:mod:`._cost`) prices.
     """
 
     def __init__(self):
@@ -96,6 +97,20 @@ class Counts:
     def __repr__(self):
         return (f"Counts(instructions={self.instructions}, dma_bytes={self.dma_bytes}, "
                 f"matmul_flops={self.matmul_flops})")
+
+
+class Instruction(NamedTuple):
+    """One executed instruction, as the cost model reads it."""
+
+    name: str  # e.g. "nc_matmul"
+    engine: str  # one of ENGINES
+    partitions: int  # partitions streamed (nc_matmul: the contraction K; DMA: rows on the SBUF side)
+    free: int  # elements per partition streamed (nc_matmul: the moving free size N)
+    dtypes: tuple = ()  # dtype names: the destination first, then each tensor input
+    buffers: tuple = ()  # "sbuf", "psum", "private_hbm" or "shared_hbm", for the same tensors
+    ops: tuple = ()  # names of the operators applied (ALU ops, activation function); memset of 0: ("zero",)
+    stationary: int = 0  # nc_matmul: the stationary free size M
+    reads_accumulator: bool = False  # ScalarE also writes its accumulation registers out (reduce_res)
 
 
 _counters = []  # the open counting() contexts
@@ -182,9 +197,16 @@ def begin(name):
     return core
 
 
-def count(name, engine, partitions, free):
-    """Record a finished instruction that worked on a (partitions x free) tile."""
+def count(name, engine, partitions, free, dst=None, inputs=(), ops=(), stationary=0, reads_accumulator=False):
+    """Record a finished instruction that streamed a (partitions x free) tile: its destination tensor,
+    tensor inputs and operators (functions or names) go into the trace for the cost model."""
+    if not _counters:
+        return
+    tensors = [t for t in (dst, *inputs) if t is not None]
+    record = Instruction(name, engine, partitions, free, tuple(t.dtype.name for t in tensors),
+                         tuple(t.buffer.value for t in tensors), tuple(getattr(op, "__name__", op) for op in ops),
+                         stationary, reads_accumulator)
     for counts in _counters:
         counts.instructions[engine] += 1
         counts.by_instruction[name] += 1
-        counts.trace.append((name, engine, partitions, free))
+        counts.trace.append(record)

@@ -165,7 +165,8 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     else:
         write(dst, read("dma_copy", "src", src))
     count_dma(dst.size * dst.dtype.itemsize)
-    count("dma_copy", "dma", *_layout(dst))
+    rows = dst if dst.buffer is SBUF or src.buffer is not SBUF else src  # the SBUF side sets the rows
+    count("dma_copy", "dma", *_layout(rows), dst, (src,))
 
 
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
@@ -183,7 +184,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         write(dst, src._data)
     else:
         write(dst, read("tensor_copy", "src", src))
-    count("tensor_copy", eng, *_layout(dst))
+    count("tensor_copy", eng, *_layout(dst), dst, (src,))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -192,7 +193,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     core = begin("memset")
     _operands(core, "memset", eng, dst=dst)
     write(dst, np.full(dst.shape, value))
-    count("memset", eng, *_layout(dst))
+    count("memset", eng, *_layout(dst), dst, ops=("zero",) if value == 0 else ())
 
 
 # ---- TensorE --------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     dst._matmul_written[...] = True
     wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
     count_matmul(k, m, n, wider.name)
-    count("nc_matmul", "tensor", k, n)
+    count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
 
 
 def _check_matmul_dtypes(dst, stationary, moving):
@@ -298,7 +299,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     write(dst, np.reshape(data._data, (p, f)).T)
     if eng == "tensor":
         count_transpose(p, f, data.dtype.name)
-    count("nc_transpose", eng, p, f)
+    count("nc_transpose", eng, p, f, dst, (data,))
 
 
 # ---- ScalarE --------------------------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, comman
         if _layout(reduce_res) != (p, 1):
             raise NkiValidationError(f"{instr}: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
         write(reduce_res, regs[:p])
-    count(instr, "scalar", p, f)
+    count(instr, "scalar", p, f, dst, (data,), (op,), reads_accumulator=reduce_res is not None)
 
 
 # ---- VectorE / GpSimd ------------------------------------------------------------------------------------
@@ -391,7 +392,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     with _quiet():
         y = nl.ALU_BINARY[op](x1, x2.reshape(x1.shape))
     write(dst, y)
-    count("tensor_tensor", eng, *_layout(dst))
+    count("tensor_tensor", eng, *_layout(dst), dst, (data1, data2), (op,))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -419,7 +420,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             y = _alu("tensor_scalar", op1, y,
                      _scalar_or_column(core, "tensor_scalar", "operand1", operand1, p, eng, True), reverse1)
     write(dst, y)
-    count("tensor_scalar", eng, p, f)
+    count("tensor_scalar", eng, p, f, dst, (data,), (op0,) if op1 is None else (op0, op1))
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
@@ -438,7 +439,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
                  _scalar_or_column(core, "scalar_tensor_tensor", "operand0", operand0, p, "vector", False), reverse0)
         y = _alu("scalar_tensor_tensor", op1, y, other, reverse1)
     write(dst, y)
-    count("scalar_tensor_tensor", "vector", p, f)
+    count("scalar_tensor_tensor", "vector", p, f, dst, (data, operand1), (op0, op1))
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
@@ -460,7 +461,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         raise NkiValidationError(f"tensor_reduce: dst {dst.shape} must hold {y.size // data.shape[0]} elements in "
                                  f"each of {data.shape[0]} partitions")
     write(dst, y)
-    count("tensor_reduce", "vector", *_layout(data))
+    count("tensor_reduce", "vector", *_layout(data), dst, (data,), (op,))
 
 
 def reciprocal(dst, data, name=None):
@@ -470,7 +471,7 @@ def reciprocal(dst, data, name=None):
     _same_layout("reciprocal", ("data", data), ("dst", dst))
     with _quiet():
         write(dst, 1.0 / read("reciprocal", "data", data))
-    count("reciprocal", "vector", *_layout(data))
+    count("reciprocal", "vector", *_layout(data), dst, (data,))
 
 
 def _affine(instr, pattern, offset, channel_multiplier, partitions, free):
@@ -493,7 +494,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     _operands(core, "iota", "gpsimd", dst=dst)
     p, f = _layout(dst)
     write(dst, _affine("iota", pattern, offset, channel_multiplier, p, f))
-    count("iota", "gpsimd", p, f)
+    count("iota", "gpsimd", p, f, dst)
 
 
 def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=nl.equal, offset=0,
@@ -510,7 +511,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     keep = nl.COMPARISONS[cmp_op](_affine("affine_select", pattern, offset, channel_multiplier, p, f), 0) > 0
     values = read("affine_select", "on_true_tile", on_true_tile).reshape(p, f)
     write(dst, np.where(keep, values, np.float32(on_false_value)))
-    count("affine_select", "gpsimd", p, f)
+    count("affine_select", "gpsimd", p, f, dst, (on_true_tile,))
 
 
 def bn_stats(dst, data, name=None):
@@ -532,7 +533,7 @@ def bn_stats(dst, data, name=None):
         m2 = ((half - mean[:, None]) ** 2).sum(axis=1) if n else np.zeros(p, np.float32)
         stats += [np.full(p, n, np.float32), mean, m2]
     write(dst, np.stack(stats, axis=1))
-    count("bn_stats", "vector", p, f)
+    count("bn_stats", "vector", p, f, dst, (data,))
 
 
 def bn_aggr(dst, data, name=None):
@@ -550,7 +551,7 @@ def bn_aggr(dst, data, name=None):
     mean = (counts * means).sum(axis=1) / total
     variance = (m2 + counts * (means - mean[:, None]) ** 2).sum(axis=1) / total
     write(dst, np.stack([mean, variance], axis=1))
-    count("bn_aggr", "vector", p, f)
+    count("bn_aggr", "vector", p, f, dst, (data,))
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
@@ -578,7 +579,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     check_written("dma_transpose", "src", src)
     write(dst, np.transpose(src._data, permutation))
     count_dma(dst.size * dst.dtype.itemsize)
-    count("dma_transpose", "dma", *_layout(dst))
+    count("dma_transpose", "dma", *_layout(dst), dst, (src,))
 
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
@@ -608,7 +609,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
             state = second(x1[:, i:i + 1], combined) if reverse1 else second(combined, x1[:, i:i + 1])
             result[:, i:i + 1] = state
     write(dst, result)
-    count("tensor_tensor_scan", "vector", p, f)
+    count("tensor_tensor_scan", "vector", p, f, dst, (data0, data1), (op0, op1))
 
 
 _VECTOR_REDUCE_OPS = {nl.add: nl.add, nl.multiply: nl.multiply, nl.maximum: nl.maximum, nl.minimum: nl.minimum,
@@ -657,7 +658,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
             raise NkiValidationError(f"tensor_scalar_reduce: reduce_res must be a ({p}, 1) tile, got "
                                      f"{reduce_res.shape}")
         write(reduce_res, -regs[:p] if reduce_res_negate else regs[:p])
-    count("tensor_scalar_reduce", "vector", p, f)
+    count("tensor_scalar_reduce", "vector", p, f, dst, (data,), (op0, reduce_op))
 
 
 _COMMANDS = reduce_cmd  # the enum, under a name that tensor_scalar_reduce's reduce_cmd argument does not hide

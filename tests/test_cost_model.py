@@ -1,0 +1,241 @@
+"""The emulator's per-engine cost model (tests/nki_emulator/_cost.py): each engine's cost on hand-built
+instructions against the numbers AWS's documents work out themselves, tiny kernels built to be bound by one
+engine reported bound by it, and costs growing with shapes as the documented formulas say. Every number
+here is a cycle count or a documented rate: nothing depends on the speed of this CPU."""
+
+import numpy as np
+import pytest
+
+import nki_emulator
+import nki_emulator.isa as nisa
+import nki_emulator.language as nl
+from nki_emulator import ENGINE_SPECS, Instruction, estimate, instruction_seconds
+
+BF16, FP32 = "bfloat16", "float32"
+
+
+def matmul(m, n, dtype=BF16, k=128):
+    return Instruction("nc_matmul", "tensor", k, n, (FP32, dtype, dtype), ("psum", "sbuf", "sbuf"), stationary=m)
+
+
+def vector(name, n, inputs=1, dtype=FP32, buffers="sbuf", ops=("add",), partitions=128, engine="vector"):
+    return Instruction(name, engine, partitions, n, (dtype,) * (1 + inputs), (buffers,) * (1 + inputs), ops)
+
+
+def dma(partitions, row_bytes, name="dma_copy", src="shared_hbm"):
+    return Instruction(name, "dma", partitions, row_bytes // 2, (BF16, BF16), ("sbuf", src))
+
+
+def cycles(instruction, generation="trn2"):
+    return instruction_seconds(instruction, generation) * ENGINE_SPECS[generation].hz(instruction.engine)
+
+
+# ---- each engine against the documents' own numbers --------------------------------------------------------
+
+@pytest.mark.parametrize("generation, dtype, documented_tflops", [
+    ("trn1", BF16, 92), ("trn1", FP32, 23),  # trainium_inferentia2_arch: "92 TFLOPS ... 23 TFLOPS for FP32"
+    ("trn2", BF16, 79), ("trn2", FP32, 20),  # trainium2_arch: "79 BF16/FP16/TF32 and 20 FP32 dense TFLOPS"
+    ("trn3", BF16, 79), ("trn3", FP32, 20),  # trainium3_arch: the same
+])
+def test_a_full_matmul_tile_runs_at_the_documented_tensore_peak(generation, dtype, documented_tflops):
+    seconds = instruction_seconds(matmul(128, 512, dtype), generation)
+    assert 2 * 128 * 128 * 512 / seconds / 1e12 == pytest.approx(documented_tflops, rel=0.02)
+
+
+def test_matrix_vector_costs_follow_the_perf_guides_fast_load_stationary_example():
+    """nki_perf_guide Opt #7: a [1, 128] x [128, 128] product issues a matmul every ~64 cycles with the short
+    side moving, every ~128 with it stationary."""
+    assert cycles(matmul(128, 1)) == 64
+    assert cycles(matmul(1, 128)) == 128
+
+
+def test_transposes_cost_a_matmul_with_the_identity_and_fp32_is_cheaper_from_trn2():
+    bf16 = Instruction("nc_transpose", "tensor", 128, 128, (BF16, BF16), ("psum", "sbuf"))
+    fp32 = Instruction("nc_transpose", "tensor", 128, 128, (FP32, FP32), ("psum", "sbuf"))
+    narrow = Instruction("nc_transpose", "tensor", 32, 16, (BF16, BF16), ("psum", "sbuf"))
+    assert cycles(bf16) == 128 and cycles(narrow) == 32  # ISA: max(P, min(64, F))
+    assert cycles(fp32, "trn1") == 4 * 128  # fp32 matmul rate on NeuronCore-v2
+    assert cycles(fp32, "trn2") == 2 * 128  # trainium2_arch: transpose mode, "2x speedup in FP32 transpose"
+
+
+def test_vectore_costs_n_cycles_per_input_tile_and_the_static_minimum_below_it():
+    """trainium_inferentia2_arch, Vector Engine cost model: one input tile ~N cycles, two ~2N; ISA: MIN_II 64."""
+    assert cycles(vector("tensor_scalar", 1024), "trn1") == 1024
+    assert cycles(vector("tensor_tensor", 1024, inputs=2), "trn1") == 2048
+    assert cycles(vector("tensor_scalar", 8), "trn1") == 64
+
+
+def test_vectore_performance_mode_on_trn2_for_16_bit_data():
+    """trainium2_arch, Vector Engine Performance Mode: tensor_copy / tensor_scalar 4x with everything in SBUF,
+    2x with one side in PSUM; tensor_tensor 2x with both inputs in SBUF. None of it on trn1."""
+    sbuf = vector("tensor_copy", 2048, dtype=BF16)
+    psum = Instruction("tensor_copy", "vector", 128, 2048, (BF16, BF16), ("sbuf", "psum"))
+    assert cycles(sbuf, "trn1") == 2048 and cycles(sbuf, "trn2") == 2048 / 4 and cycles(psum, "trn2") == 2048 / 2
+    divide = vector("tensor_tensor", 2048, inputs=2, dtype=BF16, ops=("divide",))
+    assert cycles(divide, "trn1") == 2 * 2048 and cycles(divide, "trn2") == 2048
+
+
+def test_reciprocal_and_rsqrt_engine_choices_as_the_shared_api_page_prices_them():
+    """nki.api.shared, NKI Engine Selection: VectorE reciprocal ~8x slower than ScalarE's for large tiles and
+    comparable for small ones (by the page's own max(MIN_II, 8N), up to 8 elements); GpSimd rsqrt 4x slower."""
+    scalar = Instruction("activation", "scalar", 128, 4096, (FP32, FP32), ("sbuf", "sbuf"), ("reciprocal",))
+    assert cycles(vector("reciprocal", 4096)) == 8 * cycles(scalar)
+    small = Instruction("activation", "scalar", 128, 8, (FP32, FP32), ("sbuf", "sbuf"), ("reciprocal",))
+    assert cycles(vector("reciprocal", 8)) == cycles(small) == 64
+    rsqrt = vector("tensor_scalar", 4096, engine="gpsimd", ops=("rsqrt",))
+    assert cycles(rsqrt) == 4 * cycles(scalar)
+
+
+def test_partition_count_does_not_change_vectore_time_so_two_half_tiles_cost_twice_one():
+    """nki_perf_guide Opt #5b: a 64-partition instruction takes as long as a 128-partition one."""
+    half = vector("tensor_reduce", 512, partitions=64)
+    assert cycles(half) == cycles(vector("tensor_reduce", 512))
+    assert estimate([half, half])["engines"]["vector"] == 2 * estimate([vector("tensor_reduce", 512)])["engines"]["vector"]
+
+
+def test_scalare_activation_costs_the_same_with_scale_and_bias_and_the_reduce_adds_the_readout():
+    """trainium_inferentia2_arch, Scalar Engine: every activation costs the same whether or not scale/bias are
+    used; activation_reduce adds ActReadAccumulator (~64 cycles); nki_perf_guide Opt #6: one fused
+    activation is 3x faster than multiply, add and exp as three ScalarE instructions."""
+    @nki_emulator.jit
+    def kernel(x, bias):
+        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x)
+        column = nl.ndarray(bias.shape, bias.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=column, src=bias)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        total = nl.ndarray(bias.shape, bias.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=out, op=nl.exp, data=tile)
+        nisa.activation(dst=out, op=nl.exp, data=tile, bias=column, scale=0.5)
+        nisa.activation_reduce(dst=out, op=nl.exp, data=tile, reduce_op=nl.add, reduce_res=total)
+        result = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=result, src=out)
+        return result
+
+    with nki_emulator.counting() as counts:
+        kernel(np.ones((128, 512), np.float32), np.zeros((128, 1), np.float32))
+    plain, scaled, reduced = [cycles(i) for i in counts.trace if i.engine == "scalar"]
+    assert plain == scaled == 512 and reduced == 512 + 64
+    unfused = [Instruction(name, "scalar", 128, 512, (FP32, FP32), ("sbuf", "sbuf"), ops)
+               for name, ops in (("tensor_scalar", ("multiply",)), ("tensor_scalar", ("add",)), ("activation", ("exp",)))]
+    assert estimate(unfused)["engines"]["scalar"] == pytest.approx(3 * instruction_seconds(counts.trace[2]))
+
+
+def test_gpsimd_instructions_pay_the_documented_startup():
+    iota = Instruction("iota", "gpsimd", 128, 512, (FP32,), ("sbuf",))
+    assert cycles(iota) == 150 + 512  # ISA iota / affine_select: GPSIMD_START (~150) + N
+
+
+@pytest.mark.parametrize("generation, documented_gb_per_s", [("trn1", 272), ("trn2", 368), ("trn3", 528)])
+def test_large_dmas_reach_the_documented_aggregate_bandwidth(generation, documented_gb_per_s):
+    """nki-dma-bandwidth-guide: 16 engines per NeuronCore at 17 / 23 / 33 B/ns, 272 / 368 / 528 GB/s."""
+    big = dma(128, 64 * 1024)
+    assert 128 * 64 * 1024 / instruction_seconds(big, generation) / 1e9 == pytest.approx(documented_gb_per_s, rel=0.01)
+
+
+def test_dma_efficiency_against_row_size_follows_the_bandwidth_guides_curve():
+    """Under 256 B per partition "a small fraction of peak", from 2 KiB "approaches peak", at 4 KiB "saturates";
+    fewer partitions use fewer of the 16 queues."""
+    def efficiency(row_bytes, partitions=128):
+        return partitions * row_bytes / instruction_seconds(dma(partitions, row_bytes)) / (16 * 23e9)
+
+    assert efficiency(128) < 0.25 < efficiency(512) < efficiency(2048) < efficiency(4096)
+    assert efficiency(2048) >= 0.75 and efficiency(4096) >= 0.85
+    assert efficiency(4096, partitions=16) == pytest.approx(efficiency(4096))
+    assert efficiency(4096, partitions=8) == pytest.approx(efficiency(4096) / 2)
+
+
+def test_dma_transposes_run_at_the_documented_fraction_of_a_copy():
+    """trainium2_arch DMA Transpose: up to 90% of DMA throughput from HBM, 50% SBUF to SBUF."""
+    copy = instruction_seconds(dma(128, 4096))
+    assert instruction_seconds(dma(128, 4096, "dma_transpose")) == pytest.approx(copy / 0.9)
+    assert instruction_seconds(dma(128, 4096, "dma_transpose", src="sbuf")) == pytest.approx(copy / 0.5)
+
+
+# ---- kernels built to be bound by one engine --------------------------------------------------------------
+
+@nki_emulator.jit
+def exp_many_times(x):
+    """One load, 16 exps on ScalarE, one store: ScalarE-bound."""
+    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x)
+    for _ in nl.affine_range(16):
+        nisa.activation(dst=tile, op=nl.exp, data=tile, scale=0.0)
+    result = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=result, src=tile)
+    return result
+
+
+@nki_emulator.jit
+def copy_through(x):
+    """Narrow rows in and out with one cheap op each: DMA-bound."""
+    result = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    for i in nl.affine_range(x.shape[0] // 128):
+        tile = nl.ndarray((128, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x[i * 128:(i + 1) * 128, :])
+        nisa.tensor_scalar(dst=tile, data=tile, op0=nl.multiply, operand0=2.0)
+        nisa.dma_copy(dst=result[i * 128:(i + 1) * 128, :], src=tile)
+    return result
+
+
+@nki_emulator.jit
+def matmul_many_times(a, b):
+    """One stationary against one moving tile, 16 times, one eviction: TensorE-bound."""
+    stationary = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=stationary, src=a)
+    moving = nl.ndarray(b.shape, b.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=moving, src=b)
+    acc = nl.ndarray((a.shape[1], b.shape[1]), nl.float32, buffer=nl.psum)
+    for _ in nl.affine_range(16):
+        nisa.nc_matmul(dst=acc, stationary=stationary, moving=moving)
+    out = nl.ndarray(acc.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=acc)
+    result = nl.ndarray(acc.shape, nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=result, src=out)
+    return result
+
+
+def run_counted(kernel, *arrays):
+    with nki_emulator.counting() as counts:
+        kernel(*arrays)
+    return estimate(counts.trace, "trn2")
+
+
+@pytest.mark.parametrize("kernel, arrays, engine", [
+    (exp_many_times, (np.zeros((128, 512), np.float32),), "scalar"),
+    (copy_through, (np.ones((1024, 64), np.float32),), "dma"),
+    (matmul_many_times, (np.ones((128, 128), np.float32).astype(nl.bfloat16),
+                         np.ones((128, 512), np.float32).astype(nl.bfloat16)), "tensor"),
+])
+def test_a_kernel_built_to_be_bound_by_one_engine_is_reported_bound_by_it(kernel, arrays, engine):
+    result = run_counted(kernel, *arrays)
+    assert result["bottleneck"] == engine
+    assert result["estimate_s"] == result["engines"][engine] == max(result["engines"].values())
+    assert result["serial_s"] == pytest.approx(sum(result["engines"].values()))
+    assert result["estimate_s"] < result["serial_s"]
+
+
+def test_the_scalar_bound_kernel_costs_its_documented_cycles():
+    result = run_counted(exp_many_times, np.zeros((128, 512), np.float32))
+    assert result["engines"]["scalar"] == pytest.approx(16 * 512 / 1.2e9)  # 16 x max(64, 512) ScalarE cycles
+
+
+# ---- estimates grow as the formulas say ------------------------------------------------------------------
+
+def test_matmul_cost_is_flat_below_the_64_cycle_minimum_and_linear_in_the_moving_width_above():
+    assert [cycles(matmul(128, n)) for n in (1, 32, 64, 128, 256, 512)] == [64, 64, 64, 128, 256, 512]
+    assert [cycles(matmul(m, 512)) for m in (1, 32, 128)] == [512] * 3  # the stationary width is free above N
+    assert cycles(matmul(128, 512, FP32)) == 4 * cycles(matmul(128, 512))
+
+
+def test_elementwise_and_dma_costs_grow_linearly_past_their_fixed_costs():
+    assert [cycles(vector("tensor_scalar", n)) for n in (16, 64, 256, 1024)] == [64, 64, 256, 1024]
+    rows = [instruction_seconds(dma(p, 4096)) for p in (16, 32, 64, 128)]
+    assert rows == pytest.approx([rows[0] * k for k in (1, 2, 4, 8)])
+
+
+def test_a_kernels_engine_times_scale_with_its_work():
+    small = run_counted(copy_through, np.ones((256, 512), np.float32))
+    large = run_counted(copy_through, np.ones((1024, 512), np.float32))
+    for engine in ("vector", "dma"):
+        assert large["engines"][engine] == pytest.approx(4 * small["engines"][engine])
