@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import train
+from kit import plumbing
 from tiny import TINY_RUN
 
 TINY = TINY_RUN + ["--warmup_steps=2"]
@@ -56,7 +57,7 @@ def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, dat
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
     # a run on NKI is scored on "auto": NKI where the kernels take the shapes, PyTorch (logged) elsewhere
-    trained_on_nki = train.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
+    trained_on_nki = plumbing.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
     assert trained_on_nki.config.kernels == "auto"
     reference = train.GPT(train.GPTConfig(**state["model_config"]))
     reference.load_state_dict(state["model"])
