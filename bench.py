@@ -990,9 +990,8 @@ def main(argv):
     plumbing.validate_config(cfg, model_cfg)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
-    device_type = plumbing.detect_device() if cfg.device == "auto" else cfg.device
-    rank, world_size, device = plumbing.setup_distributed(device_type)
-    dtype_reason = plumbing.choose_dtype(cfg, device_type, dist.new_group(backend="gloo") if dist.is_initialized() else None)
+    rank, world_size, device, device_type, control = plumbing.start_ranks(plumbing.device_type(cfg.device))
+    dtype_reason = plumbing.choose_dtype(cfg, device_type, control)
     if rank == 0:
         print(f"computing in {cfg.dtype} because {dtype_reason}")
     ranks = args.ranks or world_size

@@ -332,9 +332,8 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
 
 
 def run_core(args):
-    device_type = plumbing.detect_device() if args.device == "auto" else args.device
+    rank, world_size, device, device_type, _ = plumbing.start_ranks(plumbing.device_type(args.device))
     dtype = args.dtype if args.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
-    rank, world_size, device = plumbing.setup_distributed(device_type)
     model, enc = load_checkpoint_and_tokenizer(args.checkpoint, device, args.data_dir)
     if rank == 0:
         ensure_bundle(args.bundle_dir)
@@ -369,7 +368,7 @@ def run_bpb(args):
     own evaluate_bpb, the scorer's function, on the public validation shard, called as the baseline-derived
     train.py files call it (FrontierForge recipes/K82s4/train.py), so the number is computed as the
     leaderboard's is; otherwise the kit's evaluation on the held-out split of the data it was trained on."""
-    device_type = plumbing.detect_device() if args.device == "auto" else args.device
+    device_type = plumbing.device_type(args.device)
     device = "cuda" if device_type == "cuda" else device_type
     prepare = contest.find_prepare(train.TrainConfig(competition_dir=args.competition_dir))
     model = plumbing.load_for_eval(args.checkpoint, device)

@@ -17,7 +17,10 @@ The clock is the contest's: device-synchronised wall-clock time from the end of 
 steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluations, checkpoints and the
 final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
 The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
+This file is the trainer; the model is model.py (its NKI kernels kernels.py), the kit's data data.py, and
+what a learner need not read is in kit/: the contest (contest.py), plumbing.py and the optimizers (optim.py).
 """
+import functools
 import logging
 import math
 import os
@@ -25,7 +28,6 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 
 from kit import contest, optim, plumbing  # contest first: the contest's clock counts from the process's start
 
@@ -90,7 +92,8 @@ class TrainConfig:
     export_submission: str = opt("", "write this kit as one train.py for upload, these flags its defaults", resumable=True)
     # recipe levers (README "Presets"): all off by default, on in --preset=frontier
     adamw_width_lr_scaling: bool = opt(False, "scale embedding and head AdamW lrs by (n_embd / 768)^-0.5, as the baseline does")
-    data_order: str = opt("shuffled", "shuffled (every window, random order) | stream (in order, as the contest's loader)")
+    data_order: str = opt("shuffled", "shuffled (every window, random order) | stream (in order, as the contest's loader)",
+                          choices=("shuffled", "stream"))
     row_pool: int = opt(0, "with data_order=stream: draw rows from a pool of about this many micro-batches; 0 = off")
     mask_bos_targets: bool = opt(False, "ignore training targets that are the document separator (unpredictable)")
     batch_warmup: str = opt("", "smaller steps early: FRACTION@PROGRESS,... e.g. 0.25@0.06,0.5@0.2 (of total_batch_tokens)")
@@ -162,8 +165,6 @@ def batch_warmup_phases(cfg):
 def validate_levers(cfg, model_cfg, accum_steps):
     """The recipe levers' settings, checked before any data or model is built."""
     problems = []
-    if cfg.data_order not in ("shuffled", "stream"):
-        problems.append(f"--data_order={cfg.data_order!r}: use shuffled or stream")
     if cfg.row_pool < 0 or (cfg.row_pool and cfg.data_order != "stream"):
         problems.append(f"--row_pool={cfg.row_pool} needs --data_order=stream (shuffled data is already fully mixed) and >= 0")
     try:
@@ -192,8 +193,7 @@ def apply_schedule(optimizers, values, model=None):
     """Writes this step's values into the 0-d device tensors the optimizers read (and the model's MTP
     weights), each by a copy from a host tensor. Nothing in the step then takes a Python number that
     changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
-    measured 408 vs 918 steps in 900 s on Trn2 until their hyperparameters became device tensors;
-    CONTEST.md)."""
+    measured 408 vs 918 steps in 900 s on Trn2 until their hyperparameters became device tensors)."""
     for o in optimizers:
         for group in o.param_groups:
             group["lr"].copy_(torch.tensor(group["peak_lr"] * values["lr_scale"]), non_blocking=True)
@@ -314,123 +314,47 @@ class KitCorpus:
 # the training run
 
 
-def setup(cfg, model_cfg, stop, argv):
-    """Everything before the first step, cheapest checks first. Returns the run's state as a namespace
-    (None after --export_submission, which trains nothing)."""
-    run = SimpleNamespace(cfg=cfg, model_cfg=model_cfg, stop=stop)
-    plumbing.validate_config(cfg, model_cfg)
-    plumbing.configure_determinism(cfg)
+def find_data(cfg, model_cfg):
+    """(prepare.py, corpus): the contest's data, tokenizer and rules where its prepare.py is found, else the
+    kit's own corpus (data.py); the model's vocabulary is the tokenizer's."""
     prepare = contest.find_prepare(cfg)
     if prepare is not None:
         contest.apply_contest_rules(cfg, prepare)
     corpus = contest.ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else KitCorpus(cfg)
     model_cfg.vocab_size = corpus.vocab_size
     model_cfg.validate()
-    device_type = plumbing.detect_device() if cfg.device == "auto" else cfg.device
-    plumbing.check_device(device_type)
-    if cfg.export_submission:
-        contest.export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
-        return None
-    plumbing.check_out_dir(cfg)  # after the other checks: with --start_over it moves files
+    return prepare, corpus
 
-    rank, world_size, device = plumbing.setup_distributed(device_type)
-    vars(run).update(rank=rank, world_size=world_size, device=device, device_type=device_type, master=rank == 0,
-                     ddp=dist.is_initialized(), prepare=prepare, corpus=corpus)
-    # every rank must agree each step on the clock and on a stop request; a CPU-side gloo group does that
-    # without making the host wait for the accelerator
-    run.control = dist.new_group(backend="gloo") if run.ddp else None
-    dtype_reason = plumbing.choose_dtype(cfg, device_type, run.control)
-    if run.master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
-        logging.getLogger("kernels").setLevel(logging.INFO)
+
+def check_batch(cfg, model_cfg, world_size, prepare):
+    """(tokens per step, micro-batches per step), refused unless whole, and the recipe levers checked, before
+    any data or model is built."""
     micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
-    run.total_tokens = cfg.total_batch_tokens or micro_tokens
-    if run.total_tokens % micro_tokens:
+    total_tokens = cfg.total_batch_tokens or micro_tokens
+    if total_tokens % micro_tokens:
         raise ValueError(
-            f"total_batch_tokens={run.total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
+            f"total_batch_tokens={total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
             f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
         )
-    run.accum_steps = run.total_tokens // micro_tokens
-    validate_levers(cfg, model_cfg, run.accum_steps)
+    validate_levers(cfg, model_cfg, total_tokens // micro_tokens)
     if prepare is not None and cfg.row_pool:
         raise ValueError("--row_pool reorders the kit's loader; the contest's make_dataloader streams its own rows. "
                          "Pass --row_pool=0 in competition mode")
-    resume_path = plumbing.resolve_resume(cfg, model_cfg) if cfg.resume else None
-    state = plumbing.load_checkpoint(resume_path) if resume_path else None
-    torch.manual_seed(cfg.seed)
-
-    if run.master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with torch.device("meta"):  # parameter count without allocating anything
-            plumbing.check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
-    if prepare is not None and run.master:
-        print(f"competition mode: {prepare.__file__}'s data, tokenizer and clock (budget {cfg.time_budget_s:.0f} s, "
-              f"{cfg.startup_steps} start-up steps excluded, start-up beyond {cfg.startup_cap_s:.0f} s charged); "
-              f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
-    corpus.load(cfg.batch_size, model_cfg.sequence_len, rank, world_size, device, run.master)
-    if stop.received:
-        raise plumbing.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
-
-    run.raw_model = GPT(model_cfg).to(device)
-    run.optimizers = optim.make_optimizers(run.raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
-    run.step, already_charged = 0, 0.0
-    if state:
-        run.raw_model.load_state_dict(state["model"])
-        for o, s in zip(run.optimizers, state["optimizers"]):
-            o.load_state_dict(s)
-        run.step, already_charged = state["step"], state["train_time"]
-        corpus.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"])
-        del state  # its tensors now live in the model and optimizers
-    run.ema = optim.WeightEMA(run.raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
-    tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
-    run.model = wrap_for_training(run.raw_model, cfg, device_type, device, (tokens, tokens))
-    run.autocast = plumbing.autocast_context(cfg, device_type)
-    run.flops_per_token = run.raw_model.flops_per_token()
-    run.peak = plumbing.peak_flops(device_type, plumbing.compute_dtype(cfg), cfg.peak_tflops) * world_size
-    run.log = plumbing.Logger(cfg.out_dir, run.master, append=bool(cfg.resume))
-    run.log("config", f"{run.raw_model.num_params():,} parameters, {run.flops_per_token / 1e6:.1f} MFLOP/token, "
-            f"{world_size} rank(s) on {device_type}, {run.accum_steps} micro-step(s) of {micro_tokens:,} tokens per "
-            f"step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
-            model_config=asdict(model_cfg), world_size=world_size, device=device_type, dtype_reason=dtype_reason)
-    run.reserve_s = measure_final_save(run)
-    run.clock = contest.ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, already_charged)
-    run.first_eval = run_eval(run) if corpus.val_batches is not None else None
-    return run
+    return total_tokens, total_tokens // micro_tokens
 
 
-def measure_final_save(run):
-    """Seconds the final save will take, measured once by writing the same payload: the reserve the loop
-    keeps so that final.pt lands inside the budget (twice the measurement, plus a second)."""
-    path = os.path.join(run.cfg.out_dir, "final.pt.timing")
-    t0 = time.monotonic()
-    if run.master:
-        plumbing.save_final(path, run.raw_model, run.model_cfg, run.cfg, 0, 0.0)
-        os.remove(path)
-    reserve = 2 * (time.monotonic() - t0) + 1.0
-    if run.ddp:  # every rank stops on the same step, so every rank keeps rank 0's reserve
-        agreed = torch.tensor([reserve], dtype=torch.float64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=run.control)
-        reserve = agreed.item()
-    return reserve
+def log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason):
+    log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
+        f"{ranks.world_size} rank(s) on {ranks.device_type}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
+        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
+        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
 
 
-def run_eval(run):
+def run_eval(raw_model, corpus, ranks, autocast, stop, log, step):
     # the uncompiled model: eval's no_grad forward would otherwise cost a second compilation
-    metrics = evaluate(run.raw_model, run.corpus.val_batches, run.corpus.token_bytes, run.device, run.autocast, run.stop,
-                       run.control)
-    run.log("eval", f"step {run.step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}",
-            step=run.step, **metrics)
+    metrics = evaluate(raw_model, corpus.val_batches, corpus.token_bytes, ranks.device, autocast, stop, ranks.control)
+    log("eval", f"step {step}: val_loss {metrics['val_loss']:.4f}, val_bpb {metrics['val_bpb']:.4f}", step=step, **metrics)
     return metrics
-
-
-def checkpoint(run):
-    path = os.path.join(run.cfg.out_dir, f"ckpt_{run.step:07d}.pt")
-    if run.master:
-        plumbing.save_checkpoint(path, run.raw_model, run.optimizers, run.step, run.clock.charged(), run.corpus.state_dict(),
-                        run.cfg, run.model_cfg)
-        for old in plumbing.periodic_checkpoints(run.cfg.out_dir)[: -run.cfg.keep_checkpoints]:
-            os.remove(old)
-    return path
 
 
 def next_step_estimate(step_times):
@@ -441,119 +365,176 @@ def next_step_estimate(step_times):
     return max(step_times[-10:], default=0.0)
 
 
-def train_loop(run):
-    """Steps until the step limit, the budget (keeping the final save's reserve) or a stop signal. Each step
-    is synchronised with the device before the clock is read, as the contest's clock is. Ranks agree after
-    every step, on one all-reduce of host numbers, on the charged time (so they schedule alike), the loss,
-    a non-finite value or a signal on any rank, and whether the budget has room for another step."""
-    cfg, clock = run.cfg, run.clock
-    steps_this_run, step_times, charged = 0, [], clock.charged()
-    interval_time, interval_tokens = 0.0, 0
+def agree(ranks, charged, next_step_s, loss, nonfinite, stopping):
+    """What every rank acts on after a step, from one all-reduce of host numbers: the charged time and the
+    next step's estimate (so the ranks schedule and stop alike), the loss, and whether any rank saw a
+    non-finite value or a stop signal (the mean over ranks of a flag raised anywhere stays above zero)."""
+    decision = [charged, next_step_s, loss, float(nonfinite), float(stopping)]
+    if ranks.control is not None:
+        agreed = torch.tensor(decision, dtype=torch.float64)
+        dist.all_reduce(agreed, group=ranks.control)
+        decision = (agreed / ranks.world_size).tolist()
+    return decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
+
+
+def train_loop(cfg, step, model, raw_model, optimizers, ema, corpus, accum_steps, total_tokens, ranks, autocast, clock,
+               reserve_s, stop, log, prepare, run_side_work):
+    """Steps from `step` until the step limit, the budget (keeping the final save's reserve) or a stop
+    signal; returns (step, why it ended). Each step is synchronised with the device before the clock is
+    read, as the contest's clock is. `run_side_work(step)`: the periodic evaluation and checkpoint."""
+    steps_this_run, step_times, charged, meter = 0, [], clock.charged(), plumbing.SpeedMeter(raw_model, cfg, ranks)
     clock.steps_done(0)
-    while not (cfg.max_steps and run.step >= cfg.max_steps):
+    while not (cfg.max_steps and step >= cfg.max_steps):
         t0 = time.monotonic()
-        progress = max(run.step / cfg.max_steps if cfg.max_steps else 0.0, charged / cfg.time_budget_s if cfg.time_budget_s else 0.0)
-        scheduled = schedule(cfg, run.step, progress)
-        apply_schedule(run.optimizers, scheduled, run.raw_model)
-        micro_batches = [run.corpus.next_batch() for _ in range(round(run.accum_steps * scheduled["batch_fraction"]))]
-        loss, grad_norm = train_step(run.model, run.raw_model, run.optimizers, micro_batches, run.device,
-                                     run.autocast, cfg.grad_clip)
-        plumbing.synchronize(run.device_type)
-        run.step, steps_this_run = run.step + 1, steps_this_run + 1
-        if run.ema and run.step % cfg.ema_every == 0:
-            run.ema.update()
-        if run.prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
-            run.prepare.record_step_boundary(run.step - 1)
+        progress = max(step / cfg.max_steps if cfg.max_steps else 0.0, charged / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+        scheduled = schedule(cfg, step, progress)
+        apply_schedule(optimizers, scheduled, raw_model)
+        micro_batches = [corpus.next_batch() for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
+        loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, ranks.device, autocast, cfg.grad_clip)
+        plumbing.synchronize(ranks.device_type)
+        step, steps_this_run = step + 1, steps_this_run + 1
+        if ema and step % cfg.ema_every == 0:
+            ema.update()
+        if prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
+            prepare.record_step_boundary(step - 1)
         loss_value, norm_value = torch.stack([loss, grad_norm.to(loss)]).tolist()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         dt = time.monotonic() - t0
         clock.steps_done(steps_this_run)
         if steps_this_run > cfg.startup_steps:
             step_times.append(dt)
-            step_tokens = run.total_tokens * len(micro_batches) // run.accum_steps  # fewer during a batch warm-up
-            interval_time, interval_tokens = interval_time + dt, interval_tokens + step_tokens
-        t_side = time.monotonic()  # evaluations and checkpoints: never of a non-finite model
-        if finite and cfg.eval_every and run.step % cfg.eval_every == 0 and run.corpus.val_batches is not None:
-            run_eval(run)
-        if finite and cfg.checkpoint_every and run.step % cfg.checkpoint_every == 0:
-            checkpoint(run)
-        if not cfg.charge_evals:
-            clock.exclude(time.monotonic() - t_side)
-        next_step_s = next_step_estimate(step_times)
-        decision = [clock.charged(), next_step_s, loss_value, float(not finite), float(run.stop.received)]
-        if run.ddp:  # the mean over ranks; a flag raised on any rank stays above zero
-            agreed = torch.tensor(decision, dtype=torch.float64)
-            dist.all_reduce(agreed, group=run.control)
-            decision = (agreed / run.world_size).tolist()
-        charged, next_step_s, loss_value, nonfinite, stopping = decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
+            meter.add(dt, total_tokens * len(micro_batches) // accum_steps)  # fewer tokens during a batch warm-up
+        if finite:  # evaluations and checkpoints: never of a non-finite model
+            t_side = time.monotonic()
+            run_side_work(step)
+            if not cfg.charge_evals:
+                clock.exclude(time.monotonic() - t_side)
+        charged, next_step_s, loss_value, nonfinite, stopping = agree(
+            ranks, clock.charged(), next_step_estimate(step_times), loss_value, not finite, stop.received)
         if nonfinite:
             raise FloatingPointError(
-                f"step {run.step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
+                f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
                 f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
                 f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
-        if run.step % cfg.log_every == 0 or run.step == cfg.max_steps or steps_this_run == 1:
-            tokens_per_s = interval_tokens / interval_time if interval_time else 0.0
-            mfu = tokens_per_s * run.flops_per_token / run.peak
-            speed = f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if interval_time else "start-up step"
-            run.log("train", f"step {run.step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {speed} | "
-                    f"charged {charged:.1f}s", step=run.step, loss=loss_value, grad_norm=norm_value,
-                    lr_scale=scheduled["lr_scale"], tokens_per_s=tokens_per_s, mfu=mfu, train_time=charged,
-                    startup_time=clock.startup_s)
-            interval_time, interval_tokens = 0.0, 0
+        if step % cfg.log_every == 0 or step == cfg.max_steps or steps_this_run == 1:
+            log("train", f"step {step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {meter.read()} | "
+                f"charged {charged:.1f}s", step=step, loss=loss_value, grad_norm=norm_value, lr_scale=scheduled["lr_scale"],
+                train_time=charged, startup_time=clock.startup_s, **meter.fields())
         if stopping:
-            return "signal"
-        if clock.out_of_time(charged, next_step_s, run.reserve_s):
-            return "budget"
-    return "steps"
+            return step, "signal"
+        if clock.out_of_time(charged, next_step_s, reserve_s):
+            return step, "budget"
+    return step, "steps"
 
 
-def finish(run, ended_by):
-    """The final save (inside the budget), then, off the clock and only with the kit's own data, the final
-    evaluation and a sample."""
-    cfg, clock = run.cfg, run.clock
-    if ended_by == "signal":
-        path = checkpoint(run)
-        run.log("stopped", f"stopped by a signal at step {run.step}; {path} written, resume with --resume=latest",
-                step=run.step)
-        return {"first_eval": run.first_eval, "final_eval": None, "step": run.step}
-    if run.ema:  # the final model is the blend of the live weights and their average
-        run.ema.finish()
-    if run.master:
-        plumbing.save_final(os.path.join(cfg.out_dir, "final.pt"), run.raw_model, run.model_cfg, cfg, run.step, clock.charged())
-    if run.ddp:
+def final_save(cfg, step, raw_model, ema, ranks, clock):
+    """final.pt, inside the budget: the EMA blended in first, written by rank 0 while the others wait.
+    Returns the charged time with it."""
+    if ema:  # the final model is the blend of the live weights and their average
+        ema.finish()
+    if ranks.rank == 0:
+        plumbing.save_final(os.path.join(cfg.out_dir, "final.pt"), raw_model, raw_model.config, cfg, step, clock.charged())
+    if ranks.control is not None:
         dist.barrier()
-    charged = clock.charged()
-    final_eval = run_eval(run) if run.corpus.val_batches is not None and not run.stop.received else None
-    if run.stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
-        final_eval = None
-    summary = f"{run.step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; " \
-              f"start-up {clock.startup_s:.1f}s, reserve kept {run.reserve_s:.1f}s)"
-    if final_eval and run.first_eval:
-        summary += f"; val_bpb {run.first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
-    run.log("done", summary, step=run.step, train_time=charged, startup_time=clock.startup_s, ended_by=ended_by,
-            **(final_eval or {}))
-    if run.master and cfg.sample_tokens and run.corpus.decode and not run.stop.received:
-        prompt = torch.tensor([[run.corpus.bos_id]], device=run.device)
-        sampler = plumbing.inference_model(run.raw_model.state_dict(), asdict(run.model_cfg), run.device)
-        with run.autocast:
-            out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8,
-                                   generator=torch.Generator().manual_seed(cfg.seed))
-        print("-" * 40 + "\n" + run.corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
-    return {"first_eval": run.first_eval, "final_eval": final_eval, "step": run.step}
+    return clock.charged()
+
+
+def sample(cfg, raw_model, corpus, device, autocast):
+    """Prints cfg.sample_tokens of text from the trained model, from a document's start."""
+    prompt = torch.tensor([[corpus.bos_id]], device=device)
+    sampler = plumbing.inference_model(raw_model.state_dict(), asdict(raw_model.config), device)
+    with autocast:
+        out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator().manual_seed(cfg.seed))
+    print("-" * 40 + "\n" + corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
 
 
 def main(argv):
+    """One run, top to bottom: the checks that need nothing, the data, the ranks, the model, the loop, the end.
+    Returns {"first_eval", "final_eval", "step"} (None after --export_submission, which trains nothing)."""
     cfg, model_cfg = parse_args(contest.SUBMISSION_ARGS + list(argv))
     logging.basicConfig(format="%(name)s: %(message)s")
     with plumbing.StopSignal() as stop:
         try:
-            run = setup(cfg, model_cfg, stop, argv)
-            if run is None:  # --export_submission
-                return None
-            return finish(run, train_loop(run) if not stop.received else "signal")
+            # checks that need no data, model or device, cheapest first
+            plumbing.validate_config(cfg, model_cfg)
+            plumbing.configure_determinism(cfg)
+            prepare, corpus = find_data(cfg, model_cfg)
+            device_type = plumbing.device_type(cfg.device)
+            if cfg.export_submission:
+                return contest.export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
+            plumbing.check_out_dir(cfg)  # after the other checks: with --start_over it moves files
+
+            # the ranks, the batch, the data
+            ranks = plumbing.start_ranks(device_type)
+            master, device = ranks.rank == 0, ranks.device
+            dtype_reason = plumbing.choose_dtype(cfg, device_type, ranks.control)
+            if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
+                logging.getLogger("kernels").setLevel(logging.INFO)
+            total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
+            state = plumbing.load_checkpoint(plumbing.resolve_resume(cfg, model_cfg)) if cfg.resume else None
+            torch.manual_seed(cfg.seed)
+            if master:
+                plumbing.make_out_dir(cfg, model_cfg)
+                contest.announce(cfg, prepare)
+            corpus.load(cfg.batch_size, model_cfg.sequence_len, ranks.rank, ranks.world_size, device, master)
+            if stop.received:
+                raise plumbing.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
+
+            # the model, its optimizers, the step
+            raw_model = GPT(model_cfg).to(device)
+            optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
+            step, charged_before = plumbing.restore(state, raw_model, optimizers, corpus) if state else (0, 0.0)
+            del state  # its tensors now live in the model and optimizers
+            ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
+            tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
+            model = wrap_for_training(raw_model, cfg, device_type, device, (tokens, tokens))
+            autocast = plumbing.autocast_context(cfg, device_type)
+            log = plumbing.Logger(cfg.out_dir, master, append=bool(cfg.resume))
+            log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason)
+
+            # the loop, on the contest's clock
+            reserve_s = plumbing.measure_final_save(cfg, raw_model, ranks)
+            clock = contest.ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, charged_before)
+            evaluating = corpus.val_batches is not None
+            evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
+            first_eval = evaluate_now(step) if evaluating else None
+
+            def side_work(step):
+                if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
+                    evaluate_now(step)
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                    plumbing.write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, clock.charged())
+
+            ended_by = "signal"
+            if not stop.received:
+                step, ended_by = train_loop(cfg, step, model, raw_model, optimizers, ema, corpus, accum_steps, total_tokens,
+                                            ranks, autocast, clock, reserve_s, stop, log, prepare, side_work)
+
+            # the end: the final save inside the budget, then off the clock the final evaluation and a sample
+            if ended_by == "signal":
+                path = plumbing.write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, clock.charged())
+                log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
+                return {"first_eval": first_eval, "final_eval": None, "step": step}
+            charged = final_save(cfg, step, raw_model, ema, ranks, clock)
+            final_eval = evaluate_now(step) if evaluating and not stop.received else None
+            if stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
+                final_eval = None
+            log("done", summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
+                train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
+            if master and cfg.sample_tokens and corpus.decode and not stop.received:
+                sample(cfg, raw_model, corpus, device, autocast)
+            return {"first_eval": first_eval, "final_eval": final_eval, "step": step}
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval):
+    text = (f"{step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; "
+            f"start-up {clock.startup_s:.1f}s, reserve kept {reserve_s:.1f}s)")
+    if final_eval and first_eval:
+        text += f"; val_bpb {first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
+    return text
 
 
 if __name__ == "__main__":

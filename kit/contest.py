@@ -29,7 +29,7 @@ from model import GPT  # noqa: E402
 #       04-train-research-35c9.py: both are modified baselines; a value is taken from them when both agree,
 #       or when one keeps it as an untouched constant
 #   [A] karpathy/autoresearch train.py, which the baseline's names and shape follow (DEPTH x ASPECT_RATIO 64 =
-#       640, HEAD_DIM 128, EMBEDDING_LR, WARMDOWN_RATIO, ...; CONTEST.md: autoresearch's prepare.py is the
+#       640, HEAD_DIM 128, EMBEDDING_LR, WARMDOWN_RATIO, ...; autoresearch's prepare.py is the
 #       contest's ancestor)
 #   [?] not established: the value is the best guess named with it and may differ from the baseline
 # Launch on one Trn2 chip, 30 minutes:
@@ -37,11 +37,11 @@ from model import GPT  # noqa: E402
 BASELINE = dict(
     n_layer=10, n_embd=640, n_head=5, n_kv_head=5,  # depth 10, 5 full-MHA heads of 128: 59.6M params at vocab 8192 [R, L]
     mlp="relu2", logit_softcap=15.0,  # ReLU^2 MLP 4x, tanh softcap 15 [R; K, P: LOGIT_SOFTCAP = 15.0]
-    sequence_len=1024,  # [L: seq_len 1024; K: SEQ_LEN = 1024]; the scorer evaluates at 1024 (CONTEST.md)
+    sequence_len=1024,  # [L: seq_len 1024; K: SEQ_LEN = 1024]; the scorer evaluates at 1024
     rope_base=100000.0,  # [K, P: ROPE_BASE = 100000]
     wte_init_std=0.8, matrix_init_scale=0.68,  # wte N(0, 0.8) [K: FF_WTE_STD 0.8], q/k/v/fc init x0.68 [issue 16]; head N(0, 0.001) is the kit's too [K: FF_HEAD_STD]
     total_batch_tokens=65536,  # 52.4M tokens / 800 steps [L]
-    batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; FINDINGS.md "one 65,536-token micro-batch"]
+    batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; K's repo docs/FINDINGS.md "one 65,536-token micro-batch"]
     embedding_lr=0.3, head_lr=0.006, scalar_lr=0.2,  # AdamW [K: 0.30, 0.006, 0.20; P: 0.3, 0.006, 0.2]
     # AdamW betas (0.8, 0.95) for embedding and head [P: EMBED_ADAMW_BETA2 = 0.95; A], (0.9, 0.95) for scalars
     # [K, P], eps 1e-10, no weight decay [A; K's small decays are tuned] (fixed in make_optimizers)
@@ -77,7 +77,7 @@ FRONTIER = dict(
     value_embeds=True,  # gated value embeddings: both forks have them (nanochat's design); not measured alone
     mask_bos_targets=True,  # both forks' loaders; not measured alone
     loss_chunks=8,  # fused chunked softcap CE: -2.8% step time
-    compile=True,  # both forks compile the step ("compile and static-loss work", FINDINGS.md)
+    compile=True,  # both forks compile the step ("compile and static-loss work", marker2601/trainium-simulator docs/FINDINGS.md)
 )
 
 
@@ -125,7 +125,7 @@ class ContestCorpus:
     """The contest's data through its prepare.py: its tokenizer (vocabulary 8,192, BOS 8188) and its own
     make_dataloader, the organiser's loader, chosen over the evaluator-layout loader FrontierForge wrote
     because it needs only prepare.py's public names. No validation data is read inside the run: the
-    contest's review rejected in-script evaluation on it (CONTEST.md); `python evaluate.py` scores a
+    contest's review rejected in-script evaluation on it; `python evaluate.py` scores a
     checkpoint with prepare.py's own evaluate_bpb instead."""
 
     val_batches = token_bytes = decode = None
@@ -162,9 +162,17 @@ def apply_contest_rules(cfg, prepare):
 
 
 
+def announce(cfg, prepare):
+    """Says, once, what competition mode fixes (nothing without prepare.py)."""
+    if prepare is not None:
+        print(f"competition mode: {prepare.__file__}'s data, tokenizer and clock (budget {cfg.time_budget_s:.0f} s, "
+              f"{cfg.startup_steps} start-up steps excluded, start-up beyond {cfg.startup_cap_s:.0f} s charged); "
+              f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
+
+
 class ChargedClock:
     """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
-    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them; CONTEST.md "Clock"):
+    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them):
     wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
     start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
     is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
@@ -300,7 +308,7 @@ def module_text(text, argv, inline=None):
     return "".join(out)
 
 
-SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, CONTEST.md)
+SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, marker2601/trainium-simulator)
 
 
 

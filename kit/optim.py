@@ -133,7 +133,7 @@ def make_optimizers(model, cfg, device_type, dtype):
 class WeightEMA:
     """An exponential moving average of the weights, updated every `every` steps with decay^every (the span
     of a per-step EMA at 1/every of its cost); finish() makes the model (1 - blend) * live + blend * EMA.
-    FrontierForge: decay 0.99 every 32 steps, blend 0.6, -0.0005 val_bpb (docs/FINDINGS.md). Its Python
+    FrontierForge: decay 0.99 every 32 steps, blend 0.6, -0.0005 val_bpb (marker2601/trainium-simulator docs/FINDINGS.md). Its Python
     numbers are fixed for the run, so each update is the same ops with the same constants."""
 
     def __init__(self, model, decay, every, blend):

@@ -13,6 +13,7 @@ import os
 # graph (autocast), not to the compiler. A user's own setting wins.
 os.environ.setdefault("NEURON_CC_FLAGS", "--optlevel=1 --auto-cast=none")
 
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import difflib  # noqa: E402
 import errno  # noqa: E402
@@ -140,7 +141,7 @@ def check_device(device_type):
 
 
 
-# Dense bf16 peak FLOP/s of one physical NeuronCore or one GPU (TRAINIUM.md). On Trn2/Trn3 a rank drives a
+# Dense bf16 peak FLOP/s of one physical NeuronCore or one GPU, as AWS and NVIDIA publish them. On Trn2/Trn3 a rank drives a
 # logical core of NEURON_LOGICAL_NC_CONFIG physical cores (2 by default: 166.8 TFLOP/s per Trn2 rank).
 PEAK_FLOPS = {"trn1": 95e12, "trn2": 83.4e12, "trn3": 84e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -170,19 +171,31 @@ def configure_determinism(cfg):
 
 
 
-def setup_distributed(device_type):
+def device_type(requested):
+    """The device type to run on: --device's, or for "auto" the best this machine has; refused if it lacks it."""
+    chosen = detect_device() if requested == "auto" else requested
+    check_device(chosen)
+    return chosen
+
+
+# Where this process runs: its rank among world_size, its device, and `control`, a CPU (gloo) group on which
+# every rank agrees each step on the clock and on a stop request without making the host wait for the
+# accelerator (None in a single process).
+Ranks = collections.namedtuple("Ranks", "rank world_size device device_type control")
+
+
+def start_ranks(device_type):
     """Under torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE) joins the process group with the device's
-    backend and binds one device per rank. Returns (rank, world_size, device)."""
+    backend and binds one device per rank; a single process is rank 0 of 1."""
     if "RANK" not in os.environ:
-        return 0, 1, device_type
+        return Ranks(0, 1, device_type, device_type, None)
     dist.init_process_group(backend={"neuron": "neuron", "cuda": "nccl"}.get(device_type, "gloo"))
     local_rank = int(os.environ["LOCAL_RANK"])
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-        return dist.get_rank(), dist.get_world_size(), f"cuda:{local_rank}"
     # TorchNeuron gives each torchrun process its own logical core, addressed as plain "neuron"
-    return dist.get_rank(), dist.get_world_size(), device_type
-
+    device = f"cuda:{local_rank}" if device_type == "cuda" else device_type
+    return Ranks(dist.get_rank(), dist.get_world_size(), device, device_type, dist.new_group(backend="gloo"))
 
 
 def cpu_matmul_gflops(n=256, repeats=3):
@@ -358,6 +371,49 @@ def check_disk_space(out_dir, n_params, keep_checkpoints):
 
 
 
+def make_out_dir(cfg, model_cfg):
+    """Rank 0's: out_dir, refused if the run's checkpoints cannot fit there."""
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with torch.device("meta"):  # parameter count without allocating anything
+        check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
+
+
+def restore(state, raw_model, optimizers, corpus):
+    """Puts a checkpoint's weights, optimizer state, data position and RNG back; returns (step, charged time)."""
+    raw_model.load_state_dict(state["model"])
+    for o, s in zip(optimizers, state["optimizers"]):
+        o.load_state_dict(s)
+    corpus.load_state_dict(state["loader"])
+    torch.set_rng_state(state["rng"])
+    return state["step"], state["train_time"]
+
+
+def write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, charged):
+    """out_dir/ckpt_<step>.pt (by rank 0), keeping the newest keep_checkpoints; returns its path."""
+    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.pt")
+    if ranks.rank == 0:
+        save_checkpoint(path, raw_model, optimizers, step, charged, corpus.state_dict(), cfg, raw_model.config)
+        for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
+            os.remove(old)
+    return path
+
+
+def measure_final_save(cfg, raw_model, ranks):
+    """Seconds the final save will take, measured once by writing the same payload: the reserve the loop
+    keeps so that final.pt lands inside the budget (twice the measurement, plus a second)."""
+    path = os.path.join(cfg.out_dir, "final.pt.timing")
+    t0 = time.monotonic()
+    if ranks.rank == 0:
+        save_final(path, raw_model, raw_model.config, cfg, 0, 0.0)
+        os.remove(path)
+    reserve = 2 * (time.monotonic() - t0) + 1.0
+    if ranks.control is not None:  # every rank stops on the same step, so every rank keeps rank 0's reserve
+        agreed = torch.tensor([reserve], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ranks.control)
+        reserve = agreed.item()
+    return reserve
+
+
 def periodic_checkpoints(out_dir):
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
 
@@ -416,7 +472,7 @@ def inference_model(weights, model_config, device):
 def load_for_eval(checkpoint_path, device="cpu"):
     """The contest's scoring hook: a frozen, single-device model whose forward(idx) returns causal
     next-token logits (B, T, vocab) for any T (rotary tables grow on demand), from final.pt or any
-    checkpoint this script wrote. The scorer applies no autocast (CONTEST.md), so on Trainium and GPUs
+    checkpoint this script wrote. The scorer applies no autocast, so on Trainium and GPUs
     the weights themselves are bf16 and the model computes in bf16; on a CPU it stays fp32."""
     device, state = torch.device(device), load_checkpoint(checkpoint_path, "cpu", keys=("model", "model_config"))
     model = inference_model(state["model"], state["model_config"], "cpu")
@@ -468,6 +524,30 @@ class Logger:
             print(text, flush=True)
             self._write({"event": event, **fields})
 
+
+
+class SpeedMeter:
+    """Tokens per second and MFU over the timed steps since the last read (start-up steps are not timed).
+    The peak is measured (on a CPU) when the meter is made, before the clock starts."""
+
+    def __init__(self, raw_model, cfg, ranks):
+        peak = peak_flops(ranks.device_type, compute_dtype(cfg), cfg.peak_tflops) * ranks.world_size
+        self.flops_per_peak = raw_model.flops_per_token() / peak
+        self.seconds, self.tokens, self.last = 0.0, 0, {"tokens_per_s": 0.0, "mfu": 0.0}
+
+    def add(self, seconds, tokens):
+        self.seconds, self.tokens = self.seconds + seconds, self.tokens + tokens
+
+    def read(self):
+        """The interval's speed as text, starting the next interval; fields() then gives its numbers."""
+        timed = self.seconds > 0
+        tokens_per_s = self.tokens / self.seconds if timed else 0.0
+        self.last = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_peak}
+        self.seconds, self.tokens = 0.0, 0
+        return f"{tokens_per_s:,.0f} tok/s | MFU {100 * self.last['mfu']:.1f}%" if timed else "start-up step"
+
+    def fields(self):
+        return self.last
 
 
 class StopSignal:
