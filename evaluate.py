@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import random
 import sys
 import tempfile
@@ -319,10 +318,10 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
     try:  # memory-mapped: reading the config costs no second copy of the weights
-        train_config = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["train_config"]
-    except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}); pass the "
-                         "final.pt or ckpt_*.pt of a training run") from None
+        train_config = plumbing.load_checkpoint(path, keys=("train_config",), mmap=True)["train_config"]
+    except plumbing.CheckpointError as e:
+        raise ValueError(f"{path} is not a checkpoint written by train.py ({e}); pass the final.pt or ckpt_*.pt "
+                         "of a training run") from None
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
     model = plumbing.load_for_eval(path, device)
     if model.config.vocab_size != enc.n_vocab:

@@ -49,7 +49,7 @@ class TrainConfig:
     batch_size: int = opt(8, "sequences per micro-batch per rank", bounds=(1, None))
     total_batch_tokens: int = opt(0, "tokens per optimizer step; 0 = one micro-batch per rank", bounds=(0, None))
     # optimisation: Muon for hidden matrices, AdamW for embedding and head
-    matrix_optimizer: str = opt("muon", "muon (the kit's own) | adamw, for the attention and MLP matrices", choices=('muon', 'adamw'))
+    matrix_optimizer: str = opt("muon", "muon (the kit's own) | adamw, for the attention and MLP matrices", choices=("muon", "adamw"))
     matrix_lr: float = opt(0.02, "learning rate of the attention and MLP matrices", bounds=(0, None))
     embedding_lr: float = opt(0.3, "AdamW learning rate of the token embedding", bounds=(0, None))
     head_lr: float = opt(0.004, "AdamW learning rate of lm_head", bounds=(0, None))
@@ -81,8 +81,9 @@ class TrainConfig:
     resume_any_config: bool = opt(False, "let --resume=latest take a checkpoint whose run config differs from now", resumable=True)
     start_over: bool = opt(False, "start a new run in a used out_dir; its files move to out_dir/old_<time>/", resumable=True)
     # system
-    device: str = opt("auto", "auto | neuron | cuda | cpu", choices=('auto', 'neuron', 'cuda', 'cpu'), resumable=True)
-    dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32", choices=('auto', 'bfloat16', 'float32'))
+    device: str = opt("auto", "auto | neuron | cuda | cpu", choices=("auto", "neuron", "cuda", "cpu"), resumable=True)
+    dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32",
+                     choices=("auto", "bfloat16", "float32"))
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)", bounds=(0, None), resumable=True)
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)", resumable=True)
     seed: int = opt(1337, "seed of initialisation and data order", bounds=(0, 2**63 - 1))  # numpy's generator takes no negative seed

@@ -63,7 +63,6 @@ BASELINE = dict(
 )
 
 
-
 # frontier: the baseline plus the levers competitors measured on Trn2 near the baseline's scale (val_bpb deltas
 # from FrontierForge, marker2601/trainium-simulator docs/FINDINGS.md). Not tuned together at this scale.
 FRONTIER = dict(
@@ -81,7 +80,6 @@ FRONTIER = dict(
 )
 
 
-
 # The frontier's levers by name, each the fields it sets (bench.py --ablation turns them on one at a time).
 FRONTIER_LEVERS = {
     "mtp": ("mtp_extra", "mtp_weights", "mtp_fade"),
@@ -95,13 +93,11 @@ FRONTIER_LEVERS = {
 }
 
 
-
 PRESETS = {
     "baseline": BASELINE,
     "frontier": FRONTIER,
     "trn2": BASELINE,  # the old name of the baseline's shape
 }
-
 
 
 def find_prepare(cfg):
@@ -118,7 +114,6 @@ def find_prepare(cfg):
     import prepare
 
     return prepare
-
 
 
 class ContestCorpus:
@@ -151,7 +146,6 @@ class ContestCorpus:
         pass
 
 
-
 def apply_contest_rules(cfg, prepare):
     """The constants the contest's prepare.py fixes, and the harness's output folder, over any flag."""
     cfg.time_budget_s = float(prepare.TRAIN_TIME_BUDGET_SECONDS)
@@ -159,7 +153,6 @@ def apply_contest_rules(cfg, prepare):
     cfg.startup_cap_s = float(prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
     cfg.out_dir = os.environ.get("NEURON_COMPETITION_R1_OUT_DIR", cfg.out_dir)  # the baseline's --out-dir default
     cfg.eval_every, cfg.sample_tokens = 0, 0
-
 
 
 def announce(cfg, prepare):
@@ -203,7 +196,6 @@ class ChargedClock:
         """True when one more step and the final save would not fit in the budget (`charged`: the value the
         ranks agreed on)."""
         return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
-
 
 
 # The kit's root, where train.py and prepare.py's usual place are; in the one-file submission, that file's folder.
@@ -311,9 +303,7 @@ def module_text(text, argv, inline=None):
 SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, marker2601/trainium-simulator)
 
 
-
 SUBMISSION_IMPORTS = {"torch", "numpy", "nki", "torch_neuronx", "prepare"}
-
 
 
 def check_submission(source):
@@ -339,7 +329,6 @@ def check_submission(source):
         raise ValueError("the submission defines no load_for_eval, which the scorer calls")
 
 
-
 def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=None):
     """Raises ValueError unless the model's logits at each position depend only on the tokens up to it:
     with the contest's prepare.py through its own causality_check (what the contest runs); otherwise by
@@ -363,7 +352,6 @@ def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=N
                 raise ValueError(f"changing tokens after position {t} changed logits at or before it by {leak:.3g}")
             if torch.equal(other[:, t + 1:], logits[:, t + 1:]):
                 raise ValueError(f"changing tokens after position {t} changed no later logit: the check is blind")
-
 
 
 def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):

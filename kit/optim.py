@@ -17,7 +17,6 @@ POLAR_EXPRESS = (
 )
 
 
-
 def orthogonalize(g, dtype):
     """The nearest semi-orthogonal matrix to each g (B, m, n): U V^T of its SVD, approximately, by the
     Polar Express iteration in `dtype` (bf16 where the device multiplies it fast, else fp32). Works on the
@@ -33,7 +32,6 @@ def orthogonalize(g, dtype):
     return x.mT if tall else x
 
 
-
 class Muon(torch.optim.Optimizer):
     """Muon for the hidden matrices, as the Trainium Frontier baseline (nanochat, Jan 2026) runs it:
 
@@ -45,8 +43,8 @@ class Muon(torch.optim.Optimizer):
        with cautious weight decay: decay only the entries where the update and the weight agree in sign.
 
     Matrices of one shape are stacked and updated together (batched matmuls, fewer ops). lr, momentum
-    and weight_decay are 0-d tensors on the parameters' device that `apply_schedule` rewrites each step,
-    so the ops of a step never see a changed Python number (see `apply_schedule`). torch.optim.Muon has
+    and weight_decay are 0-d tensors on the parameters' device that train.py's `apply_schedule` rewrites
+    each step, so the ops of a step never see a changed Python number (see there). torch.optim.Muon has
     none of 2-4 and always orthogonalises in bf16, which is ~50x slower than fp32 on CPUs without bf16
     hardware.
     """
@@ -81,7 +79,6 @@ class Muon(torch.optim.Optimizer):
                         group["weight_decay"], group["beta2"], self.dtype)
 
 
-
 def muon_update(params, buf, second, lr, momentum, weight_decay, beta2, dtype):
     """One Muon step for matrices of one shape, stacked: (K, rows, cols). See `Muon`."""
     grads = torch.stack([p.grad for p in params])
@@ -96,7 +93,6 @@ def muon_update(params, buf, second, lr, momentum, weight_decay, beta2, dtype):
     decay = weight_decay * weights * ((update * weights) >= 0)
     lr = lr * max(1.0, grads.size(-2) / grads.size(-1)) ** 0.5
     torch._foreach_copy_(params, list((weights - lr * (update + decay)).unbind(0)))
-
 
 
 def make_optimizers(model, cfg, device_type, dtype):
@@ -127,7 +123,6 @@ def make_optimizers(model, cfg, device_type, dtype):
         for group in o.param_groups:
             group["peak_lr"] = group["lr"].item()
     return optimizers
-
 
 
 class WeightEMA:

@@ -37,6 +37,9 @@ import torch.nn.functional as F  # noqa: E402
 from model import GPT, TYPE_NAMES, GPTConfig  # noqa: E402
 
 
+# -----------------------------------------------------------------------------
+# flags and config checks
+
 def split_flags(argv):
     """[(name, value)] from --name=value and --name value alike (the convention of data.py's argparse);
     --help stays a lone flag."""
@@ -56,7 +59,6 @@ def split_flags(argv):
             sys.exit(f"error: {arg} needs a value: {arg}=VALUE or {arg} VALUE")
         i += 1
     return pairs
-
 
 
 def print_help(doc, configs, presets):
@@ -103,8 +105,8 @@ def parse_flags(argv, configs, presets, doc):
 
 def validate_config(cfg, model_cfg):
     """Every field's type, and its range or choices as its `opt` declares them, all problems in one message
-    with the fix. Needs no data, model or device, so main calls it first. (The tokenizer is checked when
-    it is loaded.)"""
+    with the fix. Needs no data, model or device, so train.py's main calls it first. (The tokenizer is
+    checked when it is loaded.)"""
     problems = []
     for f in dataclasses.fields(cfg):
         value, kind = getattr(cfg, f.name), type(f.default)
@@ -128,6 +130,9 @@ def validate_config(cfg, model_cfg):
     model_cfg.validate()
 
 
+# -----------------------------------------------------------------------------
+# devices, ranks, dtypes and peaks
+
 def check_device(device_type):
     """Refuse a device this machine lacks, before data preparation and model building."""
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -140,11 +145,9 @@ def check_device(device_type):
             raise ValueError(f"--device=neuron needs torch_neuronx ({e}); install the Neuron SDK or use --device=auto") from e
 
 
-
-# Dense bf16 peak FLOP/s of one physical NeuronCore or one GPU, as AWS and NVIDIA publish them. On Trn2/Trn3 a rank drives a
-# logical core of NEURON_LOGICAL_NC_CONFIG physical cores (2 by default: 166.8 TFLOP/s per Trn2 rank).
+# Dense bf16 peak FLOP/s of one physical NeuronCore or one GPU, as AWS and NVIDIA publish them. On Trn2/Trn3
+# a rank drives a logical core of NEURON_LOGICAL_NC_CONFIG physical cores (2 by default: 166.8 TFLOP/s per Trn2 rank).
 PEAK_FLOPS = {"trn1": 95e12, "trn2": 83.4e12, "trn3": 84e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
-
 
 
 def detect_device():
@@ -153,7 +156,6 @@ def detect_device():
         return "neuron"
     except ImportError:  # not installed, or the PyPI placeholder
         return "cuda" if torch.cuda.is_available() else "cpu"
-
 
 
 def configure_determinism(cfg):
@@ -168,7 +170,6 @@ def configure_determinism(cfg):
     import torch._inductor.config as inductor_config
 
     inductor_config.deterministic = True
-
 
 
 def device_type(requested):
@@ -215,7 +216,6 @@ def cpu_matmul_gflops(n=256, repeats=3):
     return {dtype: 2 * n**3 / seconds / 1e9 for dtype, seconds in best.items()}
 
 
-
 def resolve_dtype(requested, device_type):
     """(bfloat16 | float32, why). auto picks bf16 only where the device multiplies it fast: always on
     Trainium (TensorE runs fp32 at a quarter of the bf16 rate), on GPUs that support it, and on CPUs that
@@ -237,7 +237,6 @@ def resolve_dtype(requested, device_type):
         f"{fp32:.1f} (one thread, measured now)")
 
 
-
 def choose_dtype(cfg, device_type, group=None):
     """Resolves cfg.dtype in place, rank 0's choice binding every rank (`group`: a gloo group under
     torchrun), and returns the reason."""
@@ -248,13 +247,11 @@ def choose_dtype(cfg, device_type, group=None):
     return reason
 
 
-
 def synchronize(device_type):
     if device_type == "cuda":
         torch.cuda.synchronize()
     elif device_type == "neuron":
         torch.neuron.synchronize()
-
 
 
 def trainium_generation():
@@ -265,7 +262,6 @@ def trainium_generation():
     except OSError:
         product = ""
     return next((g for g in ("trn1", "trn3", "trn2") if product.startswith(g)), "trn2")
-
 
 
 @functools.lru_cache  # measured once per process, so every MFU in a run divides by the same number
@@ -293,10 +289,8 @@ def peak_flops(device_type, dtype=torch.bfloat16, override_tflops=0.0):
     return 2 * n**3 / best
 
 
-
 def compute_dtype(cfg):
     return torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-
 
 
 def autocast_context(cfg, device_type):
@@ -304,6 +298,8 @@ def autocast_context(cfg, device_type):
     return torch.autocast(device_type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else nullcontext()
 
 
+# -----------------------------------------------------------------------------
+# checkpoints
 
 def write_atomically(path, payload):
     """torch.save to a temporary file, fsync, rename over the target, fsync the folder: a crash at any
@@ -327,7 +323,6 @@ def write_atomically(path, payload):
                       "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
 
 
-
 def save_checkpoint(path, model, optimizers, step, train_time, loader_state, train_cfg, model_cfg):
     """Everything a run needs to continue exactly: weights, optimizer state, step, charged time, data
     position, RNG and both configs."""
@@ -343,7 +338,6 @@ def save_checkpoint(path, model, optimizers, step, train_time, loader_state, tra
     })
 
 
-
 def save_final(path, model, model_cfg, train_cfg, step, train_time):
     """final.pt: the weights and the configs, no optimizer state (a third of a resumable checkpoint); the
     scorer's load_for_eval reads the weights and model config, evaluate.py the tokenizer named in the run
@@ -353,7 +347,6 @@ def save_final(path, model, model_cfg, train_cfg, step, train_time):
         raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
     write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
                             "train_config": asdict(train_cfg), "step": step, "train_time": train_time})
-
 
 
 def check_disk_space(out_dir, n_params, keep_checkpoints):
@@ -368,7 +361,6 @@ def check_disk_space(out_dir, n_params, keep_checkpoints):
             f"({keep_checkpoints} kept + final + one being written, ~{checkpoint_bytes / 2**20:.0f} MiB each); "
             "free space, choose another --out_dir or lower --keep_checkpoints"
         )
-
 
 
 def make_out_dir(cfg, model_cfg):
@@ -418,14 +410,11 @@ def periodic_checkpoints(out_dir):
     return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
 
 
-
 class CheckpointError(ValueError):
     """A file that is not a usable checkpoint; the message names it and says why."""
 
 
-
 CHECKPOINT_KEYS = ("model", "optimizers", "step", "train_time", "loader", "rng", "train_config", "model_config")
-
 
 
 def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
@@ -456,7 +445,6 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
     return state
 
 
-
 def inference_model(weights, model_config, device):
     """A single-device GPT in eval mode for evaluation and sampling, on the kernels the run trained with,
     except that "nki" becomes "auto": prompts come in any length, and "nki" would refuse one that is not a
@@ -466,7 +454,6 @@ def inference_model(weights, model_config, device):
     model = GPT(GPTConfig(**{**model_config, "kernels": kernels}))
     model.load_state_dict(weights)
     return model.to(device).eval()
-
 
 
 def load_for_eval(checkpoint_path, device="cpu"):
@@ -481,6 +468,8 @@ def load_for_eval(checkpoint_path, device="cpu"):
     return model.to(device).requires_grad_(False)
 
 
+# -----------------------------------------------------------------------------
+# the run's log, its speed and stop signals
 
 class Logger:
     """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl. Each line goes out
@@ -523,7 +512,6 @@ class Logger:
         if self.file:
             print(text, flush=True)
             self._write({"event": event, **fields})
-
 
 
 class SpeedMeter:
@@ -569,11 +557,12 @@ class StopSignal:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-
 class Stopped(Exception):
     """A stop signal arrived before there was anything worth saving."""
 
 
+# -----------------------------------------------------------------------------
+# resume, and the output folder
 
 def config_differences(state, cfg, model_cfg):
     """(incompatible, other): 'field (checkpoint X, now Y)' for the differences that make the checkpoint
@@ -591,16 +580,13 @@ def config_differences(state, cfg, model_cfg):
     return incompatible, differ(state["train_config"], now, skip)
 
 
-
 def is_rank0():
     return int(os.environ.get("RANK", "0")) == 0  # torchrun sets it, also before the process group exists
-
 
 
 def say(text):
     if is_rank0():
         print(text, flush=True)
-
 
 
 def resolve_resume(cfg, model_cfg):
@@ -639,9 +625,7 @@ def resolve_resume(cfg, model_cfg):
                           f"trained with{hint} (skipped {' | '.join(skipped)})")
 
 
-
 RUN_FILES = ("log.jsonl", "final.pt", "ckpt_*.pt")
-
 
 
 def check_out_dir(cfg):
