@@ -240,6 +240,9 @@ def bundled_import(node):
     if isinstance(node, ast.Import) and all(a.name in BUNDLED for a in node.names):
         return " = ".join(a.asname or a.name for a in node.names) + " = sys.modules[__name__]  # inlined here\n"
     if isinstance(node, ast.ImportFrom) and node.module == "kit":
+        unlisted = [a.name for a in node.names if a.name not in BUNDLED]
+        if unlisted:
+            raise ValueError(f"kit/{unlisted[0]}.py is imported but not in BUNDLED: the submission would lack it")
         return " = ".join(a.asname or a.name for a in node.names) + " = sys.modules[__name__]  # inlined here\n"
     if isinstance(node, ast.ImportFrom) and node.module in BUNDLED:
         return ""
