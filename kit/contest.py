@@ -101,8 +101,8 @@ PRESETS = {
 
 
 def find_prepare(cfg):
-    """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside this
-    script, which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
+    """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside train.py
+    (KIT_ROOT), which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
     launch string takes no flags) trains on the contest's data."""
     folder = cfg.competition_dir or KIT_ROOT
     if not os.path.isfile(os.path.join(folder, "prepare.py")):
