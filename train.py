@@ -104,6 +104,7 @@ class TrainConfig:
     ema_every: int = opt(1, "update the EMA every N steps (with decay^N)")
     ema_blend: float = opt(1.0, "final weights = (1 - blend) * live + blend * EMA")
 
+
 # the contest's scoring hook, which the scorer looks up in train.py
 load_for_eval = plumbing.load_for_eval
 
