@@ -20,7 +20,7 @@ and reports the median and spread of --bench_windows timed windows.
 MFU = model FLOPs per token x tokens/s / peak FLOP/s of the ranks used. Model FLOPs per token is
 GPT.flops_per_token(): 6 x matmul parameters + 12 x n_layer x n_head x head_dim x sequence_len (PaLM
 appendix B; attention at full, non-causal length). Peaks: dense bf16 datasheet numbers per rank
-(train.PEAK_FLOPS; a Trn2 rank at NEURON_LOGICAL_NC_CONFIG=2 is two physical cores), a measured matmul
+(plumbing.PEAK_FLOPS; a Trn2 rank at NEURON_LOGICAL_NC_CONFIG=2 is two physical cores), a measured matmul
 on CPU, or --peak_tflops.
 
 Estimates for Trn2 without a Trn2 (--kernels, --step_estimate, --sweep off Trainium): the NKI kernels run
@@ -65,6 +65,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate"} & set(sys.argv[1:]):
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
+from kit import contest, optim, plumbing  # noqa: E402
 from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -96,14 +97,14 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
     model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
-    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
-    autocast = train.autocast_context(cfg, device_type)
+    optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
+    autocast = plumbing.autocast_context(cfg, device_type)
 
     def step():
         train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
 
     t0 = time.perf_counter()
-    seconds = timed_windows(step, steps, windows, warmup, lambda: train.synchronize(device_type))
+    seconds = timed_windows(step, steps, windows, warmup, lambda: plumbing.synchronize(device_type))
     tokens = steps * cfg.batch_size * model_cfg.sequence_len
     rates = [tokens / s for s in seconds]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -114,7 +115,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     else:
         gathered = [per_rank]
     flops_per_token = raw_model.flops_per_token()
-    peak = train.peak_flops(device_type, train.compute_dtype(cfg), cfg.peak_tflops)
+    peak = plumbing.peak_flops(device_type, plumbing.compute_dtype(cfg), cfg.peak_tflops)
     job_tokens_per_s = sum(gathered)
     return {
         "device": device_type,
@@ -181,7 +182,7 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
     config = nanogpt.GPTConfig(block_size=model_cfg.sequence_len, vocab_size=model_cfg.padded_vocab_size,
                                n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
                                dropout=0.0, bias=False)
-    autocast = train.autocast_context(cfg, device_type)
+    autocast = plumbing.autocast_context(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     x, y = (torch.randint(0, model_cfg.vocab_size, shape, device=device) for _ in range(2))
 
@@ -203,9 +204,9 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
     model = train.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
-    optimizers = train.make_optimizers(raw_model, cfg, device_type, train.compute_dtype(cfg))
+    optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
     runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
-    sync = functools.partial(train.synchronize, device_type)
+    sync = functools.partial(plumbing.synchronize, device_type)
     seconds = {name: [] for name in runs}
     for run in runs.values():
         timed_windows(run, 0, 0, warmup, sync)
@@ -279,7 +280,7 @@ def time_call(call, inputs, backward, device_type, steps=5, windows=3):
         if backward:
             out.float().square().mean().backward()
 
-    return statistics.median(timed_windows(run, steps, windows, 2, lambda: train.synchronize(device_type))) / steps
+    return statistics.median(timed_windows(run, steps, windows, 2, lambda: plumbing.synchronize(device_type))) / steps
 
 
 def emulate(call, inputs, backward):
@@ -293,8 +294,8 @@ def emulate(call, inputs, backward):
 
 
 def measure_kernels(cfg, model_cfg, device_type, device):
-    dtype = train.compute_dtype(cfg)
-    peak = train.peak_flops(device_type, dtype, cfg.peak_tflops)
+    dtype = plumbing.compute_dtype(cfg)
+    peak = plumbing.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
     for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
@@ -371,8 +372,8 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     "VectorE/ScalarE rates, and each reads its inputs from HBM and writes its result to HBM (no fusion across "
     "ops); the head's softcap and cross-entropy are 5 fp32 passes over the logits forward and 5 backward",
     "within an op the engines overlap (its time is its busiest engine); ops run one after another",
-    "Muon (train.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
-    "passes per matrix element, on every rank for every matrix (train.Muon does not shard); AdamW: 3 one-input "
+    "Muon (optim.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
+    "passes per matrix element, on every rank for every matrix (optim.Muon does not shard); AdamW: 3 one-input "
     "and 5 two-input fp32 passes per parameter; gradient clipping 2 passes; accumulation 1 two-input pass per "
     "micro-step after the first",
     "one fp32 ring all-reduce of all gradients per step, 2 (R - 1) / R x 4 bytes x parameters through one "
@@ -381,7 +382,7 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     "loading, dependencies between ops' engines, compiler fusion and spills, the levers' extra work (value "
     "embeddings, multi-token prediction, EMA, batch warm-up)",
 )
-MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in train.muon_update
+MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
 ADAMW_PASSES = (3, 5)  # lerp of m, v; sqrt, divide, step (torch's AdamW)
 HEAD_PASSES = {"forward": ((3, 0), 2), "backward": ((3, 1), 1)}  # ((VectorE 1-, 2-input), ScalarE) over the logits
 
@@ -516,7 +517,7 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     matrices = [s for n, s in named.items() if len(s) == 2 and n not in ("wte.weight", "lm_head.weight")
                 and not n.startswith("value_embeds.")] if cfg.matrix_optimizer == "muon" else []
     seconds["optimizer"] = _op_seconds(_passes(params - sum(math.prod(s) for s in matrices), *ADAMW_PASSES))
-    for shape in set(matrices):  # stacked by shape, as train.Muon does; wide orientation (m <= n)
+    for shape in set(matrices):  # stacked by shape, as optim.Muon does; wide orientation (m <= n)
         m, n = sorted(shape)
         k = matrices.count(shape)
         gemms = [_gemm(m, n, m, k), _gemm(m, m, m, k), _gemm(m, m, n, k)]
@@ -636,7 +637,7 @@ def run_sweep(cfg, model_cfg, args, device_type, device, ranks=1):
 
 def sweep_title(cfg, model_cfg, device_type):
     """What a plot read on its own needs: the device, the dtype and the shape every point varies from."""
-    name = torch.cuda.get_device_name() if device_type == "cuda" else train.trainium_generation() if device_type == "neuron" else "CPU"
+    name = torch.cuda.get_device_name() if device_type == "cuda" else plumbing.trainium_generation() if device_type == "neuron" else "CPU"
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {model_cfg.n_layer} layers, n_embd "
             f"{model_cfg.n_embd}, {model_cfg.n_head}/{model_cfg.n_kv_head} heads, seq {model_cfg.sequence_len}, batch {cfg.batch_size}")
@@ -690,8 +691,8 @@ def ablation_rows(steps):
     scale = steps / FULL_RUN_STEPS
     short = {"muon_momentum_warmup_steps": max(1, round(300 * scale))}
     short_ema = {"ema_every": max(1, round(32 * scale)), "ema_decay": round(0.99 ** (1 / scale), 4)}
-    rows = [("baseline", {}), ("frontier", {name: train.FRONTIER[name] for fields in train.FRONTIER_LEVERS.values() for name in fields})]
-    rows += [(f"+ {lever}", {f: train.FRONTIER[f] for f in fields}) for lever, fields in train.FRONTIER_LEVERS.items()]
+    rows = [("baseline", {}), ("frontier", {name: contest.FRONTIER[name] for fields in contest.FRONTIER_LEVERS.values() for name in fields})]
+    rows += [(f"+ {lever}", {f: contest.FRONTIER[f] for f in fields}) for lever, fields in contest.FRONTIER_LEVERS.items()]
     args = []
     for name, levers in rows:
         levers = {**levers, **short, **(short_ema if levers.get("ema_decay") else {})}
@@ -845,11 +846,11 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
         cos, sin = (t.to(where, dtype) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
         x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(where, dtype)
         run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
-        with train.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
+        with plumbing.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
             out = run(x, cos, sin)
         out.float().square().mean().backward()
         results.append([out] + [p.grad for p in block.parameters()])
-    dtype = train.compute_dtype(cfg)
+    dtype = plumbing.compute_dtype(cfg)
     for i, (got, want, exact) in enumerate(zip(*results)):
         _close("output" if i == 0 else f"gradient of parameter {i - 1}", got, want,
                _tolerance(_error(want.cpu(), exact), dtype))
@@ -880,9 +881,9 @@ def _training_losses(cfg, model_cfg, mode, device_type, device, exact=False):
                                generator=torch.Generator().manual_seed(2))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
-        optimizers = train.make_optimizers(raw_model, cfg, device_type,
-                                           torch.float64 if exact else train.compute_dtype(cfg))
-        autocast = train.autocast_context(cfg, device_type)
+        optimizers = optim.make_optimizers(raw_model, cfg, device_type,
+                                           torch.float64 if exact else plumbing.compute_dtype(cfg))
+        autocast = plumbing.autocast_context(cfg, device_type)
         losses = []
         for _ in range(CHECK_STEPS):
             loss, _ = train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
@@ -898,7 +899,7 @@ def _check_training(cfg, model_cfg, device_type, device):
     torch_errors = ((torch_losses - exact_losses).abs() / exact_losses.abs()).cummax(0).values
     for step in range(CHECK_STEPS):
         _close(f"loss of step {step + 1} (NKI {nki_losses[step]:.4f}, PyTorch {torch_losses[step]:.4f})",
-               nki_losses[step], torch_losses[step], _tolerance(torch_errors[step].item(), train.compute_dtype(cfg)))
+               nki_losses[step], torch_losses[step], _tolerance(torch_errors[step].item(), plumbing.compute_dtype(cfg)))
     if not nki_losses[-1] < nki_losses[0]:
         raise AssertionError(f"the loss did not fall in {CHECK_STEPS} steps: {nki_losses.tolist()}")
 
@@ -913,14 +914,14 @@ def _check_causality(cfg, model_cfg, device_type, device):
     for block in model.blocks:  # nonzero output projections, so that attention reaches the logits
         for linear in (block.attn.c_proj, block.mlp.c_proj):
             torch.nn.init.normal_(linear.weight, std=0.02)
-    with train.autocast_context(cfg, device_type):
-        train.check_causality(model, CHECK_MODEL["vocab_size"], CHECK_MODEL["sequence_len"], device)
+    with plumbing.autocast_context(cfg, device_type):
+        contest.check_causality(model, CHECK_MODEL["vocab_size"], CHECK_MODEL["sequence_len"], device)
 
 
 def run_checks(cfg, model_cfg, device_type, device):
     """Every check, each caught on its own so that one failure does not hide the others; returns rows of
     (check, passed, seconds, first line of the error), and prints each failure's traceback."""
-    dtype = train.compute_dtype(cfg)
+    dtype = plumbing.compute_dtype(cfg)
     checks = []
     for name, inputs, call in _kernel_checks(dtype, device):
         for grad in (False, True):
@@ -986,12 +987,11 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
-    train.validate_config(cfg, model_cfg)
+    plumbing.validate_config(cfg, model_cfg)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
-    device_type = train.detect_device() if cfg.device == "auto" else cfg.device
-    rank, world_size, device = train.setup_distributed(device_type)
-    dtype_reason = train.choose_dtype(cfg, device_type, dist.new_group(backend="gloo") if dist.is_initialized() else None)
+    rank, world_size, device, device_type, control = plumbing.start_ranks(plumbing.device_type(cfg.device))
+    dtype_reason = plumbing.choose_dtype(cfg, device_type, control)
     if rank == 0:
         print(f"computing in {cfg.dtype} because {dtype_reason}")
     ranks = args.ranks or world_size

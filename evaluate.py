@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import random
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from tqdm import tqdm
 
 import data
 import train
+from kit import contest, plumbing
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's EVAL_BUNDLE_URL
 # nanochat publishes no checksum; this sha256 is the one several independent public projects recorded for
@@ -313,17 +313,17 @@ def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_token
 # command line
 
 def load_checkpoint_and_tokenizer(path, device, data_dir=None):
-    """The model (through train.load_for_eval, the competition's entry point) and the tokenizer it was
+    """The model (through load_for_eval, the competition's entry point) and the tokenizer it was
     trained with, resolved from the checkpoint's training config as train.py resolves it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
     try:  # memory-mapped: reading the config costs no second copy of the weights
-        train_config = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["train_config"]
-    except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}); pass the "
-                         "final.pt or ckpt_*.pt of a training run") from None
+        train_config = plumbing.load_checkpoint(path, keys=("train_config",), mmap=True)["train_config"]
+    except plumbing.CheckpointError as e:
+        raise ValueError(f"{path} is not a checkpoint written by train.py ({e}); pass the final.pt or ckpt_*.pt "
+                         "of a training run") from None
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
-    model = train.load_for_eval(path, device)
+    model = plumbing.load_for_eval(path, device)
     if model.config.vocab_size != enc.n_vocab:
         raise ValueError(f"{path} has a {model.config.vocab_size}-token vocabulary but its tokenizer "
                          f"{train_config['tokenizer']} has {enc.n_vocab}; pass the --data_dir it was trained with")
@@ -331,9 +331,8 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
 
 
 def run_core(args):
-    device_type = train.detect_device() if args.device == "auto" else args.device
+    rank, world_size, device, device_type, _ = plumbing.start_ranks(plumbing.device_type(args.device))
     dtype = args.dtype if args.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
-    rank, world_size, device = train.setup_distributed(device_type)
     model, enc = load_checkpoint_and_tokenizer(args.checkpoint, device, args.data_dir)
     if rank == 0:
         ensure_bundle(args.bundle_dir)
@@ -368,17 +367,17 @@ def run_bpb(args):
     own evaluate_bpb, the scorer's function, on the public validation shard, called as the baseline-derived
     train.py files call it (FrontierForge recipes/K82s4/train.py), so the number is computed as the
     leaderboard's is; otherwise the kit's evaluation on the held-out split of the data it was trained on."""
-    device_type = train.detect_device() if args.device == "auto" else args.device
+    device_type = plumbing.device_type(args.device)
     device = "cuda" if device_type == "cuda" else device_type
-    prepare = train.find_prepare(train.TrainConfig(competition_dir=args.competition_dir))
-    model = train.load_for_eval(args.checkpoint, device)
+    prepare = contest.find_prepare(train.TrainConfig(competition_dir=args.competition_dir))
+    model = plumbing.load_for_eval(args.checkpoint, device)
     if prepare is not None:
         tokenizer = prepare.ensure_tokenizer(build_if_missing=False)
         val_bpb = prepare.evaluate_bpb(model, tokenizer, args.batch_size, args.sequence_len, device, split="public_val",
                                        max_tokens=args.tokens)["val_bpb"]
         source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
     else:
-        saved = train.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
+        saved = plumbing.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size

@@ -28,9 +28,16 @@ import kernels
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def opt(default, help):
-    """A config field with its --help text."""
-    return field(default=default, metadata={"help": help})
+def opt(default, help, bounds=None, choices=None, resumable=False):
+    """A config field, declared once: its default, its --help text, the (low, high) it must lie in (inclusive,
+    high None for no bound) or the values it may take, and whether a resumed run may change it without
+    becoming another run. Parsing, --help, validation and the resume check all read these."""
+    metadata = {"help": help, "resumable": resumable}
+    if bounds is not None:
+        metadata["bounds"] = bounds
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
 
 
 @dataclass

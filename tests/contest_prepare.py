@@ -1,6 +1,6 @@
 """A stand-in for the AWS Trainium Frontier contest's prepare.py (not public), for the tests only.
 
-It offers the public interface that competitors' train.py files import from it (CONTEST.md; the
+It offers the public interface that competitors' train.py files import from it (the
 baseline-derived marker2601/trainium-simulator recipes/K82s4/train.py and the stub in
 poojithdevan4D/trainium-research-context workflow/tools/stub_prepare/prepare.py): the TRAIN_* constants,
 ensure_tokenizer, make_dataloader, evaluate_bpb, get_token_bytes, causality_check, get_dist_info, print0

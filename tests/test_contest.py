@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train
+from kit import contest, plumbing
 from tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ class FakeTime:
 
 def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_the_cap():
     now = FakeTime()
-    clock = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=now)
+    clock = contest.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=now)
     clock.steps_done(0)
     now.t = 104.0
     clock.steps_done(1)
@@ -39,7 +40,7 @@ def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_t
     assert clock.charged() == 30.0
 
     slow = FakeTime()
-    late = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
+    late = contest.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
     slow.t = 125.0
     late.steps_done(2)
     assert late.charged() == 15.0  # 25 s of start-up, 15 s over the cap
@@ -47,7 +48,7 @@ def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_t
 
 def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     now = FakeTime()
-    clock = train.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    clock = contest.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
     clock.steps_done(0)
     now.t = 185.0
     assert not clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 85 + 4 + 10 < 100
@@ -55,7 +56,7 @@ def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     assert clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 87 + 4 + 10 >= 100
     clock.exclude(5.0)  # e.g. an evaluation kept off the clock
     assert clock.charged() == 82.0 and not clock.out_of_time(clock.charged(), 4.0, 10.0)
-    resumed = train.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
+    resumed = contest.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
     resumed.steps_done(0)
     assert resumed.charged() == 40.0
 
@@ -66,7 +67,7 @@ def test_jittered_steps_never_run_the_charged_time_past_the_budget(budget_s):
     machine), a final save of 0.05 s and the reserve train.py keeps for it (twice that, plus 1 s). The
     median of recent steps let a slow step run past the end; the slowest recent step does not."""
     now = FakeTime()
-    clock = train.ChargedClock(budget_s, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    clock = contest.ChargedClock(budget_s, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
     save_s, step_times = 0.05, []
     reserve_s = 2 * save_s + 1.0
     clock.steps_done(0)
@@ -120,7 +121,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     exported = contest_dir / "train.py"
     run([sys.executable, "train.py", *TINY, f"--export_submission={exported}", f"--competition_dir={contest_dir}"], ROOT)
     source = exported.read_text()
-    assert len(source.encode()) <= train.SUBMISSION_LIMIT_BYTES
+    assert len(source.encode()) <= contest.SUBMISSION_LIMIT_BYTES
     assert not re.search(r"\bimport data\b", source) and "urllib" not in source and "class KitCorpus" not in source
     assert f"SUBMISSION_ARGS = {TINY!r}" in source
 
@@ -171,16 +172,16 @@ def test_evaluate_bpb_on_the_kits_data_equals_the_runs_own_final_evaluation(tmp_
 
 def test_the_submission_check_refuses_what_the_contest_would():
     ok = "import torch\ndef load_for_eval(path, device):\n    pass\n"
-    train.check_submission(ok)
+    contest.check_submission(ok)
     for source, problem in [
         (ok + "import urllib.request\n", "urllib"),
         (ok + "import tiktoken\n", "tiktoken"),
         (ok + "x = data.prepare()\n", "data"),
         ("import torch\n", "load_for_eval"),
-        (ok + "#" * train.SUBMISSION_LIMIT_BYTES, "at most"),
+        (ok + "#" * contest.SUBMISSION_LIMIT_BYTES, "at most"),
     ]:
         with pytest.raises(ValueError, match=problem):
-            train.check_submission(source)
+            contest.check_submission(source)
 
 
 def test_load_for_eval_gives_a_frozen_model_for_contexts_beyond_training(tmp_path):
@@ -191,7 +192,7 @@ def test_load_for_eval_gives_a_frozen_model_for_contexts_beyond_training(tmp_pat
     model = GPT(config)
     for block in model.blocks:
         torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
-    train.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), step=3, train_time=1.0)
+    plumbing.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), step=3, train_time=1.0)
     loaded = train.load_for_eval(str(tmp_path / "final.pt"), torch.device("cpu"))
     assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
     idx = torch.randint(0, 100, (1, 300))  # ~10x the training context
@@ -208,7 +209,7 @@ def test_a_model_with_non_finite_weights_is_never_saved_as_final(tmp_path):
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="lm_head.weight"):
-        train.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
+        plumbing.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
     assert not os.path.exists(tmp_path / "final.pt")
 
 
@@ -219,10 +220,10 @@ def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
     model = GPT(GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_embd=32, n_head=2)).eval()
     for linear in (model.blocks[0].attn.c_proj, model.blocks[0].mlp.c_proj):
         torch.nn.init.normal_(linear.weight, std=0.1)
-    train.check_causality(model, 100, 32, "cpu")
+    contest.check_causality(model, 100, 32, "cpu")
     import kernels
 
     monkeypatch.setattr(kernels, "attention",  # attention without its causal mask
                         lambda q, k, v, mode: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="changed logits at or before it"):
-        train.check_causality(model, 100, 32, "cpu")
+        contest.check_causality(model, 100, 32, "cpu")

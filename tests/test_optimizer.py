@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
+from kit import optim
 from model import GPT, GPTConfig
 
 
@@ -23,7 +24,7 @@ def random_with_singular_values(rows, cols, values, seed):
 def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_to_one(rows, cols, dtype):
     values = torch.logspace(-3, 1, min(rows, cols))  # four decades, as gradients have
     g, u, v = random_with_singular_values(rows, cols, values, seed=rows + cols)
-    x = train.orthogonalize(g[None], dtype)[0].float()
+    x = optim.orthogonalize(g[None], dtype)[0].float()
     assert x.dtype == torch.float32 and x.shape == (rows, cols)
     # in the singular bases of g, x is diagonal where g's singular values stand above rounding (bf16 keeps
     # ~3 digits, so directions of values 1e4 below the largest are lost in it) and Polar Express's five
@@ -37,10 +38,10 @@ def test_orthogonalize_keeps_singular_vectors_and_pulls_singular_values_to_one(r
 
 
 def reference_muon_step(p, grad, buf, second, lr, momentum, beta2, wd):
-    """One matrix, written out from the method's description (not from train.Muon's code)."""
+    """One matrix, written out from the method's description (not from optim.Muon's code)."""
     buf = momentum * buf + (1 - momentum) * grad
     nesterov = (1 - momentum) * grad + momentum * buf
-    o = train.orthogonalize(nesterov[None], torch.float32)[0]
+    o = optim.orthogonalize(nesterov[None], torch.float32)[0]
     axis = 1 if p.shape[0] >= p.shape[1] else 0  # one statistic per row of the longer side
     second = beta2 * second + (1 - beta2) * (o ** 2).mean(dim=axis, keepdim=True)
     normed = o / second.clamp_min(1e-10).sqrt()
@@ -62,7 +63,7 @@ def test_muon_matches_a_per_matrix_reference_over_three_steps(compiled, monkeypa
     reference = [p.detach().clone() for p in params]
     bufs = [torch.zeros(s) for s in shapes]
     seconds = [torch.zeros(s[0], 1) if s[0] >= s[1] else torch.zeros(1, s[1]) for s in shapes]
-    muon = train.Muon(params, lr=0.02, momentum=0.9, beta2=0.95, weight_decay=0.1, dtype=torch.float32, compile=compiled)
+    muon = optim.Muon(params, lr=0.02, momentum=0.9, beta2=0.95, weight_decay=0.1, dtype=torch.float32, compile=compiled)
     for step in range(3):
         grads = [torch.randn(*s) for s in shapes]
         for p, g in zip(params, grads):
@@ -123,8 +124,8 @@ def test_a_step_sees_no_changed_python_number_when_hyperparameters_change(recipe
                                 muon_momentum_warmup_steps=10, max_steps=20, compile=False)
         model_cfg = GPTConfig(sequence_len=32, vocab_size=64, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
     model = GPT(model_cfg)
-    optimizers = train.make_optimizers(model, cfg, "cpu", torch.float32)
-    ema = train.WeightEMA(model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
+    optimizers = optim.make_optimizers(model, cfg, "cpu", torch.float32)
+    ema = optim.WeightEMA(model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     batch = lambda: (torch.randint(0, 64, (2, 32)), torch.randint(-1, 64, (2, 32)))  # noqa: E731  -1: masked BOS
     train.train_step(model, model, optimizers, [batch()], "cpu", train.nullcontext(), cfg.grad_clip)  # creates state
     records, points = [], ((1, 0.05), (13, 0.15), (15, 0.9))  # warm-up, t+3's weight mid-fade, warm-down

@@ -8,6 +8,7 @@ import torch
 
 import data
 import train
+from kit import contest, optim
 from model import GPT, GPTConfig
 
 
@@ -39,12 +40,12 @@ def test_baseline_learning_rates_and_init_as_built():
     cfg, model_cfg = resolved("baseline")
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(model_cfg, n_layer=1, vocab_size=1024))
-    adamw, muon = train.make_optimizers(model, cfg, "cpu", torch.float32)
+    adamw, muon = optim.make_optimizers(model, cfg, "cpu", torch.float32)
     width_scale = (640 / 768) ** -0.5  # embedding and head lrs scaled by (width / 768)^-0.5, the scalars' not
     assert [g["peak_lr"] for g in adamw.param_groups] == pytest.approx([0.3 * width_scale, 0.006 * width_scale, 0.2])
     assert [g["betas"] for g in adamw.param_groups] == [(0.8, 0.95), (0.8, 0.95), (0.9, 0.95)]
     assert adamw.param_groups[2]["params"] == [model.resid_lambdas, model.x0_lambdas] and adamw.defaults["eps"] == 1e-10
-    assert isinstance(muon, train.Muon) and all(g["peak_lr"] == pytest.approx(0.025) for g in muon.param_groups)
+    assert isinstance(muon, optim.Muon) and all(g["peak_lr"] == pytest.approx(0.025) for g in muon.param_groups)
     assert model.wte.weight.std().item() == pytest.approx(0.8, rel=0.02)
     assert model.lm_head.weight.std().item() == pytest.approx(0.001, rel=0.02)
     c_fc = model.blocks[0].mlp.c_fc.weight
@@ -128,7 +129,7 @@ def test_value_embeds_and_residual_scalars_are_causal_and_optimised_apart():
     a, b = model(idx), model(changed)
     torch.testing.assert_close(a[:, :10], b[:, :10])
     assert not torch.allclose(a[:, 10:], b[:, 10:])
-    adamw, muon = train.make_optimizers(model, train.TrainConfig(), "cpu", torch.float32)
+    adamw, muon = optim.make_optimizers(model, train.TrainConfig(), "cpu", torch.float32)
     groups = {id(p): g["peak_lr"] for g in adamw.param_groups for p in g["params"]}
     cfg = train.TrainConfig()
     assert groups[id(model.value_embeds["0"].weight)] == pytest.approx(cfg.embedding_lr)
@@ -183,7 +184,7 @@ def test_bad_lever_settings_name_the_fix(overrides, message):
 def test_weight_ema_blends_the_average_into_the_model():
     model = torch.nn.Linear(2, 2, bias=False)
     torch.nn.init.zeros_(model.weight)
-    ema = train.WeightEMA(model, decay=0.5, every=2, blend=0.6)  # each update moves the average 1 - 0.5^2 = 3/4
+    ema = optim.WeightEMA(model, decay=0.5, every=2, blend=0.6)  # each update moves the average 1 - 0.5^2 = 3/4
     with torch.no_grad():
         model.weight.fill_(4.0)
     ema.update()
@@ -193,15 +194,15 @@ def test_weight_ema_blends_the_average_into_the_model():
 
 
 def test_frontier_differs_from_baseline_only_by_its_named_levers():
-    lever_fields = {f for fields in train.FRONTIER_LEVERS.values() for f in fields}
-    changed = {k for k, v in train.FRONTIER.items() if train.BASELINE.get(k) != v}
+    lever_fields = {f for fields in contest.FRONTIER_LEVERS.values() for f in fields}
+    changed = {k for k, v in contest.FRONTIER.items() if contest.BASELINE.get(k) != v}
     assert changed == lever_fields | {"compile"}
 
 
 def test_every_ablation_row_is_a_valid_run():
     import bench
     rows = dict(bench.ablation_rows(80))
-    assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in train.FRONTIER_LEVERS}
+    assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in contest.FRONTIER_LEVERS}
     for name, args in rows.items():
         cfg, model_cfg = train.parse_args([*args, *bench.ABLATION_SHAPE, "--max_steps=80"])
         train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
@@ -237,10 +238,10 @@ def fake_prepare(batches):
 
 def test_competition_mode_masks_bos_targets_and_refuses_a_row_pool(monkeypatch, tmp_path):
     y = torch.tensor([[5, 60, 7], [60, 1, 2]])
-    corpus = train.ContestCorpus(fake_prepare([(y, y, {})]), mask_bos_targets=True)
+    corpus = contest.ContestCorpus(fake_prepare([(y, y, {})]), mask_bos_targets=True)
     corpus.load(2, 3, 0, 1, "cpu", True)
     assert corpus.next_batch()[1].tolist() == [[5, -1, 7], [-1, 1, 2]]
-    monkeypatch.setattr(train, "find_prepare", lambda cfg: fake_prepare([]))
+    monkeypatch.setattr(contest, "find_prepare", lambda cfg: fake_prepare([]))
     with pytest.raises(ValueError, match="--row_pool=0 in competition mode"):
         train.main(["--data_order=stream", "--row_pool=8", "--dtype=float32", f"--out_dir={tmp_path}"])
 

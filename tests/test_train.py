@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import shutil
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 import train
+from kit import plumbing
+from model import GPTConfig, opt
 from tiny import TINY_RUN
 
 TINY = TINY_RUN + ["--warmup_steps=2"]
@@ -56,7 +59,7 @@ def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, dat
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
     # a run on NKI is scored on "auto": NKI where the kernels take the shapes, PyTorch (logged) elsewhere
-    trained_on_nki = train.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
+    trained_on_nki = plumbing.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
     assert trained_on_nki.config.kernels == "auto"
     reference = train.GPT(train.GPTConfig(**state["model_config"]))
     reference.load_state_dict(state["model"])
@@ -114,3 +117,26 @@ def test_a_run_with_nki_kernels_evaluates_and_samples_at_any_length(tmp_path, da
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     with torch.no_grad():
         assert model(torch.randint(0, 257, (1, 50))).shape == (1, 50, 257)
+
+
+def test_a_config_field_is_declared_once_on_its_line(capsys):
+    """A field added with nothing but its dataclass line is parsed, listed in --help, range-checked and
+    compared on resume (unless it says a resumed run may change it)."""
+    def config_with(field):
+        extended = dataclasses.make_dataclass("Extended", [("warmup_tokens", int, field)], bases=(train.TrainConfig,))
+        return {"model": GPTConfig, "training": extended}
+
+    configs = config_with(opt(0, "tokens of a new warm-up", bounds=(0, None)))
+    cfg = plumbing.parse_flags(["--warmup_tokens=5"], configs, {}, "")["training"]
+    assert cfg.warmup_tokens == 5
+    plumbing.validate_config(cfg, GPTConfig())
+    with pytest.raises(ValueError, match="--warmup_tokens=-1 must be >= 0"):
+        plumbing.validate_config(plumbing.parse_flags(["--warmup_tokens=-1"], configs, {}, "")["training"], GPTConfig())
+    with pytest.raises(SystemExit):
+        plumbing.parse_flags(["--help"], configs, {}, "")
+    assert "--warmup_tokens=0" in capsys.readouterr().out
+    saved = {"train_config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(GPTConfig())}
+    changed = dataclasses.replace(cfg, warmup_tokens=6)
+    assert plumbing.config_differences(saved, changed, GPTConfig()) == ([], ["warmup_tokens (checkpoint 5, now 6)"])
+    resumable = config_with(opt(0, "tokens of a new warm-up", resumable=True))["training"]
+    assert plumbing.config_differences(saved, resumable(warmup_tokens=6), GPTConfig()) == ([], [])

@@ -1,0 +1,379 @@
+"""
+The contest's contract (AWS Trainium Frontier): its prepare.py as the data source and the rule book, its
+clock, the presets with their sources, and the exporter that writes this kit as the one train.py the
+contest takes.
+"""
+import time
+
+PROCESS_START = time.monotonic()  # the contest charges start-up from the process's start; train.py imports this first
+
+import ast  # noqa: E402
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from model import GPT  # noqa: E402
+
+
+# One-flag configurations, applied before any other --field=value.
+#
+# baseline: the organiser's Trainium Frontier baseline (aws-neuron/trainium-frontier train.py, which is not
+# public), as far as public sources establish it. Sources, cited per value:
+#   [R] the organiser's README, embedded in poojithdevan4D/trainium-research-context
+#       01-governing-rules-protocol-and-mission.md
+#   [L] that team's "unmodified baseline, real reference run", 03-experiment-log.jsonl, first row: 1 rank,
+#       eager, seq_len 1024, 800 steps, 52.4M tokens, 59.6M params, ~51k tokens/s
+#   [K] marker2601/trainium-simulator recipes/K82s4/train.py, [P] poojithdevan4D/trainium-research-context
+#       04-train-research-35c9.py: both are modified baselines; a value is taken from them when both agree,
+#       or when one keeps it as an untouched constant
+#   [A] karpathy/autoresearch train.py, which the baseline's names and shape follow (DEPTH x ASPECT_RATIO 64 =
+#       640, HEAD_DIM 128, EMBEDDING_LR, WARMDOWN_RATIO, ...; autoresearch's prepare.py is the
+#       contest's ancestor)
+#   [?] not established: the value is the best guess named with it and may differ from the baseline
+# Launch on one Trn2 chip, 30 minutes:
+#   NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py --preset=baseline --dataset=... 
+BASELINE = dict(
+    n_layer=10, n_embd=640, n_head=5, n_kv_head=5,  # depth 10, 5 full-MHA heads of 128: 59.6M params at vocab 8192 [R, L]
+    mlp="relu2", logit_softcap=15.0,  # ReLU^2 MLP 4x, tanh softcap 15 [R; K, P: LOGIT_SOFTCAP = 15.0]
+    sequence_len=1024,  # [L: seq_len 1024; K: SEQ_LEN = 1024]; the scorer evaluates at 1024
+    rope_base=100000.0,  # [K, P: ROPE_BASE = 100000]
+    wte_init_std=0.8, matrix_init_scale=0.68,  # wte N(0, 0.8) [K: FF_WTE_STD 0.8], q/k/v/fc init x0.68 [issue 16]; head N(0, 0.001) is the kit's too [K: FF_HEAD_STD]
+    total_batch_tokens=65536,  # 52.4M tokens / 800 steps [L]
+    batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; K's repo docs/FINDINGS.md "one 65,536-token micro-batch"]
+    embedding_lr=0.3, head_lr=0.006, scalar_lr=0.2,  # AdamW [K: 0.30, 0.006, 0.20; P: 0.3, 0.006, 0.2]
+    # AdamW betas (0.8, 0.95) for embedding and head [P: EMBED_ADAMW_BETA2 = 0.95; A], (0.9, 0.95) for scalars
+    # [K, P], eps 1e-10, no weight decay [A; K's small decays are tuned] (fixed in make_optimizers)
+    residual_scalars=True,  # per-layer resid/x0 scalars: the README's AdamW "scalars" [R]; K builds them in every
+    # block (init 1 and 0.05; the kit keeps nanochat's 0.1 [?]) and trains them at scalar_lr with the other scalars
+    adamw_width_lr_scaling=True,  # embedding and head lr x (640/768)^-0.5 [R lineage: nanochat's dmodel_lr_scale; issue 16]
+    matrix_lr=0.025,  # Muon [K: MATRIX_LR = 0.025, an untouched constant; P has 0.02, which that team tuned]
+    matrix_optimizer="muon", muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,  # [P: MUON_MOMENTUM_WARMUP_STEPS = 300; issue 16]
+    muon_beta2=0.9,  # NorMuon [P: MUON_BETA2 = 0.9]; Polar Express, cautious WD, lr x sqrt(max(1, rows/cols)): the kit's Muon
+    weight_decay=0.2,  # cautious, decayed linearly to 0 [P: WEIGHT_DECAY = 0.2, WD_DECAY_TO_ZERO = True; A: 0.2; K's 0.02 is tuned]
+    warmup_steps=0,  # [P: WARMUP_STEPS = 0; A: WARMUP_RATIO = 0.0; K's 20 is tuned]
+    warmdown_frac=0.5, final_lr_frac=0.0,  # [?: A's WARMDOWN_RATIO 0.5, FINAL_LR_FRAC 0.0; the README says the baseline's
+    # warmdown is "tuned for the training budget"; P has 0.75 / 0.05 and K 0.7, both tuned]
+    grad_clip=1.0,  # [P: GRAD_CLIP = 1.0] [?: K has none]
+    time_budget_s=1800.0, startup_steps=5,  # 30 minutes [R]; prepare.py's TRAIN_STARTUP_STEPS_EXCLUDED = 5 [K, P]
+    compile=False,  # "The baseline is eager-mode" [R]
+    data_order="stream",  # the contest's loader streams documents in order, every epoch alike [P: _document_batches docstring]
+    eval_tokens=1048576, log_every=20, checkpoint_every=250, sample_tokens=200,
+)
+
+
+# frontier: the baseline plus the levers competitors measured on Trn2 near the baseline's scale (val_bpb deltas
+# from FrontierForge, marker2601/trainium-simulator docs/FINDINGS.md). Not tuned together at this scale.
+FRONTIER = dict(
+    BASELINE,
+    mtp_extra=2, mtp_weights="0.5,0.25", mtp_fade="0.45,0.2",  # 3-token MTP (1, 0.5, 0.25), t+3 faded out by 20%, t+2 by 45% of the run: -0.0043
+    data_order="stream", row_pool=256,  # row pool of 256 micro-batches: -0.0023
+    batch_warmup="0.25@0.06,0.5@0.2", batch_size=2,  # 1/4 then 1/2 of the batch until 6% then 20% of the run: -0.0019;
+    # batch_size 2 so a quarter-step is whole micro-batches on 1, 4 or 8 ranks
+    mlp="leaky_relu2",  # LeakyReLU(0.35)^2: -0.0017 (kernels.py's leaky_relu2)
+    ema_decay=0.99, ema_every=32, ema_blend=0.6,  # EMA every 32 steps, 0.6 blend at the end: -0.0005
+    value_embeds=True,  # gated value embeddings: both forks have them (nanochat's design); not measured alone
+    mask_bos_targets=True,  # both forks' loaders; not measured alone
+    loss_chunks=8,  # fused chunked softcap CE: -2.8% step time
+    compile=True,  # both forks compile the step ("compile and static-loss work", marker2601/trainium-simulator docs/FINDINGS.md)
+)
+
+
+# The frontier's levers by name, each the fields it sets (bench.py --ablation turns them on one at a time).
+FRONTIER_LEVERS = {
+    "mtp": ("mtp_extra", "mtp_weights", "mtp_fade"),
+    "row_pool": ("row_pool",),
+    "batch_warmup": ("batch_warmup", "batch_size"),
+    "leaky_relu2": ("mlp",),
+    "ema": ("ema_decay", "ema_every", "ema_blend"),
+    "value_embeds": ("value_embeds",),
+    "mask_bos": ("mask_bos_targets",),
+    "chunked_ce": ("loss_chunks",),
+}
+
+
+PRESETS = {
+    "baseline": BASELINE,
+    "frontier": FRONTIER,
+    "trn2": BASELINE,  # the old name of the baseline's shape
+}
+
+
+def find_prepare(cfg):
+    """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside train.py
+    (KIT_ROOT), which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
+    launch string takes no flags) trains on the contest's data."""
+    folder = cfg.competition_dir or KIT_ROOT
+    if not os.path.isfile(os.path.join(folder, "prepare.py")):
+        if cfg.competition_dir:
+            raise FileNotFoundError(f"--competition_dir={cfg.competition_dir} has no prepare.py")
+        return None
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import prepare
+
+    return prepare
+
+
+class ContestCorpus:
+    """The contest's data through its prepare.py: its tokenizer (vocabulary 8,192, BOS 8188) and its own
+    make_dataloader, the organiser's loader, chosen over the evaluator-layout loader FrontierForge wrote
+    because it needs only prepare.py's public names. No validation data is read inside the run: the
+    contest's review rejected in-script evaluation on it; `python evaluate.py` scores a
+    checkpoint with prepare.py's own evaluate_bpb instead."""
+
+    val_batches = token_bytes = decode = None
+
+    def __init__(self, prepare, mask_bos_targets=False):
+        self.prepare, self.mask_bos_targets = prepare, mask_bos_targets
+        self.tokenizer = prepare.ensure_tokenizer(build_if_missing=False)
+        self.vocab_size, self.bos_id = self.tokenizer.get_vocab_size(), self.tokenizer.get_bos_token_id()
+
+    def load(self, batch_size, sequence_len, rank, world_size, device, master):  # the loader shards by rank itself
+        self.batches = self.prepare.make_dataloader(self.tokenizer, batch_size, sequence_len, "train", device)
+
+    def next_batch(self):
+        x, y, _ = next(self.batches)
+        if self.mask_bos_targets:  # the next document's BOS cannot be predicted; the same constant every step
+            y = y.masked_fill(y == self.bos_id, -1)
+        return x, y
+
+    def state_dict(self):  # the organiser's loader has no position to save: a resumed run starts it anew
+        return None
+
+    def load_state_dict(self, state):
+        pass
+
+
+def apply_contest_rules(cfg, prepare):
+    """The constants the contest's prepare.py fixes, and the harness's output folder, over any flag."""
+    cfg.time_budget_s = float(prepare.TRAIN_TIME_BUDGET_SECONDS)
+    cfg.startup_steps = int(prepare.TRAIN_STARTUP_STEPS_EXCLUDED)
+    cfg.startup_cap_s = float(prepare.TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS)
+    cfg.out_dir = os.environ.get("NEURON_COMPETITION_R1_OUT_DIR", cfg.out_dir)  # the baseline's --out-dir default
+    cfg.eval_every, cfg.sample_tokens = 0, 0
+
+
+def announce(cfg, prepare):
+    """Says, once, what competition mode fixes (nothing without prepare.py)."""
+    if prepare is not None:
+        print(f"competition mode: {prepare.__file__}'s data, tokenizer and clock (budget {cfg.time_budget_s:.0f} s, "
+              f"{cfg.startup_steps} start-up steps excluded, start-up beyond {cfg.startup_cap_s:.0f} s charged); "
+              f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
+
+
+class ChargedClock:
+    """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
+    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them):
+    wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
+    start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
+    is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
+    `already` carries the charged time of the run a checkpoint resumes."""
+
+    def __init__(self, budget_s, excluded_steps, startup_cap_s, already=0.0, process_start=PROCESS_START,
+                 now=time.monotonic):
+        self.budget_s, self.excluded_steps, self.startup_cap_s = budget_s, excluded_steps, startup_cap_s
+        self.already, self.process_start, self.now = already, process_start, now
+        self.started = None
+        self.startup_s = self.excluded_s = 0.0
+
+    def steps_done(self, steps_this_run):
+        """Called after each synchronised step (and with 0 before the first)."""
+        if self.started is None and steps_this_run >= self.excluded_steps:
+            now = self.now()
+            self.startup_s = now - self.process_start
+            self.started = now - max(0.0, self.startup_s - self.startup_cap_s)
+
+    def exclude(self, seconds):
+        self.excluded_s += seconds
+
+    def charged(self):
+        running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
+        return self.already + running
+
+    def out_of_time(self, charged, next_step_s, reserve_s):
+        """True when one more step and the final save would not fit in the budget (`charged`: the value the
+        ranks agreed on)."""
+        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
+
+
+# The kit's root, where train.py and prepare.py's usual place are; in the one-file submission, that file's folder.
+KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
+# What the one-file submission leaves out: the kit's own data path (and with it data.py and its downloads)
+# and the exporter, each replaced by a stand-in that says why ("" = nothing left refers to it).
+KIT_ONLY = {
+    "KitCorpus": "def KitCorpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
+                 "trains on the contest's data only\")\n",
+    "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
+    "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
+    "bundle_source": "",
+    "check_submission": "",
+    "check_causality": "",
+    "SUBMISSION_LIMIT_BYTES": "",
+    "SUBMISSION_IMPORTS": "",
+    "BUNDLED": "",
+    "defined_names": "",
+    "bundled_import": "",
+    "is_reexport": "",
+    "module_text": "",
+    "KIT_ONLY": "",
+}
+# The files the submission is made of, in the order they are inlined: each before its first importer.
+# contest first, so its PROCESS_START is taken before the others import torch; a module's names are used at
+# its import only by the modules after it (model.py's kernels.KERNEL_MODES ...)
+BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "optim": "kit/optim.py",
+           "plumbing": "kit/plumbing.py", "train": "train.py"}
+
+
+def defined_names(node):
+    return {n for n in [getattr(node, "name", None)] + [t.id for t in getattr(node, "targets", [])
+                                                        if isinstance(t, ast.Name)] if n}
+
+
+def bundled_import(node):
+    """For a top-level import of bundled modules, the statement that stands for it in the one file: their
+    names are already this file's, so `import kernels` or `from kit import contest` makes the module's name
+    mean this file's module (`kernels.mlp` then finds the inlined mlp), and `from model import GPT` needs
+    nothing. None for any other statement."""
+    if isinstance(node, ast.Import) and all(a.name in BUNDLED for a in node.names):
+        return " = ".join(a.asname or a.name for a in node.names) + " = sys.modules[__name__]  # inlined here\n"
+    if isinstance(node, ast.ImportFrom) and node.module == "kit":
+        unlisted = [a.name for a in node.names if a.name not in BUNDLED]
+        if unlisted:
+            raise ValueError(f"kit/{unlisted[0]}.py is imported but not in BUNDLED: the submission would lack it")
+        return " = ".join(a.asname or a.name for a in node.names) + " = sys.modules[__name__]  # inlined here\n"
+    if isinstance(node, ast.ImportFrom) and node.module in BUNDLED:
+        return ""
+    return None
+
+
+def is_reexport(node):
+    """`name = module.name` of a bundled module (train.py's load_for_eval): in the one file it is that name."""
+    return isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+        and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name) \
+        and node.value.value.id in BUNDLED and node.value.attr == node.targets[0].id
+
+
+def bundle_source(root, argv):
+    """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
+    names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
+    downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments and docstrings are
+    kept, so it reads as the kit does. Raises ValueError where two modules define one name."""
+    texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
+    defined = {}
+    for name, text in texts.items():
+        for node in ast.parse(text).body:
+            for n in set() if is_reexport(node) else defined_names(node) - set(KIT_ONLY):
+                if n in defined and defined[n] != name:
+                    raise ValueError(f"{n} is defined in both {BUNDLED[defined[n]]} and {BUNDLED[name]}")
+                defined[n] = name
+    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(texts[name], argv)}" for name in BUNDLED if name != "train")
+    source = module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
+    check_submission(source)
+    return source
+
+
+def module_text(text, argv, inline=None):
+    """A module's text, top-level statement by statement (each with the comments above it); `inline`, for
+    train.py, the other modules' texts, put at its first import of them."""
+    tree = ast.parse(text)
+    lines, out, previous_end = text.splitlines(keepends=True), [], 0
+    for node in tree.body:
+        start, end = node.lineno - 1, node.end_lineno
+        while start > previous_end and lines[start - 1].lstrip().startswith(("#", "@")):
+            start -= 1  # comments and decorators belong to the statement below them
+        chunk, gap = "".join(lines[start:end]), "".join(lines[previous_end:start])
+        previous_end = end
+        names = defined_names(node)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and node is tree.body[0]:
+            if inline is None:  # other modules' docstrings become comments
+                chunk = "".join(f"# {line}".rstrip() + "\n" for line in node.value.value.strip().splitlines())
+        elif bundled_import(node) is not None:
+            chunk, inline = (inline or "") + bundled_import(node), ""
+        elif is_reexport(node):
+            chunk = ""
+        elif names & set(KIT_ONLY):
+            chunk = KIT_ONLY[(names & set(KIT_ONLY)).pop()]
+        elif names == {"SUBMISSION_ARGS"}:
+            chunk = f"SUBMISSION_ARGS = {argv!r}  # the flags of the run that exported this file\n"
+        out.append(gap + chunk)
+    out.append("".join(lines[previous_end:]))
+    return "".join(out)
+
+
+SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, marker2601/trainium-simulator)
+
+
+SUBMISSION_IMPORTS = {"torch", "numpy", "nki", "torch_neuronx", "prepare"}
+
+
+def check_submission(source):
+    """What the contest takes: one file under the portal's size limit, importing only the standard
+    library, torch, numpy, the Neuron stack and prepare.py, with no download code and nothing of the
+    kit's own data path. Raises ValueError naming the first problem."""
+    size = len(source.encode())
+    if size > SUBMISSION_LIMIT_BYTES:
+        raise ValueError(f"the submission is {size:,} bytes; the contest takes at most {SUBMISSION_LIMIT_BYTES:,}")
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) else []
+        for module in modules:
+            top = module.split(".")[0]
+            if top not in SUBMISSION_IMPORTS and top not in sys.stdlib_module_names or top in ("urllib", "http", "socket", "requests"):
+                raise ValueError(f"the submission imports {module}, which the contest's environment may lack or forbids")
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    leftovers = sorted(used & ({"data", "urlopen", "hf_hub_download"} | {k for k, v in KIT_ONLY.items() if not v}))
+    if leftovers:
+        raise ValueError(f"the submission still refers to {leftovers}, which it leaves out")
+    if "def load_for_eval" not in source:
+        raise ValueError("the submission defines no load_for_eval, which the scorer calls")
+
+
+def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=None):
+    """Raises ValueError unless the model's logits at each position depend only on the tokens up to it:
+    with the contest's prepare.py through its own causality_check (what the contest runs); otherwise by
+    changing the tokens after several positions t, which must move no logit at or before t beyond float
+    noise, and must move some logit after it (else the check itself is blind)."""
+    if prepare is not None:
+        result = prepare.causality_check(model, tokenizer, 1, length, device)
+        if not result["passed"]:
+            raise ValueError(f"prepare.py's causality_check failed: {result}")
+        return
+    generator = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, vocab_size, (1, length), generator=generator)
+    with torch.no_grad():
+        logits = model(idx.to(device)).float()
+        for t in (0, length // 2 - 1, length // 2, length - 2):
+            changed = idx.clone()
+            changed[:, t + 1:] = torch.randint(0, vocab_size, (1, length - t - 1), generator=generator)
+            other = model(changed.to(device)).float()
+            leak = (other[:, :t + 1] - logits[:, :t + 1]).abs().max().item()
+            if leak > 1e-5 * logits.abs().max().item():
+                raise ValueError(f"changing tokens after position {t} changed logits at or before it by {leak:.3g}")
+            if torch.equal(other[:, t + 1:], logits[:, t + 1:]):
+                raise ValueError(f"changing tokens after position {t} changed no later logit: the check is blind")
+
+
+def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
+    """Writes the one-file train.py after a causality check of the model it would train."""
+    path = cfg.export_submission
+    torch.manual_seed(cfg.seed)
+    model = GPT(dataclasses.replace(model_cfg, vocab_size=vocab_size)).eval()
+    for block in model.blocks:  # zero-initialised output projections would hide a leak
+        for linear in (block.attn.c_proj, block.mlp.c_proj):
+            torch.nn.init.normal_(linear.weight, std=0.02)
+    try:
+        check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer)
+    except ValueError as e:
+        raise ValueError(f"not exporting: the model is not causal ({e})") from e
+    # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
+    flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
+    source = bundle_source(KIT_ROOT, flags)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(source)
+    print(f"wrote {path}: {len(source.encode()):,} bytes (limit {SUBMISSION_LIMIT_BYTES:,}), defaults {flags}; "
+          f"causality check passed")
