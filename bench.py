@@ -709,7 +709,7 @@ def run_ablation(seeds, steps, extra=()):
     """val_bpb of every ablation row for each seed (extra: more train.py arguments for every run), as a
     markdown table of mean, spread and change from the baseline. It checks that each lever trains and is
     wired right at this scale; it measures nothing about Trn2, where the levers' gains were measured at far
-    larger scale (README, "Ablation")."""
+    larger scale (docs/results.md, "Ablation")."""
     import contextlib
     import io
     import tempfile

@@ -87,11 +87,11 @@ class TrainConfig:
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)", bounds=(0, None), resumable=True)
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)", resumable=True)
     seed: int = opt(1337, "seed of initialisation and data order", bounds=(0, 2**63 - 1))  # numpy's generator takes no negative seed
-    deterministic: bool = opt(False, "deterministic algorithms only (see README: what is bit-exact)", resumable=True)
+    deterministic: bool = opt(False, "deterministic algorithms only (see docs/training.md: what is bit-exact)", resumable=True)
     # the contest (AWS Trainium Frontier)
     competition_dir: str = opt("", "folder of the contest's prepare.py; '' = beside train.py (then it is used)", resumable=True)
     export_submission: str = opt("", "write this kit as one train.py for upload, these flags its defaults", resumable=True)
-    # recipe levers (README "Presets"): all off by default, on in --preset=frontier
+    # recipe levers (docs/training.md "Presets"): all off by default, on in --preset=frontier
     adamw_width_lr_scaling: bool = opt(False, "scale embedding and head AdamW lrs by (n_embd / 768)^-0.5, as the baseline does")
     data_order: str = opt("shuffled", "shuffled (every window, random order) | stream (in order, as the contest's loader)",
                           choices=("shuffled", "stream"))
