@@ -372,4 +372,4 @@ def test_help_documents_the_command(capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["core", "--help"])
     out = capsys.readouterr().out
-    assert all(flag in out for flag in ("--checkpoint", "--bundle_dir", "--max_per_task", "--batch_tokens", "--dtype"))
+    assert all(flag in out for flag in ("--checkpoint", "--bundle_dir", "--max_per_task", "--batch_tokens", "--crop_to_context", "--dtype"))
