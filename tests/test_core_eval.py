@@ -11,7 +11,6 @@ import socket
 import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,11 +195,11 @@ def test_bundle_download_is_verified_unpacked_and_cached(tmp_path, monkeypatch):
 # scores: a model that always prefers the right answer, one with no preference, ranks against one process
 
 class FakeModel(torch.nn.Module):
-    """Uniform logits, except on the sequences in `known`, whose every next token it predicts confidently."""
+    """Uniform logits, except on the sequences in `known`, whose every next token it predicts confidently.
+    It has no context length: the evaluator reads none (the cropping length is max_len's)."""
 
-    def __init__(self, sequence_len, known=()):
+    def __init__(self, known=()):
         super().__init__()
-        self.config = SimpleNamespace(sequence_len=sequence_len)
         self.known = {tuple(k) for k in known}
 
     def forward(self, idx):
@@ -226,14 +225,14 @@ def gold_sequences(tasks, max_len=None):
 
 @pytest.mark.parametrize("max_len", [None, 48])  # None: prompts scored whole, as the reference; 48: most cut from the left
 def test_a_model_that_prefers_the_right_answer_scores_one(tasks, max_len):
-    model = FakeModel(48, gold_sequences(tasks, max_len))
+    model = FakeModel(gold_sequences(tasks, max_len))
     report = evaluate.evaluate_core(model, ENC, tasks, "cpu", batch_tokens=256, max_len=max_len)
     assert all(r["accuracy"] == 1.0 and r["centred"] == 1.0 for r in report["tasks"].values()), report
     assert report["core"] == 1.0
 
 
 def test_a_uniform_model_scores_zero(tasks):
-    report = evaluate.evaluate_core(FakeModel(4096), ENC, tasks, "cpu")
+    report = evaluate.evaluate_core(FakeModel(), ENC, tasks, "cpu")
     # every choice ties, so the first wins: chance on balanced answers; argmax never reproduces a continuation
     assert [r["accuracy"] for r in report["tasks"].values()] == [0.25, 0.25, 0.5, 0.0]
     assert report["core"] == pytest.approx(0.0, abs=1e-12)
@@ -247,7 +246,7 @@ def test_the_lowest_loss_wins_by_the_reference_rule(tasks):
     mean loss, which wins when it comes first (min() keeps it) and never after."""
     task = dict(tasks[1], examples=[{"query": "Q:", "choices": ["1", "10"], "gold": 0},
                                     {"query": "Q:", "choices": ["10", "1"], "gold": 1}])
-    assert evaluate.evaluate_task(FakeModel(48), ENC, task, "cpu", nullcontext(), 256)[:2] == (1, 2)
+    assert evaluate.evaluate_task(FakeModel(), ENC, task, "cpu", nullcontext(), 256)[:2] == (1, 2)
 
 
 def tiny_checkpoint(path):
@@ -317,7 +316,7 @@ def test_prompts_are_scored_whole_unless_cropped_to_the_context(tmp_path, bundle
     for flags, expected in [([], sum(lengths)), (["--crop_to_context"], sum(min(n, 96) for n in lengths))]:
         report = evaluate.main(["core", "--checkpoint", checkpoint, f"--bundle_dir={bundle}", *flags])
         assert report["tasks"]["tiny_mc"]["tokens"] == expected and report["crop_to_context"] == bool(flags)
-        estimate = re.search(r"CORE: ~([\d,]+) tokens, ~([\d.]+) min at 20% of ([\d,.]+) TFLOP/s \(estimate\)",
+        estimate = re.search(r"CORE: ~([\d,]+) tokens, ~([\d.]+) min at 20% of [\d,.]+ TFLOP/s \(estimate\)",
                              capsys.readouterr().out)
         assert int(estimate[1].replace(",", "")) == report["tokens"]
         assert math.isclose(float(estimate[2]), report["estimated_seconds"] / 60, abs_tol=0.05)
