@@ -9,8 +9,9 @@ Evaluate a saved checkpoint: val_bpb (`bpb`) and the CORE suite (`core`).
     python evaluate.py core --help                                        # every flag
 
 CORE is the DCLM paper's 22-task in-context suite (HellaSwag, ARC, PIQA, Winograd, LAMBADA, BoolQ, ...), run
-rule for rule as nanochat's scripts/base_eval.py runs it, so its numbers compare with nanochat's (it departs
-only where the reference would fail: see crop() and evaluate_task()). Every example is scored by
+rule for rule as nanochat's scripts/base_eval.py and nanochat/core_eval.py run it, so its numbers compare with
+nanochat's (to ~1e-7: the reference takes each accuracy as a float32 mean; it departs only where the reference
+would fail or score nothing: see crop() and continuation_spans()). Every example is scored by
 log-likelihood, nothing is generated. Three task types:
 - multiple choice: one prompt per choice, sharing the question; the choice with the lowest mean loss over its
   own tokens wins;
@@ -18,15 +19,18 @@ log-likelihood, nothing is generated. Three task types:
   has the lowest mean loss wins;
 - language modelling: right only if greedy (argmax) decoding reproduces every token of the continuation.
 Each task's examples are shuffled with a fixed seed, its few-shot examples drawn from the others with a seed
-per example, prompts start with the BOS token and are cut from the left to the model's context. A task's
+per example, prompts start with the BOS token and are scored whole, however long (the model's rotary tables
+grow; nanochat's own GPT is not cropped either); --crop_to_context cuts them from the left to the model's
+context, as the reference does for a model that declares a max_seq_len. A task's
 accuracy is centred by its random baseline, (accuracy - baseline) / (1 - baseline), so chance scores 0 and
 perfect 1; CORE is the mean of the 22 centred accuracies.
 
 The eval bundle (nanochat's eval_bundle.zip: core.yaml, eval_meta_data.csv, eval_data/*.jsonl) is downloaded
 once into --bundle_dir (resumable, sha256-checked) and unpacked there; a machine that has it already points
---bundle_dir at the unpacked folder. Under torchrun each rank scores every world_size-th example and the
-per-task counts are summed. Rank 0 prints a line per task and writes a JSON report (default: next to the
-checkpoint, <name>_core.json).
+--bundle_dir at the unpacked folder. Before scoring, rank 0 counts the tokens the suite will run
+and prints an estimate of its time from the model's FLOPs and the devices' peak (see core_estimate()).
+Under torchrun each rank scores every world_size-th example and the per-task counts are summed. Rank 0
+prints a line per task and writes a JSON report (default: next to the checkpoint, <name>_core.json).
 """
 import argparse
 import csv
@@ -58,6 +62,7 @@ BUNDLE_SHA256 = "90a7c19e28ee7a52b4f6e1f87658deb9fde7f63deba2379045bdb1fe9ea5d20
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337  # the reference's order of each task's examples (which --max_per_task keeps the head of)
 FEWSHOT_SEED = 1234  # + the example's index: the reference's few-shot draw
+ASSUMED_MFU = 0.20  # of peak, for the time estimate: what the baseline's training throughput implies on Trn2
 
 
 # -----------------------------------------------------------------------------
@@ -194,8 +199,9 @@ def continuation_spans(task_type, token_lists):
 
 
 def crop(tokens, start, end, max_len):
-    """Keeps the last max_len tokens, as the reference does for a model with a maximum length. The first
-    kept token has no prediction, so at most max_len - 1 continuation tokens are scored."""
+    """Keeps the last max_len tokens, as the reference does for a model with a max_seq_len. The first kept
+    token has no prediction, so at most max_len - 1 continuation tokens are scored (the reference would
+    score an empty span there: a NaN loss, or an LM example counted right)."""
     cut = max(0, len(tokens) - max_len)
     return tokens[cut:], max(start - cut, 1), end - cut
 
@@ -206,11 +212,30 @@ def example_prompts(task, idx):
     return RENDER[task["type"]](task["examples"][idx], task["delimiter"], shots)
 
 
-def example_rows(task_type, token_lists, max_len):
-    """[(tokens, start, end)]: the sequences scored for one example (BOS + prompt tokens, cropped to the
-    model's context) and the span of each that is scored."""
-    sequences, spans = continuation_spans(task_type, token_lists)
-    return [crop(t, s, e, max_len) for t, (s, e) in zip(sequences, spans)]
+def example_rows(task_type, token_lists, max_len=None):
+    """[(tokens, start, end)]: the sequences scored for one example (BOS + prompt tokens, cropped to max_len
+    if given) and the span of each that is scored."""
+    rows = [(t, s, e) for t, (s, e) in zip(*continuation_spans(task_type, token_lists))]
+    return [crop(*row, max_len) for row in rows] if max_len else rows
+
+
+def task_rows(enc, task, indices, max_len=None):
+    """The rows of each example of the task at indices, its prompts tokenised in one call (threaded)."""
+    prompts = [example_prompts(task, idx) for idx in indices]
+    tokens = iter(enc.encode_ordinary_batch([p for example in prompts for p in example]))
+    return [example_rows(task["type"], [[enc.eot_token] + next(tokens) for _ in p], max_len) for p in prompts]
+
+
+def core_estimate(model, enc, tasks, max_len, peak, mfu=ASSUMED_MFU):
+    """(tokens, seconds): the tokens the suite will score (unpadded; its prompts are rendered and tokenised
+    for this, once more than for scoring) and the time their forward FLOPs take at mfu of peak FLOP/s.
+    A sequence of n tokens costs n * (2 * N_matmul + 4 * n_layer * n_head * head_dim * n), the forward third
+    of flops_per_token() at context n (attention counted at full length, as there)."""
+    c = model.config
+    per_token, per_position = 2 * model.num_params(matmul_only=True), 4 * c.n_layer * c.n_head * c.head_dim
+    lengths = [len(tokens) for task in tasks for rows in task_rows(enc, task, range(len(task["examples"])), max_len)
+               for tokens, _, _ in rows]
+    return sum(lengths), sum(n * (per_token + per_position * n) for n in lengths) / (peak * mfu)
 
 
 # -----------------------------------------------------------------------------
@@ -223,12 +248,12 @@ def score_rows(model, rows, device, autocast, batch_tokens, bos, static_shapes=F
     outputs at earlier positions do not see it) to a multiple of 8 tokens. With static_shapes (Trainium),
     to a multiple of 128, where NKI attention applies, and every batch of a length is filled up to the same
     number of rows, so one compiled graph per length serves the whole suite."""
-    max_len, multiple = model.config.sequence_len, 128 if static_shapes else 8
+    multiple = 128 if static_shapes else 8
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     results = [None] * len(rows)
     i = 0
     while i < len(order):
-        width = min(max_len, math.ceil(len(rows[order[i]][0]) / multiple) * multiple)
+        width = math.ceil(len(rows[order[i]][0]) / multiple) * multiple
         n_rows = max(1, batch_tokens // width)
         batch = order[i : i + n_rows]
         shape = (n_rows if static_shapes else len(batch), width)
@@ -253,14 +278,13 @@ def score_rows(model, rows, device, autocast, batch_tokens, bos, static_shapes=F
     return results
 
 
-def evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shapes=False, rank=0, world_size=1, progress=None):
+def evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shapes=False, rank=0, world_size=1,
+                  progress=None, max_len=None):
     """(correct, examples, tokens scored) over the whole task, this rank having scored examples rank,
-    rank + world_size, ...; the token count (unpadded sequence lengths) is what the time depends on."""
+    rank + world_size, ...; the token count (unpadded sequence lengths) is what the time depends on.
+    Prompts are cut to max_len tokens if given (--crop_to_context), else scored whole as the reference does."""
     mine = range(rank, len(task["examples"]), world_size)
-    prompts = [example_prompts(task, idx) for idx in mine]
-    tokens = iter(enc.encode_ordinary_batch([p for example in prompts for p in example]))  # one call: threaded
-    per_example = [example_rows(task["type"], [[enc.eot_token] + next(tokens) for _ in p], model.config.sequence_len)
-                   for p in prompts]
+    per_example = task_rows(enc, task, mine, max_len)
     rows = [row for example in per_example for row in example]
     if progress is not None:
         progress.reset(total=len(rows))
@@ -270,11 +294,10 @@ def evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shape
         results = [next(scores) for _ in example]
         if task["type"] == "language_modeling":
             correct += results[0][1]
-        else:  # the lowest mean loss wins, a tie going to the first as in the reference; a choice with no
-            # tokens of its own (a token prefix of another) has a NaN mean loss and never wins
+        else:  # the lowest mean loss wins, by the reference's list.index(min(losses)): a tie goes to the first,
+            # and a choice with no tokens of its own (a token prefix of another: a NaN loss) wins only if first
             losses = [loss for loss, _ in results]
-            best = min(range(len(losses)), key=lambda i: (math.isnan(losses[i]), losses[i]))
-            correct += best == task["examples"][idx]["gold"]
+            correct += min(range(len(losses)), key=losses.__getitem__) == task["examples"][idx]["gold"]
     # fp32: Trainium has no fp64, and the counts of examples are exact (< 2^24); the token count is near enough
     counts = torch.tensor([correct, len(mine), sum(len(tokens) for tokens, _, _ in rows)], dtype=torch.float32, device=device)
     if world_size > 1:
@@ -288,7 +311,7 @@ def centred(accuracy, baseline):
 
 
 def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_tokens=16384, static_shapes=False,
-                  rank=0, world_size=1, show_progress=False):
+                  rank=0, world_size=1, show_progress=False, max_len=None):
     """{"tasks": {label: per-task results}, "core": mean centred accuracy}, identical on every rank."""
     results = {}
     with tqdm(unit="seq", disable=not show_progress, leave=False, dynamic_ncols=True) as bar:
@@ -296,7 +319,7 @@ def evaluate_core(model, enc, tasks, device, autocast=nullcontext(), batch_token
             bar.set_description(task["label"])
             t0 = time.time()
             correct, total, tokens = evaluate_task(model, enc, task, device, autocast, batch_tokens, static_shapes,
-                                                   rank, world_size, bar if show_progress else None)
+                                                   rank, world_size, bar if show_progress else None, max_len)
             accuracy = correct / total
             results[task["label"]] = dict(type=task["type"], num_fewshot=task["num_fewshot"], examples=total,
                                           correct=correct, tokens=tokens, accuracy=accuracy, baseline=task["baseline"],
@@ -340,18 +363,25 @@ def run_core(args):
         dist.barrier()  # the others wait for rank 0's download
     tasks = load_tasks(args.bundle_dir, args.max_per_task)
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
+    max_len = model.config.sequence_len if args.crop_to_context else None
     if rank == 0:
         print(f"CORE: {len(tasks)} tasks, {sum(len(t['examples']) for t in tasks):,} examples; {args.checkpoint} "
-              f"({model.num_params():,} parameters, context {model.config.sequence_len}) on {world_size} x {device_type}, {dtype}")
+              f"({model.num_params():,} parameters, context {model.config.sequence_len}, prompts "
+              f"{'cut to it' if max_len else 'whole'}) on {world_size} x {device_type}, {dtype}")
+        peak = world_size * plumbing.peak_flops(device_type, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        tokens, estimate = core_estimate(model, enc, tasks, max_len, peak)
+        print(f"CORE: ~{tokens:,} tokens, ~{estimate / 60:.1f} min at {100 * ASSUMED_MFU:.0f}% of {peak / 1e12:,.1f} "
+              "TFLOP/s (estimate)")
     t0 = time.time()
     static_shapes = device_type == "neuron"  # each new input shape costs a compilation there
     report = evaluate_core(model, enc, tasks, device, autocast, args.batch_tokens, static_shapes, rank, world_size,
-                           show_progress=rank == 0)
+                           show_progress=rank == 0, max_len=max_len)
     seconds = time.time() - t0
     report.update(checkpoint=os.path.abspath(args.checkpoint), bundle=os.path.abspath(args.bundle_dir),
-                  max_per_task=args.max_per_task, world_size=world_size, device=device_type, dtype=dtype,
-                  seconds=round(seconds, 1))
+                  max_per_task=args.max_per_task, crop_to_context=args.crop_to_context, world_size=world_size,
+                  device=device_type, dtype=dtype, seconds=round(seconds, 1))
     if rank == 0:
+        report["estimated_seconds"] = round(estimate, 1)
         out = args.out or os.path.splitext(args.checkpoint)[0] + "_core.json"
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
@@ -407,6 +437,8 @@ def main(argv=None):
                       help="the unpacked eval bundle; downloaded here if absent (default: %(default)s)")
     core.add_argument("--max_per_task", type=int, default=-1, help="examples per task, -1 = all (fewer: faster, approximate)")
     core.add_argument("--batch_tokens", type=int, default=16384, help="tokens per forward pass per rank (default: %(default)s)")
+    core.add_argument("--crop_to_context", action="store_true",
+                      help="cut prompts from the left to the model's training context (the reference scores them whole)")
     core.add_argument("--device", default="auto", choices=["auto", "neuron", "cuda", "cpu"],
                       help="auto: neuron where the Neuron SDK is installed, else cuda if present, else cpu")
     core.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],

@@ -1,13 +1,16 @@
 """CORE evaluation (evaluate.py) on a tiny bundle built here in the reference's file format."""
+import copy
 import hashlib
+import itertools
 import json
+import math
 import os
 import random
+import re
 import socket
 import zipfile
 from contextlib import nullcontext
-from dataclasses import asdict
-from types import SimpleNamespace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -120,7 +123,7 @@ def test_fewshot_examples_follow_the_reference_draw():
     assert evaluate.fewshot_examples(examples, 7, 0) == []
 
 
-def spans(task_type, prompts, max_len=10_000):
+def spans(task_type, prompts, max_len=None):
     token_lists = [[ENC.eot_token] + ENC.encode_ordinary(p) for p in prompts]
     return [(ENC.decode(t[:s]), ENC.decode(t[s:e])) for t, s, e in evaluate.example_rows(task_type, token_lists, max_len)]
 
@@ -192,11 +195,11 @@ def test_bundle_download_is_verified_unpacked_and_cached(tmp_path, monkeypatch):
 # scores: a model that always prefers the right answer, one with no preference, ranks against one process
 
 class FakeModel(torch.nn.Module):
-    """Uniform logits, except on the sequences in `known`, whose every next token it predicts confidently."""
+    """Uniform logits, except on the sequences in `known`, whose every next token it predicts confidently.
+    It has no context length: the evaluator reads none (the cropping length is max_len's)."""
 
-    def __init__(self, sequence_len, known=()):
+    def __init__(self, known=()):
         super().__init__()
-        self.config = SimpleNamespace(sequence_len=sequence_len)
         self.known = {tuple(k) for k in known}
 
     def forward(self, idx):
@@ -209,8 +212,8 @@ class FakeModel(torch.nn.Module):
         return logits
 
 
-def gold_sequences(tasks, max_len):
-    """The cropped token sequence of each example's right answer."""
+def gold_sequences(tasks, max_len=None):
+    """The token sequence (cropped to max_len if given) of each example's right answer."""
     gold = []
     for task in tasks:
         for idx, item in enumerate(task["examples"]):
@@ -220,22 +223,30 @@ def gold_sequences(tasks, max_len):
     return gold
 
 
-@pytest.mark.parametrize("max_len", [4096, 48])  # 48: most prompts are cut from the left
+@pytest.mark.parametrize("max_len", [None, 48])  # None: prompts scored whole, as the reference; 48: most cut from the left
 def test_a_model_that_prefers_the_right_answer_scores_one(tasks, max_len):
-    model = FakeModel(max_len, gold_sequences(tasks, max_len))
-    report = evaluate.evaluate_core(model, ENC, tasks, "cpu", batch_tokens=256)
+    model = FakeModel(gold_sequences(tasks, max_len))
+    report = evaluate.evaluate_core(model, ENC, tasks, "cpu", batch_tokens=256, max_len=max_len)
     assert all(r["accuracy"] == 1.0 and r["centred"] == 1.0 for r in report["tasks"].values()), report
     assert report["core"] == 1.0
 
 
 def test_a_uniform_model_scores_zero(tasks):
-    report = evaluate.evaluate_core(FakeModel(4096), ENC, tasks, "cpu")
+    report = evaluate.evaluate_core(FakeModel(), ENC, tasks, "cpu")
     # every choice ties, so the first wins: chance on balanced answers; argmax never reproduces a continuation
     assert [r["accuracy"] for r in report["tasks"].values()] == [0.25, 0.25, 0.5, 0.0]
     assert report["core"] == pytest.approx(0.0, abs=1e-12)
     assert report["tasks"]["tiny_mc"]["examples"] == 12
     lm = [evaluate.example_prompts(tasks[3], i)[1] for i in range(9)]
     assert report["tasks"]["tiny_lm"]["tokens"] == sum(1 + len(p.encode()) for p in lm)  # BOS + one token per byte
+
+
+def test_the_lowest_loss_wins_by_the_reference_rule(tasks):
+    """list.index(min(losses)): a choice with no tokens of its own (here "1", a byte prefix of "10") has a NaN
+    mean loss, which wins when it comes first (min() keeps it) and never after."""
+    task = dict(tasks[1], examples=[{"query": "Q:", "choices": ["1", "10"], "gold": 0},
+                                    {"query": "Q:", "choices": ["10", "1"], "gold": 1}])
+    assert evaluate.evaluate_task(FakeModel(), ENC, task, "cpu", nullcontext(), 256)[:2] == (1, 2)
 
 
 def tiny_checkpoint(path):
@@ -249,14 +260,13 @@ def tiny_checkpoint(path):
     return path
 
 
-def reference_style_correct(model, task):
+def reference_style_correct(model, task, max_len=None):
     """Right answers when each example is scored on its own, padded only to its longest sequence, with the
     reference's per-sequence slicing: the scoring that batching across examples must not change."""
     correct = 0
     for idx, item in enumerate(task["examples"]):
         prompts = evaluate.example_prompts(task, idx)
-        rows = evaluate.example_rows(task["type"], [[ENC.eot_token] + ENC.encode_ordinary(p) for p in prompts],
-                                     model.config.sequence_len)
+        rows = evaluate.example_rows(task["type"], [[ENC.eot_token] + ENC.encode_ordinary(p) for p in prompts], max_len)
         ids = torch.full((len(rows), max(len(t) for t, _, _ in rows)), ENC.eot_token)
         for i, (tokens, _, _) in enumerate(rows):
             ids[i, : len(tokens)] = torch.tensor(tokens)
@@ -274,11 +284,42 @@ def reference_style_correct(model, task):
 
 def test_batching_across_examples_changes_no_score(tmp_path, tasks):
     model, enc = evaluate.load_checkpoint_and_tokenizer(tiny_checkpoint(str(tmp_path / "tiny.pt")), "cpu")
-    for task in tasks:
-        expected = reference_style_correct(model, task)
+    assert max(len(p) for p in evaluate.example_prompts(tasks[0], 0)) > model.config.sequence_len  # runs past its context
+    for task, max_len in itertools.product(tasks, (None, model.config.sequence_len)):
+        expected = reference_style_correct(model, task, max_len)
         for static_shapes in (False, True):  # True: Trainium's lengths and filler rows
-            correct, _, _ = evaluate.evaluate_task(model, enc, task, "cpu", nullcontext(), 300, static_shapes)
-            assert correct == expected, (task["label"], static_shapes)
+            correct, _, _ = evaluate.evaluate_task(model, enc, task, "cpu", nullcontext(), 300, static_shapes, max_len=max_len)
+            assert correct == expected, (task["label"], max_len, static_shapes)
+
+
+def test_core_estimate_counts_the_tokens_scored_and_their_forward_flops(tmp_path, tasks):
+    model, enc = evaluate.load_checkpoint_and_tokenizer(tiny_checkpoint(str(tmp_path / "tiny.pt")), "cpu")
+    for max_len in (None, model.config.sequence_len):
+        report = evaluate.evaluate_core(model, enc, tasks, "cpu", max_len=max_len)
+        tokens, seconds = evaluate.core_estimate(model, enc, tasks, max_len, peak=1e12, mfu=0.5)
+        assert tokens == report["tokens"]
+        lengths = [len(t) for task in tasks for rows in evaluate.task_rows(enc, task, range(len(task["examples"])), max_len)
+                   for t, _, _ in rows]
+        assert sum(lengths) == tokens and (max(lengths) > 96) == (max_len is None)
+        forward = copy.copy(model)  # flops_per_token() / 3 at each sequence's length: the forward FLOPs per token
+        flops = 0
+        for n in lengths:
+            forward.config = replace(model.config, sequence_len=n)
+            flops += n * forward.flops_per_token() / 3
+        assert seconds == pytest.approx(flops / (1e12 * 0.5), rel=1e-12)
+
+
+def test_prompts_are_scored_whole_unless_cropped_to_the_context(tmp_path, bundle, tasks, capsys):
+    checkpoint = tiny_checkpoint(str(tmp_path / "tiny.pt"))
+    lengths = [1 + len(p.encode()) for i in range(12) for p in evaluate.example_prompts(tasks[0], i)]  # BOS + a token per byte
+    assert max(lengths) > 96  # the tiny model's context
+    for flags, expected in [([], sum(lengths)), (["--crop_to_context"], sum(min(n, 96) for n in lengths))]:
+        report = evaluate.main(["core", "--checkpoint", checkpoint, f"--bundle_dir={bundle}", *flags])
+        assert report["tasks"]["tiny_mc"]["tokens"] == expected and report["crop_to_context"] == bool(flags)
+        estimate = re.search(r"CORE: ~([\d,]+) tokens, ~([\d.]+) min at 20% of [\d,.]+ TFLOP/s \(estimate\)",
+                             capsys.readouterr().out)
+        assert int(estimate[1].replace(",", "")) == report["tokens"]
+        assert math.isclose(float(estimate[2]), report["estimated_seconds"] / 60, abs_tol=0.05)
 
 
 def free_port():
@@ -330,4 +371,4 @@ def test_help_documents_the_command(capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["core", "--help"])
     out = capsys.readouterr().out
-    assert all(flag in out for flag in ("--checkpoint", "--bundle_dir", "--max_per_task", "--batch_tokens", "--dtype"))
+    assert all(flag in out for flag in ("--checkpoint", "--bundle_dir", "--max_per_task", "--batch_tokens", "--crop_to_context", "--dtype"))
