@@ -895,11 +895,14 @@ def _check_training(cfg, model_cfg, device_type, device):
     nki_losses = _training_losses(cfg, model_cfg, "nki", device_type, device)
     torch_losses = _training_losses(cfg, model_cfg, "torch", device_type, device)
     exact_losses = _training_losses(cfg, model_cfg, "torch", device_type, device, exact=True)
-    # rounding differences grow as training goes on: each step is held to PyTorch's error up to that step
-    torch_errors = ((torch_losses - exact_losses).abs() / exact_losses.abs()).cummax(0).values
+    # rounding differences grow chaotically as training goes on, so two sound runs part by a ratio that
+    # varies from step to step (a per-step bound failed a sound fp32 run at 5.9x): every step is held to the
+    # largest difference PyTorch itself shows against float64 over the run
+    tolerance = _tolerance(((torch_losses - exact_losses).abs() / exact_losses.abs()).max().item(),
+                           plumbing.compute_dtype(cfg))
     for step in range(CHECK_STEPS):
         _close(f"loss of step {step + 1} (NKI {nki_losses[step]:.4f}, PyTorch {torch_losses[step]:.4f})",
-               nki_losses[step], torch_losses[step], _tolerance(torch_errors[step].item(), plumbing.compute_dtype(cfg)))
+               nki_losses[step], torch_losses[step], tolerance)
     if not nki_losses[-1] < nki_losses[0]:
         raise AssertionError(f"the loss did not fall in {CHECK_STEPS} steps: {nki_losses.tolist()}")
 
