@@ -10,7 +10,7 @@ import train
 from kit import optim, plumbing
 from model import GPT, GPTConfig
 
-SHAPES = [dict(mlp=mlp, n_kv_head=kv) for mlp in ("relu2", "leaky_relu2", "gelu", "swiglu") for kv in (4, 2)]
+SHAPES = [dict(mlp=mlp, n_kv_head=kv) for mlp, kv in (("relu2", 4), ("leaky_relu2", 2), ("gelu", 4), ("swiglu", 2))]  # each MLP, MHA and GQA
 
 
 def saved_bytes(model, idx, bf16):
