@@ -316,13 +316,16 @@ def activation_bytes(c, batch_size, dtype):
         per layer: norms 2 (4nC + 4n); q/k norms 4n(q + kv) + 4n(H + Hkv) (fp32 inputs, 1/rms);
           q, k, v after norm s n (q + 2 kv); attention out s n q + logsumexp 4nH; c_proj input s n q;
           inputs of c_q, c_k, c_v: s nC once in fp32, 3 s nC under autocast (each linear casts its own copy);
-          MLP input s nC (2 s nC for swiglu), hidden: relu2 2, leaky_relu2 3, gelu 2, swiglu 4 times s n h;
+          MLP input s nC (2 s nC for swiglu under autocast), hidden: relu2 2, leaky_relu2 3, gelu 2, swiglu 4
+          times s n h;
           bf16 copies of the rotary tables 4 T head_dim / 2 x 2 bytes
         head: final norm 4nC + 4n, its input s nC, the softcapped logits and log-softmax 8nV, 4 (the loss weight);
-          with loss_chunks only x and the targets: s nC + 8n (1 + mtp_extra)
-        under autocast: the bf16 copy of every matmul weight, 2 bytes x matmul parameters (freed after backward)
+          with loss_chunks the fp32 x and the targets instead, 4nC + 8n (1 + mtp_extra), and 12 (1 + mtp_extra)
+          of the loss's scalars
+        under autocast: the bf16 copy of every matmul weight, 2 bytes x matmul parameters (freed after backward),
+          but the head's with loss_chunks (its function casts inside)
 
-    Exact for the plain model (a test counts the saved tensors). Approximate: value embeddings (their
+    Exact for the plain model and loss_chunks (a test counts the saved tensors). Approximate: value embeddings (their
     looked-up rows, 4n kv + s n kv per layer that has one), residual scalars (4nC per layer), the MTP loss
     without loss_chunks (as the plain head); NKI's MLP kernel saves its own choice of the hidden. Not counted:
     transients that live within one op (the logits' gradient, attention scores inside the kernel)."""
@@ -331,14 +334,18 @@ def activation_bytes(c, batch_size, dtype):
     q, kv, bf16 = H * D, Hkv * D, dtype == "bfloat16"
     s = 2 if bf16 else 4
     hidden = {"relu2": 2, "leaky_relu2": 3, "gelu": 2, "swiglu": 4}[c.mlp]
-    layer = (2 * (4 * n * C + 4 * n) + 4 * n * (q + kv) + 4 * n * (H + Hkv) + s * n * (q + 2 * kv) + s * n * q
-             + 4 * n * H + s * n * q + (3 if bf16 else 1) * s * n * C + (2 if c.mlp == "swiglu" and bf16 else 1) * s * n * C
-             + hidden * s * n * h + (4 * T * D if bf16 else 0))
+    norms = 2 * (4 * n * C + 4 * n) + 4 * n * (q + kv) + 4 * n * (H + Hkv)
+    attention = (3 if bf16 else 1) * s * n * C + s * n * (q + 2 * kv) + s * n * q + 4 * n * H + s * n * q
+    mlp = (2 if c.mlp == "swiglu" and bf16 else 1) * s * n * C + hidden * s * n * h
+    layer = norms + attention + mlp + (4 * T * D if bf16 else 0)
     ve_layers = sum(has_value_embed(i, c.n_layer) for i in range(c.n_layer)) if c.value_embeds else 0
     levers = ve_layers * (4 + s) * n * kv + (c.n_layer * 4 * n * C if c.residual_scalars else 0)
-    head = 4 * n * C + 4 * n + s * n * C + (8 * n * (1 + c.mtp_extra) if c.loss_chunks else 8 * n * V + 4)
+    targets = 1 + c.mtp_extra
+    loss = 4 * n * C + 8 * n * targets + 12 * targets if c.loss_chunks else s * n * C + 8 * n * V + 4
+    head = 4 * n * C + 4 * n + loss
     with torch.device("meta"):
-        weight_copies = 2 * GPT(c).num_params(matmul_only=True) if bf16 else 0
+        matmul = GPT(c).num_params(matmul_only=True) - (c.padded_vocab_size * C if c.loss_chunks else 0)
+    weight_copies = 2 * matmul if bf16 else 0
     return 8 * n + 4 * n * C + 4 * n + c.n_layer * layer + levers + head + weight_copies
 
 
@@ -351,11 +358,12 @@ def memory_plan(cfg, model_cfg, world_size):
     with torch.device("meta"):
         named = dict(GPT(model_cfg).named_parameters())
     n_params = sum(p.numel() for p in named.values())
-    muon = [p for k, p in named.items() if p.ndim == 2 and k != "lm_head.weight" and k != "wte.weight"
-            and not k.startswith("value_embeds.")] if cfg.matrix_optimizer == "muon" else []
-    adamw = [p for p in named.values() if all(p is not m for m in muon)]
+    # optim.make_optimizers' split: Muon takes the 2-D parameters but the head and the lookup tables
+    muon = {k: p for k, p in named.items() if p.ndim == 2 and k not in ("lm_head.weight", "wte.weight")
+            and not k.startswith("value_embeds.")} if cfg.matrix_optimizer == "muon" else {}
+    adamw = [p for k, p in named.items() if k not in muon]
     plan = {"parameters": 4 * n_params, "gradients": 4 * n_params,
-            "optimizer state": sum(8 * p.numel() + 4 for p in adamw) + sum(4 * p.numel() + 4 * max(p.shape) for p in muon)}
+            "optimizer state": sum(8 * p.numel() + 4 for p in adamw) + sum(4 * (p.numel() + max(p.shape)) for p in muon.values())}
     if world_size > 1:
         plan["DDP gradient buckets"] = 4 * n_params
     if cfg.ema_decay:

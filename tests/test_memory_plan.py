@@ -10,7 +10,9 @@ import train
 from kit import optim, plumbing
 from model import GPT, GPTConfig
 
-SHAPES = [dict(mlp=mlp, n_kv_head=kv) for mlp, kv in (("relu2", 4), ("leaky_relu2", 2), ("gelu", 4), ("swiglu", 2))]  # each MLP, MHA and GQA
+# each MLP, MHA and GQA, and the chunked loss over 3 targets
+SHAPES = [dict(mlp=mlp, n_kv_head=kv) for mlp, kv in (("relu2", 4), ("leaky_relu2", 2), ("gelu", 4), ("swiglu", 2))]
+SHAPES.append(dict(mlp="relu2", n_kv_head=4, loss_chunks=4, mtp_extra=2))
 
 
 def saved_bytes(model, idx, bf16):
@@ -29,7 +31,7 @@ def saved_bytes(model, idx, bf16):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s['mlp']}-kv{s['n_kv_head']}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_planned_activations_equal_the_bytes_autograd_saves(monkeypatch, shape, dtype):
     # the plan is for flash attention (SDPA, NKI); fp32 on CPU would otherwise take BlockCausalAttention,
     # which keeps its T x T / 2 probabilities
