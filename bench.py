@@ -7,6 +7,7 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     python bench.py --check                           # first hour on Trainium: is everything right?
     python bench.py --kernels                         # each kernel against its PyTorch fallback (+ Trn2 estimate)
     python bench.py --step_estimate --preset=baseline # a whole Trn2 training step, estimated from the cost model
+    python bench.py --memory --preset=phase2 --world_size=64  # per-rank memory plan, before anything expensive
     python bench.py --versus_nanogpt=../nanoGPT       # tokens/s against nanoGPT's model at the same shapes
     python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
     OMP_NUM_THREADS=1 python bench.py --ablation      # val_bpb: baseline, frontier, each lever alone (CPU)
@@ -963,6 +964,35 @@ def print_checks(rows, device_type):
 
 
 # -----------------------------------------------------------------------------
+# the memory plan (--memory)
+
+def print_memory(cfg, model_cfg, world_size):
+    """plumbing.memory_plan's table for one rank, against the memory of a Trn2 rank at LNC=1 and 2 and of this
+    machine's device; exits 1 (SystemExit) if it fits none. dtype auto plans bf16, the Trainium choice."""
+    cfg.dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    plan = plumbing.memory_plan(cfg, model_cfg, world_size)
+    total = sum(plan.values())
+    with torch.device("meta"):
+        n_params = GPT(model_cfg).num_params()
+    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; "
+          f"DDP only: every rank holds all of this (no sharding exists yet)")
+    for part, size in plan.items():
+        print(f"  {part:<32} {size / plumbing.GiB:8.2f} GiB")
+    print(f"  {'total':<32} {total / plumbing.GiB:8.2f} GiB")
+    here = plumbing.detect_device()
+    devices = {"Trn2 rank, LNC=2": 24 * plumbing.GiB, "Trn2 rank, LNC=1": 12 * plumbing.GiB,
+               f"this machine's {here}": cfg.device_memory_gb * plumbing.GiB or plumbing.device_memory(here)}
+    fits = {}
+    for name, memory in devices.items():
+        fits[name] = memory is not None and total <= plumbing.FIT_FRACTION * memory
+        room = f"{memory / plumbing.GiB:.1f} GiB, {'fits' if fits[name] else 'does NOT fit'}" if memory else "unknown"
+        print(f"  {name:<32} {room} (the plan may use {plumbing.FIT_FRACTION:.0%})")
+    if not any(fits.values()):
+        sys.exit("error: the plan fits no device listed; use a smaller --batch_size or a smaller model")
+    return {"memory_plan": plan, "total": total, "fits": fits}
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -977,6 +1007,9 @@ def main(argv):
                         "Trainium also ranked by estimated Trn2 tokens/s)")
     parser.add_argument("--step_estimate", action="store_true", help="estimate one training step on Trn2 from the "
                         "emulator's cost model, and the public Trn2 measurements beside their estimates")
+    parser.add_argument("--memory", action="store_true", help="per-rank memory plan (arithmetic only; --vocab_size "
+                        "is the vocabulary, no tokenizer is loaded) against Trn2 and this machine's device")
+    parser.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")), help="ranks --memory plans for")
     parser.add_argument("--ranks", type=int, default=0, help="LNC=1 ranks the Trn2 estimates assume; 0 = this job's")
     parser.add_argument("--sweep_grid", default="default", choices=list(SWEEPS))
     parser.add_argument("--sweep_out", default="sweep", help="prefix of the sweep's .csv/.json/.png")
@@ -991,6 +1024,8 @@ def main(argv):
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
     plumbing.validate_config(cfg, model_cfg)
+    if args.memory:
+        return print_memory(cfg, model_cfg, args.world_size)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
     rank, world_size, device, device_type, control = plumbing.start_ranks(plumbing.device_type(cfg.device))

@@ -84,6 +84,7 @@ class TrainConfig:
     device: str = opt("auto", "auto | neuron | cuda | cpu", choices=("auto", "neuron", "cuda", "cpu"), resumable=True)
     dtype: str = opt("auto", "matmul precision: auto (bf16 where the device multiplies it fast) | bfloat16 | float32",
                      choices=("auto", "bfloat16", "float32"))
+    device_memory_gb: float = opt(0.0, "GiB of memory per rank the memory plan checks against; 0 = the device's", bounds=(0, None), resumable=True)
     peak_tflops: float = opt(0.0, "peak TFLOP/s of one rank for MFU; 0 = device table (measured on CPU)", bounds=(0, None), resumable=True)
     compile: bool = opt(True, "torch.compile the training forward/backward (needs a C++ compiler on CPU)", resumable=True)
     seed: int = opt(1337, "seed of initialisation and data order", bounds=(0, 2**63 - 1))  # numpy's generator takes no negative seed
@@ -473,6 +474,7 @@ def main(argv):
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
             total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
+            plumbing.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # arithmetic: refuses what cannot fit
             state = plumbing.load_checkpoint(plumbing.resolve_resume(cfg, model_cfg)) if cfg.resume else None
             torch.manual_seed(cfg.seed)
             if master:

@@ -93,9 +93,27 @@ FRONTIER_LEVERS = {
 }
 
 
+# phase2: Phase 2 of the contest, one trn2.48xlarge (16 chips) for 4 hours at the contest's vocabulary of 8,192.
+# Compute: 16 chips x 667 TFLOP/s dense bf16 (8 cores x 83.4) x an assumed MFU of 30% x 14,400 s = 4.6e19 FLOPs,
+# about nanochat's GPT-2-grade run (dev/LEADERBOARD.md, 4.3e19 FLOPs). Compute-optimal size (Chinchilla, Hoffmann
+# et al. 2022): D = 20 N tokens and C = 6 N D give N = sqrt(C / 120) = 6.2e8 parameters and D = 1.2e10 tokens
+# (~860k tokens/s). 22 layers of width 1536 (12 heads of 128, multiples of 128 throughout): 623M block
+# parameters, 648M with the embedding and head. Steps of 2^20 tokens; micro-batch 4 so one LNC=2 rank (24 GiB)
+# holds it: `python bench.py --memory --preset=phase2 --world_size=64` (docs/training.md "Memory plan").
+# Learning rates are the baseline's, not tuned at this size. Launch:
+#   NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset=phase2
+PHASE2 = dict(
+    BASELINE,
+    n_layer=22, n_embd=1536, n_head=12, n_kv_head=12, vocab_size=8192,
+    total_batch_tokens=1048576, batch_size=4,  # 64 ranks x 4 x 1024 = 4 micro-steps per step
+    time_budget_s=14400.0, checkpoint_every=1000,
+)
+
+
 PRESETS = {
     "baseline": BASELINE,
     "frontier": FRONTIER,
+    "phase2": PHASE2,
     "trn2": BASELINE,  # the old name of the baseline's shape
 }
 
