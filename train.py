@@ -9,16 +9,15 @@ Data-parallel, one rank per device (NeuronCore, GPU or CPU process):
 
     torchrun --standalone --nproc_per_node=4 train.py
 
-Beside the contest's prepare.py (the AWS Trainium Frontier kit), a bare `train.py` trains on the contest's
-data and tokenizer under the contest's clock (competition mode); `--export_submission=PATH` writes this
-kit as the one-file train.py that the contest takes.
+Beside the contest's prepare.py (the AWS Trainium Frontier kit), a bare `train.py` trains on its data and
+tokenizer under its clock (competition mode); `--export_submission=PATH` writes the one-file train.py it takes.
 
 The clock is the contest's: device-synchronised wall-clock time from the end of the first `startup_steps`
 steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluations, checkpoints and the
 final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
 The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
-This file is the trainer; the model is model.py (its NKI kernels kernels.py), the kit's data data.py, and
-what a learner need not read is in kit/: the contest (contest.py), plumbing.py and the optimizers (optim.py).
+This file is the trainer; the model is model.py (kernels: kernels.py), the data data.py, and what a learner
+need not read is kit/: the contest (contest.py), plumbing.py and the optimizers (optim.py).
 """
 import functools
 import logging
@@ -30,7 +29,6 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 from kit import contest, optim, plumbing  # contest first: the contest's clock counts from the process's start
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -474,8 +472,8 @@ def main(argv):
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
             total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
-            plumbing.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # arithmetic: refuses what cannot fit
             state = plumbing.load_checkpoint(plumbing.resolve_resume(cfg, model_cfg)) if cfg.resume else None
+            plumbing.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
             if master:
                 plumbing.make_out_dir(cfg, model_cfg)
