@@ -95,15 +95,21 @@ def muon_update(params, buf, second, lr, momentum, weight_decay, beta2, dtype):
     torch._foreach_copy_(params, list((weights - lr * (update + decay)).unbind(0)))
 
 
-def make_optimizers(model, cfg, device_type, dtype):
-    """Muon for the hidden matrices; AdamW for the lookup tables and the head (whose rows see very different
-    gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
-    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron)."""
+def split_parameters(model):
+    """(lookup tables, head, hidden matrices, 0-D/1-D parameters), each a list: who optimises what."""
     named = dict(model.named_parameters())
     head = named.pop("lm_head.weight")
     embeddings = [named.pop(n) for n in list(named) if n == "wte.weight" or n.startswith("value_embeds.")]
     matrices = [p for p in named.values() if p.ndim == 2]
     scalars = [p for p in named.values() if p.ndim < 2]
+    return embeddings, head, matrices, scalars
+
+
+def make_optimizers(model, cfg, device_type, dtype):
+    """Muon for the hidden matrices; AdamW for the lookup tables and the head (whose rows see very different
+    gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
+    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron)."""
+    embeddings, head, matrices, scalars = split_parameters(model)
     device = head.device
     fused = device_type in ("cpu", "cuda")
     adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=fused or None,

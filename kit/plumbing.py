@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from kit import optim  # noqa: E402
 from model import GPT, TYPE_NAMES, GPTConfig, has_value_embed  # noqa: E402
 
 
@@ -356,14 +357,12 @@ def memory_plan(cfg, model_cfg, world_size):
     DDP's gradient buckets, a second fp32 copy of the gradients, with more than one rank; an EMA, a copy
     of the weights; activations of one micro-batch (`activation_bytes`; micro-batches run one at a time)."""
     with torch.device("meta"):
-        named = dict(GPT(model_cfg).named_parameters())
-    n_params = sum(p.numel() for p in named.values())
-    # optim.make_optimizers' split: Muon takes the 2-D parameters but the head and the lookup tables
-    muon = {k: p for k, p in named.items() if p.ndim == 2 and k not in ("lm_head.weight", "wte.weight")
-            and not k.startswith("value_embeds.")} if cfg.matrix_optimizer == "muon" else {}
-    adamw = [p for k, p in named.items() if k not in muon]
+        embeddings, head, matrices, scalars = optim.split_parameters(GPT(model_cfg))
+    muon = matrices if cfg.matrix_optimizer == "muon" else []
+    adamw = embeddings + [head] + scalars + (matrices if not muon else [])
+    n_params = sum(p.numel() for p in adamw + muon)
     plan = {"parameters": 4 * n_params, "gradients": 4 * n_params,
-            "optimizer state": sum(8 * p.numel() + 4 for p in adamw) + sum(4 * (p.numel() + max(p.shape)) for p in muon.values())}
+            "optimizer state": sum(8 * p.numel() + 4 for p in adamw) + sum(4 * (p.numel() + max(p.shape)) for p in muon)}
     if world_size > 1:
         plan["DDP gradient buckets"] = 4 * n_params
     if cfg.ema_decay:
