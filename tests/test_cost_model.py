@@ -93,16 +93,20 @@ def test_partition_count_does_not_change_vectore_time_so_two_half_tiles_cost_twi
     assert estimate([half, half])["engines"]["vector"] == 2 * estimate([vector("tensor_reduce", 512)])["engines"]["vector"]
 
 
+def in_sbuf(src):
+    """An HBM tensor copied whole into SBUF (one DMA): the first instruction of the kernels here."""
+    tile = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src)
+    return tile
+
+
 def test_scalare_activation_costs_the_same_with_scale_and_bias_and_the_reduce_adds_the_readout():
     """trainium_inferentia2_arch, Scalar Engine: every activation costs the same whether or not scale/bias are
     used; activation_reduce adds ActReadAccumulator (~64 cycles); nki_perf_guide Opt #6: one fused
     activation is 3x faster than multiply, add and exp as three ScalarE instructions."""
     @nki_emulator.jit
     def kernel(x, bias):
-        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile, src=x)
-        column = nl.ndarray(bias.shape, bias.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=column, src=bias)
+        tile, column = in_sbuf(x), in_sbuf(bias)
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
         total = nl.ndarray(bias.shape, bias.dtype, buffer=nl.sbuf)
         nisa.activation(dst=out, op=nl.exp, data=tile)
@@ -157,8 +161,7 @@ def test_dma_transposes_run_at_the_documented_fraction_of_a_copy():
 @nki_emulator.jit
 def exp_many_times(x):
     """One load, 16 exps on ScalarE, one store: ScalarE-bound."""
-    tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=x)
+    tile = in_sbuf(x)
     for _ in nl.affine_range(16):
         nisa.activation(dst=tile, op=nl.exp, data=tile, scale=0.0)
     result = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
@@ -181,10 +184,7 @@ def copy_through(x):
 @nki_emulator.jit
 def matmul_many_times(a, b):
     """One stationary against one moving tile, 16 times, one eviction: TensorE-bound."""
-    stationary = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=stationary, src=a)
-    moving = nl.ndarray(b.shape, b.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=moving, src=b)
+    stationary, moving = in_sbuf(a), in_sbuf(b)
     acc = nl.ndarray((a.shape[1], b.shape[1]), nl.float32, buffer=nl.psum)
     for _ in nl.affine_range(16):
         nisa.nc_matmul(dst=acc, stationary=stationary, moving=moving)
