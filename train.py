@@ -58,6 +58,9 @@ class TrainConfig:
     muon_momentum_warmup_steps: int = opt(300, "steps over which Muon's momentum rises to muon_momentum", bounds=(0, None))
     muon_beta2: float = opt(0.9, "NorMuon's decay of the per-row second moment; 0 turns NorMuon off", bounds=(0, 1))
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 disables", bounds=(0, None))
+    shard_optimizer: str = opt("auto", "each rank keeps the optimizer state of, and updates, its share of the parameters: "
+                               "auto (with more than one rank) | true | false (DDP: every rank all of it)",
+                               choices=("auto", "true", "false"), resumable=True)
     warmup_steps: int = opt(10, "linear learning-rate warmup, in optimizer steps", bounds=(0, None))
     warmdown_frac: float = opt(0.4, "final fraction of progress over which the lr decays linearly", bounds=(0, 1))
     final_lr_frac: float = opt(0.0, "lr at the end of warmdown, as a fraction of the peak", bounds=(0, 1))
@@ -205,8 +208,9 @@ def apply_schedule(optimizers, values, model=None):
         model.mtp_weights.copy_(torch.tensor(values["mtp_weights"]), non_blocking=True)
 
 
-def wrap_for_training(raw_model, cfg, device_type, device, example):
-    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun. `example`:
+def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=False):
+    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun unless the
+    optimizer is sharded (optim.Sharding then exchanges the gradients itself). `example`:
     arguments of one forward call (their shapes, dtypes and devices: the kernels' fallbacks are decided and
     logged on them before compilation, as they cannot be from inside the compiled graph)."""
     model = raw_model
@@ -215,14 +219,16 @@ def wrap_for_training(raw_model, cfg, device_type, device, example):
             preview_fallbacks(raw_model, *example)
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
-    if dist.is_initialized():
+    if dist.is_initialized() and not sharded:
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
     return model
 
 
-def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip):
+def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip, sharding=None):
     """One optimizer step: gradients accumulated over the micro-batches, clipped, applied. Returns the
-    mean loss and the gradient norm as device tensors, so nothing here waits for the device."""
+    mean loss and the gradient norm as device tensors, so nothing here waits for the device. With
+    `sharding` (optim.Sharding) each rank receives, clips and applies only its share of the gradients,
+    then gathers everyone's updated parameters."""
     ddp = isinstance(model, DDP)
     loss_sum = torch.zeros((), device=device)
     # a tensor, not a Python number: batch warm-up changes how many micro-batches a step has
@@ -236,9 +242,14 @@ def train_step(model, raw_model, optimizers, micro_batches, device, autocast, gr
                 loss = model(x, y) * share
             loss.backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
+    if sharding is None:  # the whole gradient, all-reduced by DDP (or one process's own)
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or math.inf)
+    else:
+        grad_norm = sharding.reduce_gradients(grad_clip)
     for o in optimizers:
         o.step()
+    if sharding is not None:
+        sharding.gather_parameters()
     raw_model.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
@@ -378,8 +389,8 @@ def agree(ranks, charged, next_step_s, loss, nonfinite, stopping):
     return decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
 
 
-def train_loop(cfg, step, model, raw_model, optimizers, ema, corpus, accum_steps, total_tokens, ranks, autocast, clock,
-               reserve_s, stop, log, prepare, run_side_work):
+def train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, accum_steps, total_tokens, ranks, autocast,
+               clock, reserve_s, stop, log, prepare, run_side_work):
     """Steps from `step` until the step limit, the budget (keeping the final save's reserve) or a stop
     signal; returns (step, why it ended). Each step is synchronised with the device before the clock is
     read, as the contest's clock is. `run_side_work(step)`: the periodic evaluation and checkpoint."""
@@ -391,7 +402,7 @@ def train_loop(cfg, step, model, raw_model, optimizers, ema, corpus, accum_steps
         scheduled = schedule(cfg, step, progress)
         apply_schedule(optimizers, scheduled, raw_model)
         micro_batches = [corpus.next_batch() for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
-        loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, ranks.device, autocast, cfg.grad_clip)
+        loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, ranks.device, autocast, cfg.grad_clip, sharding)
         plumbing.synchronize(ranks.device_type)
         step, steps_this_run = step + 1, steps_this_run + 1
         if ema and step % cfg.ema_every == 0:
@@ -484,12 +495,15 @@ def main(argv):
 
             # the model, its optimizers, the step
             raw_model = GPT(model_cfg).to(device)
-            optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
-            step, charged_before = plumbing.restore(state, raw_model, optimizers, corpus) if state else (0, 0.0)
+            sharded = plumbing.shards_optimizer(cfg, ranks.world_size)
+            sharding = optim.Sharding(raw_model, ranks.rank, ranks.world_size) if sharded else None
+            optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg),
+                                               owned=sharding.owned if sharded else None)
+            step, charged_before = plumbing.restore(state, raw_model, optimizers, corpus, ranks) if state else (0, 0.0)
             del state  # its tensors now live in the model and optimizers
             ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
             tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
-            model = wrap_for_training(raw_model, cfg, device_type, device, (tokens, tokens))
+            model = wrap_for_training(raw_model, cfg, device_type, device, (tokens, tokens), sharded)
             autocast = plumbing.autocast_context(cfg, device_type)
             log = plumbing.Logger(cfg.out_dir, master, append=bool(cfg.resume))
             log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason)
@@ -509,8 +523,8 @@ def main(argv):
 
             ended_by = "signal"
             if not stop.received:
-                step, ended_by = train_loop(cfg, step, model, raw_model, optimizers, ema, corpus, accum_steps, total_tokens,
-                                            ranks, autocast, clock, reserve_s, stop, log, prepare, side_work)
+                step, ended_by = train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, accum_steps,
+                                            total_tokens, ranks, autocast, clock, reserve_s, stop, log, prepare, side_work)
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":

@@ -3,6 +3,7 @@ The optimizers: Muon (Polar Express orthogonalisation, NorMuon, cautious weight 
 matrices, AdamW for the tables, the head and the scalars, and an EMA of the weights.
 """
 import torch
+import torch.distributed as dist
 
 
 # Polar Express coefficients for five iterations (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932;
@@ -65,17 +66,32 @@ class Muon(torch.optim.Optimizer):
         # the default model, measured interleaved); one graph per matrix shape, so at most a handful
         self.update = torch.compile(muon_update, dynamic=False) if compile else muon_update
 
+    def stacked_state(self, group):
+        """The group's state, stacked (K, ...) and kept with its first matrix: the momentum, and NorMuon's
+        second moment, one value per row of the longer side. Created as zeros on first use."""
+        params = group["params"]
+        state = self.state[params[0]]
+        if not state:
+            state["momentum"] = torch.zeros((len(params), *params[0].shape), device=params[0].device)
+            rows, cols = params[0].shape
+            state["second_moment"] = torch.zeros_like(state["momentum"][..., :1] if rows >= cols else state["momentum"][..., :1, :])
+        return state
+
+    def param_states(self):
+        """{matrix: {"momentum", "second_moment"}}: each matrix's rows of the stacked state, as views (a
+        checkpoint keyed by parameter reads and writes them in place, whatever the stacking)."""
+        views = {}
+        for group in self.param_groups:
+            state = self.stacked_state(group)
+            for i, p in enumerate(group["params"]):
+                views[p] = {"momentum": state["momentum"][i], "second_moment": state["second_moment"][i]}
+        return views
+
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            params = group["params"]
-            state = self.state[params[0]]  # the group's stacked state lives with its first matrix
-            if not state:
-                state["momentum"] = torch.zeros((len(params), *params[0].shape), device=params[0].device)
-                # NorMuon's second moment: one value per row of the longer side
-                rows, cols = params[0].shape
-                state["second_moment"] = torch.zeros_like(state["momentum"][..., :1] if rows >= cols else state["momentum"][..., :1, :])
-            self.update(params, state["momentum"], state["second_moment"], group["lr"], group["momentum"],
+            state = self.stacked_state(group)
+            self.update(group["params"], state["momentum"], state["second_moment"], group["lr"], group["momentum"],
                         group["weight_decay"], group["beta2"], self.dtype)
 
 
@@ -105,30 +121,144 @@ def split_parameters(model):
     return embeddings, head, matrices, scalars
 
 
-def make_optimizers(model, cfg, device_type, dtype):
+def make_optimizers(model, cfg, device_type, dtype, owned=None):
     """Muon for the hidden matrices; AdamW for the lookup tables and the head (whose rows see very different
     gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
-    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron)."""
+    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron). owned: with
+    sharding, the parameters this rank updates (`Sharding.owned`); the others get no optimizer state here,
+    and a group or optimizer left without parameters is left out."""
     embeddings, head, matrices, scalars = split_parameters(model)
-    device = head.device
+    if owned is not None:
+        mine = {id(p) for p in owned}
+        embeddings, head, matrices, scalars = ([p for p in part if id(p) in mine] for part in (embeddings, [head], matrices, scalars))
+    else:
+        head = [head]
+    device = next(model.parameters()).device
     fused = device_type in ("cpu", "cuda")
     adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=fused or None,
                         capturable=not fused, foreach=None if fused else True)
     # nanochat's dmodel_lr_scale: AdamW's lrs were tuned at width 768, and a wider model's tables take smaller steps
     width_scale = (model.config.n_embd / 768) ** -0.5 if cfg.adamw_width_lr_scaling else 1.0
-    groups = [{"params": embeddings, "lr": cfg.embedding_lr * width_scale}, {"params": [head], "lr": cfg.head_lr * width_scale}]
-    if scalars:  # beta1 0.9 for the scalars: both baseline-derived forks (K82s4, 35c9) use (0.9, 0.95)
-        groups.append({"params": scalars, "lr": cfg.scalar_lr, "betas": (0.9, 0.95)})
+    groups = [{"params": embeddings, "lr": cfg.embedding_lr * width_scale}, {"params": head, "lr": cfg.head_lr * width_scale},
+              # beta1 0.9 for the scalars: both baseline-derived forks (K82s4, 35c9) use (0.9, 0.95)
+              {"params": scalars, "lr": cfg.scalar_lr, "betas": (0.9, 0.95)}]
     if cfg.matrix_optimizer == "adamw":
         groups.append({"params": matrices, "lr": cfg.matrix_lr, "weight_decay": cfg.weight_decay})
-    optimizers = [torch.optim.AdamW([{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups], **adamw_kwargs)]
-    if cfg.matrix_optimizer == "muon":
+    groups = [{**g, "lr": torch.tensor(g["lr"], device=device)} for g in groups if g["params"]]
+    optimizers = [torch.optim.AdamW(groups, **adamw_kwargs)] if groups else []
+    if cfg.matrix_optimizer == "muon" and matrices:
         optimizers.append(Muon(matrices, cfg.matrix_lr, cfg.muon_momentum, cfg.muon_beta2, cfg.weight_decay, dtype,
                                compile=cfg.compile and device_type in ("cpu", "cuda")))
     for o in optimizers:
         for group in o.param_groups:
             group["peak_lr"] = group["lr"].item()
     return optimizers
+
+
+def param_states(optimizers):
+    """{parameter: {name: tensor}}: every parameter's optimizer state, created as zeros where no step has
+    made it yet, as the tensors the optimizers step on (Muon's as views of its stacks). A checkpoint keyed
+    by parameter name is saved from and loaded into these in place, for any split of the parameters over
+    ranks. (torch.distributed.checkpoint.state_dict's optimizer helpers create missing state by running a
+    step with lr set to a host 0.0, and would see Muon's stacks as one parameter's state.)"""
+    states = {}
+    for o in optimizers:
+        if isinstance(o, Muon):
+            states.update(o.param_states())
+            continue
+        on_device = o.defaults["fused"] or o.defaults["capturable"]  # where torch's AdamW keeps its step count
+        for group in o.param_groups:
+            for p in group["params"]:
+                if not o.state[p]:
+                    o.state[p] = {"step": torch.zeros((), device=p.device if on_device else "cpu"),
+                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                states[p] = o.state[p]
+    return states
+
+
+def shard_owners(sizes, world_size):
+    """The rank that owns each of the tensors of these sizes: the largest first, each to the rank with the
+    least so far (longest-processing-time scheduling), so every rank's share of the elements, and so of
+    the exchange and the optimizer state, is close to 1/world_size (or the largest tensor, if more)."""
+    loads, owners = [0] * world_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+class Sharding:
+    """Sharded optimizer state and update (ZeRO stage 2, Rajbhandari et al. 2020, arXiv:1910.02054, with
+    whole tensors per rank as nanochat's DistMuon and DistAdamW, nanochat/optim.py): each parameter is
+    owned by one rank (`shard_owners`), which alone keeps its optimizer state and updates it, so each Muon
+    matrix is orthogonalised by exactly one rank and exactly as in one process. A step:
+
+    1. `reduce_gradients`: the gradients are packed into one flat buffer laid out rank by rank (each
+       rank's segment padded with zeros to the longest), reduce-scattered so each rank receives the sum of
+       its own segment only, averaged, and clipped by the global norm (one all-reduce of one number);
+    2. the rank's optimizers step on its parameters (their .grad are views of the received segment);
+    3. `gather_parameters`: each rank's updated parameters are all-gathered through the same buffer.
+
+    The two collectives move what DDP's one all-reduce moves. torch.distributed's ZeroRedundancyOptimizer
+    keeps DDP's all-reduce of every gradient and drives one optimizer class, and FSDP2's fully_shard
+    splits every tensor along dim 0, so Muon would orthogonalise slices of a matrix: neither fits.
+    reduce_scatter_tensor and all_gather_into_tensor are what FSDP2 itself runs on, on gloo, NCCL and
+    TorchNeuron's "neuron" backend (which supports DDP and FSDP2: "How to use torch.distributed on
+    Neuron", awsdocs-neuron torch/guides/torch-distributed). With one rank no collective runs."""
+
+    def __init__(self, model, rank, world_size, group=None):
+        self.params, self.world_size, self.group = list(model.parameters()), world_size, group
+        if len({(p.dtype, p.device) for p in self.params}) != 1:
+            raise ValueError("sharding packs all parameters into one buffer: they must share one dtype and device")
+        sizes = [p.numel() for p in self.params]
+        owners = shard_owners(sizes, world_size)
+        self.segment = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world_size))
+        p0 = self.params[0]
+        self.flat = torch.zeros(world_size * self.segment, dtype=p0.dtype, device=p0.device)
+        self.received = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)  # this rank's segment
+        self.owned, self.in_flat, self.in_received, used = [], [], [], [0] * world_size
+        for p, n, o in zip(self.params, sizes, owners):
+            self.in_flat.append(self.flat[o * self.segment + used[o]:][:n].view_as(p))
+            if o == rank:
+                self.owned.append(p)
+                self.in_received.append(self.received[used[o]:][:n].view_as(p))
+            used[o] += n
+        owned_ids = {id(p) for p in self.owned}
+        self.others = [(p, v) for p, v in zip(self.params, self.in_flat) if id(p) not in owned_ids]
+        if world_size > 1:  # every rank starts from rank 0's weights, as DDP makes them
+            for p in self.params:
+                dist.broadcast(p.data, 0, group=group)
+
+    @torch.no_grad()
+    def reduce_gradients(self, grad_clip):
+        """Step 1: the mean gradient of this rank's parameters, clipped to norm grad_clip (0: not clipped);
+        returns the global gradient norm before clipping (as torch.nn.utils.clip_grad_norm_ does)."""
+        for p, view in zip(self.params, self.in_flat):
+            view.copy_(p.grad) if p.grad is not None else view.zero_()
+            p.grad = None
+        if self.world_size > 1:
+            dist.reduce_scatter_tensor(self.received, self.flat, group=self.group)
+            self.received.div_(self.world_size)
+        else:
+            self.received.copy_(self.flat)
+        norm_squared = self.received.square().sum()  # the padding is zeros
+        if self.world_size > 1:
+            dist.all_reduce(norm_squared, group=self.group)
+        norm = norm_squared.sqrt()
+        if grad_clip:
+            self.received.mul_((grad_clip / (norm + 1e-6)).clamp(max=1.0))
+        for p, grad in zip(self.owned, self.in_received):
+            p.grad = grad
+        return norm
+
+    @torch.no_grad()
+    def gather_parameters(self):
+        """Step 3: every rank's updated parameters, on every rank."""
+        if self.world_size == 1:
+            return
+        torch._foreach_copy_(self.in_received, self.owned)
+        dist.all_gather_into_tensor(self.flat, self.received, group=self.group)
+        torch._foreach_copy_([p.data for p, _ in self.others], [v for _, v in self.others])
 
 
 class WeightEMA:

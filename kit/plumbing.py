@@ -32,6 +32,7 @@ from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kit import optim  # noqa: E402
@@ -350,21 +351,37 @@ def activation_bytes(c, batch_size, dtype):
     return 8 * n + 4 * n * C + 4 * n + c.n_layer * layer + levers + head + weight_copies
 
 
+def shards_optimizer(cfg, world_size):
+    """Whether this run shards its optimizer (--shard_optimizer; auto: with more than one rank)."""
+    return cfg.shard_optimizer == "true" or (cfg.shard_optimizer == "auto" and world_size > 1)
+
+
 def memory_plan(cfg, model_cfg, world_size):
-    """{part: bytes} one rank holds in training. Every rank holds all of it: the kit has DDP only, no sharding.
-    Weights and gradients fp32 (4 bytes a parameter); AdamW 2 fp32 moments + a 4-byte step per tensor; Muon a
-    fp32 momentum per entry and NorMuon's fp32 second moment per row of the longer side (max(rows, cols));
-    DDP's gradient buckets, a second fp32 copy of the gradients, with more than one rank; an EMA, a copy
-    of the weights; activations of one micro-batch (`activation_bytes`; micro-batches run one at a time)."""
+    """{part: bytes} one rank holds in training. Weights and gradients fp32 (4 bytes a parameter); AdamW 2
+    fp32 moments + a 4-byte step per tensor; Muon a fp32 momentum per entry and NorMuon's fp32 second
+    moment per row of the longer side (max(rows, cols)). With more than one rank, either DDP's gradient
+    buckets (a second fp32 copy of the gradients) and all of the optimizer state, or, sharded
+    (optim.Sharding), its exchange buffer (world_size segments plus the rank's own) and the optimizer state
+    of the rank that owns the most. An EMA is a copy of the weights; activations are one micro-batch's
+    (`activation_bytes`; micro-batches run one at a time)."""
     with torch.device("meta"):
-        embeddings, head, matrices, scalars = optim.split_parameters(GPT(model_cfg))
-    muon = matrices if cfg.matrix_optimizer == "muon" else []
-    adamw = embeddings + [head] + scalars + (matrices if not muon else [])
-    n_params = sum(p.numel() for p in adamw + muon)
-    plan = {"parameters": 4 * n_params, "gradients": 4 * n_params,
-            "optimizer state": sum(8 * p.numel() + 4 for p in adamw) + sum(4 * (p.numel() + max(p.shape)) for p in muon)}
-    if world_size > 1:
-        plan["DDP gradient buckets"] = 4 * n_params
+        model = GPT(model_cfg)
+    _, _, matrices, _ = optim.split_parameters(model)
+    muon = {id(p) for p in matrices} if cfg.matrix_optimizer == "muon" else set()
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    state = [4 * (p.numel() + max(p.shape)) if id(p) in muon else 8 * p.numel() + 4 for p in params]
+    plan = {"parameters": 4 * n_params, "gradients": 4 * n_params}
+    if shards_optimizer(cfg, world_size):
+        owners = optim.shard_owners([p.numel() for p in params], world_size)
+        segment = max(sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(world_size))
+        plan[f"optimizer state (the largest of {world_size} shares)"] = max(
+            sum(b for b, o in zip(state, owners) if o == r) for r in range(world_size))
+        plan["gradient exchange buffer"] = 4 * (world_size + 1) * segment
+    else:
+        plan["optimizer state"] = sum(state)
+        if world_size > 1:
+            plan["DDP gradient buckets"] = 4 * n_params
     if cfg.ema_decay:
         plan["EMA weights"] = 4 * n_params
     plan[f"activations (micro-batch {cfg.batch_size})"] = activation_bytes(model_cfg, cfg.batch_size, cfg.dtype)
@@ -393,10 +410,13 @@ def check_memory(cfg, model_cfg, world_size, device_type):
     if memory is None or total <= FIT_FRACTION * memory:
         return plan
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.items())
+    if shards_optimizer(cfg, world_size):
+        sharding = "more ranks (each holds a smaller share of the optimizer state)"
+    else:
+        sharding = "--shard_optimizer=true with more than one rank (each rank then keeps 1/ranks of the optimizer state)"
     raise ValueError(f"this run needs {total / GiB:.2f} GiB per rank ({parts}) but a rank has {memory / GiB:.1f} GiB "
                      f"({FIT_FRACTION:.0%} of it usable); use a smaller --batch_size (micro-batch; --total_batch_tokens "
-                     f"is kept by more micro-steps) or a smaller model. More ranks do not help yet: every rank holds "
-                     f"the whole model, gradients and optimizer state (DDP; sharding is not available yet)")
+                     f"is kept by more micro-steps), {sharding}, or a smaller model")
 
 
 # -----------------------------------------------------------------------------
@@ -424,19 +444,42 @@ def write_atomically(path, payload):
                       "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
 
 
+def optimizer_state(model, optimizers):
+    """{parameter name: {state name: tensor}} for the parameters these optimizers update: keyed by name,
+    not by the optimizers' own numbering, so a checkpoint loads into any split of the parameters over ranks
+    (optim.Sharding) and into one process alike. The schedule's values are not saved: it rewrites them."""
+    names = {p: name for name, p in model.named_parameters()}
+    return {names[p]: state for p, state in optim.param_states(optimizers).items()}
+
+
+def run_state(step, train_time, loader_state, train_cfg, model_cfg):
+    """What a checkpoint holds besides tensors: step, charged time, data position, RNG and both configs."""
+    return {"step": step, "train_time": train_time, "loader": loader_state, "rng": torch.get_rng_state(),
+            "train_config": asdict(train_cfg), "model_config": asdict(model_cfg)}
+
+
 def save_checkpoint(path, model, optimizers, step, train_time, loader_state, train_cfg, model_cfg):
-    """Everything a run needs to continue exactly: weights, optimizer state, step, charged time, data
-    position, RNG and both configs."""
-    write_atomically(path, {
-        "model": model.state_dict(),
-        "optimizers": [o.state_dict() for o in optimizers],
-        "step": step,
-        "train_time": train_time,
-        "loader": loader_state,
-        "rng": torch.get_rng_state(),
-        "train_config": asdict(train_cfg),
-        "model_config": asdict(model_cfg),
-    })
+    """One file with everything a run needs to continue exactly: weights, optimizer state, step, charged
+    time, data position, RNG and both configs."""
+    write_atomically(path, {"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers),
+                            **run_state(step, train_time, loader_state, train_cfg, model_cfg)})
+
+
+def save_sharded_checkpoint(path, model, optimizers, group, run):
+    """A folder written by every rank through torch.distributed.checkpoint: the weights (identical on every
+    rank, written once) and each rank's own optimizer state, keyed by parameter name so that any number of
+    ranks can load it; `run` (run_state) goes beside it in meta.pt, written by rank 0. It is written as
+    PATH.tmp and renamed when complete, so a crash leaves the previous checkpoints as they were."""
+    tmp = f"{path}.tmp"
+    dcp.save({"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers)}, checkpoint_id=tmp,
+             process_group=group, no_dist=group is None)
+    if group is None or dist.get_rank() == 0:
+        write_atomically(os.path.join(tmp, "meta.pt"), run)
+        if os.path.exists(path):  # the same step written before: this one replaces it
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def save_final(path, model, model_cfg, train_cfg, step, train_time):
@@ -471,23 +514,41 @@ def make_out_dir(cfg, model_cfg):
         check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
 
 
-def restore(state, raw_model, optimizers, corpus):
-    """Puts a checkpoint's weights, optimizer state, data position and RNG back; returns (step, charged time)."""
-    raw_model.load_state_dict(state["model"])
-    for o, s in zip(optimizers, state["optimizers"]):
-        o.load_state_dict(s)
+def restore(state, raw_model, optimizers, corpus, ranks):
+    """Puts a checkpoint's weights, this rank's optimizer state, the data position and RNG back; returns
+    (step, charged time). A sharded checkpoint (a folder) is read through torch.distributed.checkpoint,
+    which reads each rank just what it now holds, whatever the number of ranks that wrote it."""
+    mine = optimizer_state(raw_model, optimizers)
+    if "folder" not in state and not isinstance(state["optimizers"], dict):
+        raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
+                              "start the run again, or train it on with the kit that wrote it")
+    if "folder" in state:
+        dcp.load({"model": raw_model.state_dict(), "optimizers": mine}, checkpoint_id=state["folder"],
+                 process_group=ranks.control, no_dist=ranks.control is None)
+    else:
+        raw_model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for name, tensors in mine.items():
+                for key, tensor in tensors.items():
+                    tensor.copy_(state["optimizers"][name][key])
     corpus.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"])
     return state["step"], state["train_time"]
 
 
 def write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, charged):
-    """out_dir/ckpt_<step>.pt (by rank 0), keeping the newest keep_checkpoints; returns its path."""
-    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.pt")
-    if ranks.rank == 0:
+    """out_dir/ckpt_<step>.pt (by rank 0), or with a sharded optimizer the folder ckpt_<step>.dcp (by every
+    rank), keeping the newest keep_checkpoints; returns its path."""
+    sharded = shards_optimizer(cfg, ranks.world_size)
+    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if sharded else 'pt'}")
+    if sharded:
+        run = run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)
+        save_sharded_checkpoint(path, raw_model, optimizers, ranks.control, run)
+    elif ranks.rank == 0:
         save_checkpoint(path, raw_model, optimizers, step, charged, corpus.state_dict(), cfg, raw_model.config)
+    if ranks.rank == 0:
         for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
-            os.remove(old)
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
     return path
 
 
@@ -508,21 +569,32 @@ def measure_final_save(cfg, raw_model, ranks):
 
 
 def periodic_checkpoints(out_dir):
-    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")))
+    """The periodic checkpoints in out_dir, oldest first: files, and complete folders of sharded ones."""
+    return sorted(glob.glob(os.path.join(out_dir, "ckpt_*.pt")) + glob.glob(os.path.join(out_dir, "ckpt_*.dcp")),
+                  key=os.path.basename)
 
 
 class CheckpointError(ValueError):
     """A file that is not a usable checkpoint; the message names it and says why."""
 
 
-CHECKPOINT_KEYS = ("model", "optimizers", "step", "train_time", "loader", "rng", "train_config", "model_config")
+RUN_KEYS = ("step", "train_time", "loader", "rng", "train_config", "model_config")
+CHECKPOINT_KEYS = ("model", "optimizers") + RUN_KEYS
 
 
 def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
-    """Tensors and plain containers only (weights_only=True): a checkpoint can never run code. Every way a
+    """Tensors and plain containers only (weights_only=True): a checkpoint file can never run code. Every way a
     file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing) raises
     CheckpointError naming it; torch's own advice for some of these (weights_only=False) would be unsafe.
-    mmap: map the tensors instead of reading them, to look at a checkpoint's configs cheaply."""
+    mmap: map the tensors instead of reading them, to look at a checkpoint's configs cheaply. A sharded
+    checkpoint's folder gives its meta.pt, and "folder", its path, for `restore` to read the tensors from.
+    (torch.distributed.checkpoint reads the folder's .metadata with pickle, torch/distributed/checkpoint/
+    filesystem.py: resume only from folders you wrote.)"""
+    if path.endswith(".dcp") and os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, ".metadata")):
+            raise CheckpointError(f"sharded checkpoint {path} lacks its .metadata: it was not completely written; "
+                                  "use another checkpoint")
+        return {**load_checkpoint(os.path.join(path, "meta.pt"), device, RUN_KEYS, mmap), "folder": path}
     size = os.path.getsize(path)  # a missing file raises FileNotFoundError, which names it
     if size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never written; use another checkpoint")
@@ -726,7 +798,7 @@ def resolve_resume(cfg, model_cfg):
                           f"trained with{hint} (skipped {' | '.join(skipped)})")
 
 
-RUN_FILES = ("log.jsonl", "final.pt", "ckpt_*.pt")
+RUN_FILES = ("log.jsonl", "final.pt", "ckpt_*.pt", "ckpt_*.dcp")
 
 
 def check_out_dir(cfg):
