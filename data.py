@@ -875,6 +875,10 @@ class TokenLoader:
             order = np.arange(n)
         return order[self.rank :: self.world_size][: self.per_rank]
 
+    def tokens_per_epoch(self):
+        """The tokens one epoch serves over all ranks: each rank's windows, less the tail short of a micro-batch."""
+        return self.per_rank // self.batch_size * self.batch_size * self.world_size * self.sequence_len
+
     def state_dict(self):
         return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size}
 
