@@ -825,7 +825,10 @@ class TokenLoader:
     epoch visits every window once in an order fixed by (seed, epoch). Rank r of world_size takes
     windows r, r + world_size, r + 2 * world_size, ... of that order, so ranks never share a window and
     one rank with k micro-batches sees the same windows as k ranks with one micro-batch each.
-    The position is saved with state_dict() so a resumed run continues on the next unseen window.
+    The position is saved with state_dict() so a resumed run continues on the next unseen window, also
+    at another world size (see load_state_dict). Each rank's epoch is len(windows) // world_size windows,
+    read in whole micro-batches (a shorter tail is skipped), so at another world size an epoch ends a few
+    windows earlier or later: up to world_size - 1 windows from the division, plus the skipped tail.
 
     shuffle=False keeps the stream's order, as the contest's loader does. row_pool=N then draws rows from
     a pool of about the next N global micro-batches instead (FrontierForge's row pool: -0.0023 val_bpb on
@@ -872,11 +875,30 @@ class TokenLoader:
             order = np.arange(n)
         return order[self.rank :: self.world_size][: self.per_rank]
 
+    def tokens_per_epoch(self):
+        """The tokens one epoch serves over all ranks: each rank's windows, less the tail short of a micro-batch."""
+        return self.per_rank // self.batch_size * self.batch_size * self.world_size * self.sequence_len
+
     def state_dict(self):
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size}
 
     def load_state_dict(self, state):
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """Continues a state saved at any world size W (a state without one was saved at this world size).
+        W ranks in lockstep at `position` have read the first position * W windows of the epoch's order,
+        which does not depend on W, so each of this run's ranks starts at position * W / world_size: the
+        next unseen windows, none repeated or skipped."""
+        saved_world_size = int(state.get("world_size", self.world_size))
+        consumed = int(state["position"]) * saved_world_size
+        if saved_world_size != self.world_size:
+            if self.row_pool:  # the pool is counted in global micro-batches, so its order depends on W
+                raise ValueError(f"the data position was saved at world size {saved_world_size}, and with row_pool="
+                                 f"{self.row_pool} the epoch's order differs at world size {self.world_size}; resume "
+                                 f"at world size {saved_world_size}")
+            if consumed % self.world_size:
+                raise ValueError(f"the data position was saved at world size {saved_world_size} after {consumed} windows "
+                                 f"of epoch {state['epoch']}, which {self.world_size} ranks cannot split evenly; resume "
+                                 f"at a world size that divides {consumed}, or at world size {saved_world_size}")
+        self.epoch, self.position = int(state["epoch"]), consumed // self.world_size
         self._order = self._epoch_order()
 
     def __iter__(self):

@@ -312,6 +312,9 @@ class KitCorpus:
                                              cfg.eval_tokens, rank, world_size, self.vocab_size)
         self.token_bytes = data.token_bytes(self.enc).to(device)
 
+    def tokens_per_epoch(self):
+        return self.loader.tokens_per_epoch()
+
     def next_batch(self):
         return next(self.loader)
 
@@ -360,6 +363,23 @@ def log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reas
         f"{ranks.world_size} rank(s) on {ranks.device_type}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
         f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
         model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
+
+
+def epoch_plan(cfg, train_tokens, total_tokens):
+    """(line, log fields), before training: the epochs --max_steps plans, else the step the data repeats from."""
+    if train_tokens is None:
+        return ("training data: the token count is not known (the contest's make_dataloader streams its shards and exposes "
+                "none); the organiser's loader may repeat its shards", dict(train_tokens=None, epoch_steps=None, planned_epochs=None))
+    epoch_steps, epochs = train_tokens / total_tokens, cfg.max_steps * total_tokens / train_tokens if cfg.max_steps else None
+    text = f"training data: {train_tokens:,} tokens, one epoch is {epoch_steps:,.1f} steps of {total_tokens:,} tokens; "
+    if epochs is None:
+        text += f"the data starts repeating in step {train_tokens // total_tokens + 1:,}"
+    else:
+        order = "a new order" if cfg.data_order == "shuffled" or cfg.row_pool else "the same order"
+        text += f"{cfg.max_steps:,} steps are {epochs:.2f} epochs: " + (
+            f"the data is read {math.ceil(epochs)} times, each epoch in {order}" if epochs > 1 else "no window is read twice")
+    text += " (at full steps; --batch_warmup's smaller early steps read less)" if cfg.batch_warmup else ""
+    return text, dict(train_tokens=train_tokens, epoch_steps=epoch_steps, planned_epochs=epochs)
 
 
 def run_eval(raw_model, corpus, ranks, autocast, stop, log, step):
@@ -507,6 +527,8 @@ def main(argv):
             autocast = plumbing.autocast_context(cfg, device_type)
             log = plumbing.Logger(cfg.out_dir, master, append=bool(cfg.resume))
             log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason)
+            plan, plan_fields = epoch_plan(cfg, corpus.tokens_per_epoch(), total_tokens)
+            log("data", plan, **plan_fields)
 
             # the loop, on the contest's clock
             reserve_s = plumbing.measure_final_save(cfg, raw_model, ranks)

@@ -151,6 +151,9 @@ class ContestCorpus:
     def load(self, batch_size, sequence_len, rank, world_size, device, master):  # the loader shards by rank itself
         self.batches = self.prepare.make_dataloader(self.tokenizer, batch_size, sequence_len, "train", device)
 
+    def tokens_per_epoch(self):  # make_dataloader streams its shards and exposes no count
+        return None
+
     def next_batch(self):
         x, y, _ = next(self.batches)
         if self.mask_bos_targets:  # the next document's BOS cannot be predicted; the same constant every step

@@ -105,6 +105,42 @@ def test_loader_is_deterministic_and_resumes_from_its_state(shard):
     assert not torch.equal(next(other_seed)[0], next(data.TokenLoader(shard, 3, 64, seed=1))[0])
 
 
+def window_list(loaders, batches):
+    """The windows `batches` batches of each loader read, each by its first token (unique in the shard)."""
+    return sorted(int(t) for loader in loaders for _ in range(batches) for t in next(loader)[0][:, 0])
+
+
+def test_resume_at_another_world_size_reads_the_next_unseen_windows(shard):
+    # 40 windows: 10 per rank at world size 4 (5 batches of 2), 20 per rank at world size 2
+    four = [data.TokenLoader(shard, 2, 64, rank=r, world_size=4, seed=3) for r in range(4)]
+    read = window_list(four, 2)
+    two = [data.TokenLoader(shard, 2, 64, rank=r, world_size=2, seed=3) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(four[0].state_dict())  # rank 0's, as a checkpoint holds it
+    rest_of_epoch = window_list(two, 6)  # 3 batches at world size 4
+    assert rest_of_epoch == window_list(four, 3)
+    assert sorted(read + rest_of_epoch) == window_list([data.TokenLoader(shard, 40, 64)], 1)  # each window once
+    assert window_list(two, 2) == window_list(four, 1)  # and on into the next epoch alike
+
+
+def test_a_state_without_world_size_resumes_at_the_same_world_size(shard):
+    a, b = (data.TokenLoader(shard, 2, 64, rank=1, world_size=4, seed=3) for _ in range(2))
+    next(a)
+    b.load_state_dict({"epoch": a.epoch, "position": a.position})  # as saved before world_size was
+    assert torch.equal(next(a)[0], next(b)[0])
+
+
+def test_resume_at_a_world_size_that_cannot_split_the_position_is_refused(shard):
+    four = data.TokenLoader(shard, 2, 64, rank=0, world_size=4)
+    next(four)  # 8 windows read, which 3 ranks cannot split
+    with pytest.raises(ValueError, match="world size 4 after 8 windows .* divides 8, or at world size 4"):
+        data.TokenLoader(shard, 2, 64, world_size=3).load_state_dict(four.state_dict())
+    pooled = data.TokenLoader(shard, 2, 64, world_size=4, shuffle=False, row_pool=2)
+    next(pooled)
+    with pytest.raises(ValueError, match="row_pool=2 the epoch's order differs at world size 2"):
+        data.TokenLoader(shard, 2, 64, world_size=2, shuffle=False, row_pool=2).load_state_dict(pooled.state_dict())
+
+
 def test_too_little_data_for_the_batch_is_a_clear_error(shard):
     with pytest.raises(ValueError, match="fewer than batch_size"):
         data.TokenLoader(shard, 32, 64, world_size=2)

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+import data
 import train
 from kit import plumbing
 from model import GPTConfig, opt
@@ -34,6 +35,10 @@ def test_a_few_steps_reduce_loss_and_val_bpb(tmp_path, data_dir):
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
     assert result["final_eval"]["val_bpb"] < result["first_eval"]["val_bpb"] - 1.0
     assert os.path.exists(tmp_path / "final.pt")
+    [plan] = events(tmp_path, "data")  # the data's size, stated before training
+    windows = (len(data.read_shard(data.shard_paths(data.prepare("shakespeare", "bytes", data_dir), "train")[0])) - 1) // 64
+    assert windows - 4 < plan["train_tokens"] / 64 <= windows  # whole micro-batches of 4 windows
+    assert plan["planned_epochs"] == 30 * 512 / plan["train_tokens"]
 
 
 def test_resume_continues_with_exactly_the_same_losses(tmp_path, data_dir):
@@ -81,6 +86,19 @@ def test_lr_schedule_warms_up_holds_and_warms_down():
     assert train.lr_multiplier(cfg, 10, 0.3) == 1.0
     assert train.lr_multiplier(cfg, 10, 0.75) == pytest.approx(0.55)
     assert train.lr_multiplier(cfg, 10, 1.0) == pytest.approx(0.1)
+
+
+def test_the_epoch_plan_says_how_often_the_data_is_read():
+    cfg = train.TrainConfig(max_steps=1000)
+    text, fields = train.epoch_plan(cfg, 220_000, 512)
+    assert text == ("training data: 220,000 tokens, one epoch is 429.7 steps of 512 tokens; 1,000 steps are 2.33 "
+                    "epochs: the data is read 3 times, each epoch in a new order")
+    assert fields == {"train_tokens": 220_000, "epoch_steps": 220_000 / 512, "planned_epochs": 1000 * 512 / 220_000}
+    assert train.epoch_plan(dataclasses.replace(cfg, data_order="stream"), 220_000, 512)[0].endswith("in the same order")
+    assert train.epoch_plan(cfg, 512_000, 512)[0].endswith("1,000 steps are 1.00 epochs: no window is read twice")
+    assert train.epoch_plan(train.TrainConfig(), 220_000, 512)[0].endswith("the data starts repeating in step 430")
+    text, fields = train.epoch_plan(cfg, None, 512)
+    assert "not known" in text and "may repeat its shards" in text and fields["planned_epochs"] is None
 
 
 @pytest.mark.parametrize(
