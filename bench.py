@@ -974,11 +974,12 @@ def print_memory(cfg, model_cfg, world_size):
     total = sum(plan.values())
     with torch.device("meta"):
         n_params = GPT(model_cfg).num_params()
-    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; "
-          f"DDP only: every rank holds all of this (no sharding exists yet)")
+    how = ("optimizer sharded: each rank keeps the state of its share" if plumbing.shards_optimizer(cfg, world_size)
+           else "optimizer not sharded: every rank keeps all of its state")
+    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; {how}")
     for part, size in plan.items():
-        print(f"  {part:<32} {size / plumbing.GiB:8.2f} GiB")
-    print(f"  {'total':<32} {total / plumbing.GiB:8.2f} GiB")
+        print(f"  {part:<40} {size / plumbing.GiB:8.2f} GiB")
+    print(f"  {'total':<40} {total / plumbing.GiB:8.2f} GiB")
     here = plumbing.detect_device()
     devices = {"Trn2 rank, LNC=2": 24 * plumbing.GiB, "Trn2 rank, LNC=1": 12 * plumbing.GiB,
                f"this machine's {here}": cfg.device_memory_gb * plumbing.GiB or plumbing.device_memory(here)}
@@ -986,9 +987,10 @@ def print_memory(cfg, model_cfg, world_size):
     for name, memory in devices.items():
         fits[name] = memory is not None and total <= plumbing.FIT_FRACTION * memory
         room = f"{memory / plumbing.GiB:.1f} GiB, {'fits' if fits[name] else 'does NOT fit'}" if memory else "unknown"
-        print(f"  {name:<32} {room} (the plan may use {plumbing.FIT_FRACTION:.0%})")
+        print(f"  {name:<40} {room} (the plan may use {plumbing.FIT_FRACTION:.0%})")
     if not any(fits.values()):
-        sys.exit("error: the plan fits no device listed; use a smaller --batch_size or a smaller model")
+        sys.exit("error: the plan fits no device listed; use a smaller --batch_size, more ranks with "
+                 "--shard_optimizer=true, or a smaller model")
     return {"memory_plan": plan, "total": total, "fits": fits}
 
 

@@ -248,9 +248,10 @@ def train_step(model, raw_model, optimizers, micro_batches, device, autocast, gr
         grad_norm = sharding.reduce_gradients(grad_clip)
     for o in optimizers:
         o.step()
-    if sharding is not None:
+    if sharding is None:
+        raw_model.zero_grad(set_to_none=True)
+    else:  # which also zeroes the gradients, in place
         sharding.gather_parameters()
-    raw_model.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
@@ -516,10 +517,10 @@ def main(argv):
             # the model, its optimizers, the step
             raw_model = GPT(model_cfg).to(device)
             sharded = plumbing.shards_optimizer(cfg, ranks.world_size)
-            sharding = optim.Sharding(raw_model, ranks.rank, ranks.world_size) if sharded else None
+            sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
             optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg),
-                                               owned=sharding.owned if sharded else None)
-            step, charged_before = plumbing.restore(state, raw_model, optimizers, corpus, ranks) if state else (0, 0.0)
+                                               share=sharding.share if sharded else None)
+            step, charged_before = plumbing.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
             del state  # its tensors now live in the model and optimizers
             ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
             tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
@@ -541,7 +542,7 @@ def main(argv):
                 if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
                     evaluate_now(step)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    plumbing.write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, clock.charged())
+                    plumbing.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
 
             ended_by = "signal"
             if not stop.received:
@@ -550,7 +551,7 @@ def main(argv):
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":
-                path = plumbing.write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, clock.charged())
+                path = plumbing.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
                 log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
             charged = final_save(cfg, step, raw_model, ema, ranks, clock)

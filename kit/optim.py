@@ -2,8 +2,12 @@
 The optimizers: Muon (Polar Express orthogonalisation, NorMuon, cautious weight decay) for the hidden
 matrices, AdamW for the tables, the head and the scalars, and an EMA of the weights.
 """
+import functools
+import math
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 
 # Polar Express coefficients for five iterations (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932;
@@ -121,18 +125,15 @@ def split_parameters(model):
     return embeddings, head, matrices, scalars
 
 
-def make_optimizers(model, cfg, device_type, dtype, owned=None):
+def make_optimizers(model, cfg, device_type, dtype, share=None):
     """Muon for the hidden matrices; AdamW for the lookup tables and the head (whose rows see very different
     gradient scales) and for any 0-D or 1-D parameter. Every hyperparameter the schedule changes is a 0-d
-    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron). owned: with
-    sharding, the parameters this rank updates (`Sharding.owned`); the others get no optimizer state here,
-    and a group or optimizer left without parameters is left out."""
+    tensor on the device (AdamW takes a tensor lr when fused, or capturable on Neuron). share: with
+    sharding, what this rank steps on for each parameter (`Sharding.share`); the rest gets no optimizer
+    state here, and a group or optimizer left without tensors is left out."""
     embeddings, head, matrices, scalars = split_parameters(model)
-    if owned is not None:
-        mine = {id(p) for p in owned}
-        embeddings, head, matrices, scalars = ([p for p in part if id(p) in mine] for part in (embeddings, [head], matrices, scalars))
-    else:
-        head = [head]
+    share = share or (lambda p: [p])
+    embeddings, head, matrices, scalars = ([t for p in part for t in share(p)] for part in (embeddings, [head], matrices, scalars))
     device = next(model.parameters()).device
     fused = device_type in ("cpu", "cuda")
     adamw_kwargs = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=fused or None,
@@ -176,65 +177,114 @@ def param_states(optimizers):
     return states
 
 
-def shard_owners(sizes, world_size):
-    """The rank that owns each of the tensors of these sizes: the largest first, each to the rank with the
-    least so far (longest-processing-time scheduling), so every rank's share of the elements, and so of
-    the exchange and the optimizer state, is close to 1/world_size (or the largest tensor, if more)."""
-    loads, owners = [0] * world_size, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        owners[i] = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[owners[i]] += sizes[i]
-    return owners
+def shard_layout(shapes, whole, world_size):
+    """How the parameters of these shapes are shared over the ranks: for each, a list of pieces
+    (rank, first row, end row). A tensor marked `whole` (Muon's matrices: orthogonalisation needs the
+    whole matrix; 0-D and 1-D ones) goes to one rank, the largest first to the least loaded so far
+    (longest-processing-time scheduling); any other (AdamW's tables, head and matrices, updated entry by
+    entry) is cut into world_size blocks of rows as torch.chunk cuts it. Every rank's share of the elements,
+    and so of the exchange and of the optimizer state, is then close to 1/world_size of the whole."""
+    numel = [math.prod(shape) for shape in shapes]
+    loads, pieces = [0] * world_size, [None] * len(shapes)
+    for i, shape in enumerate(shapes):
+        if not whole[i] and world_size > 1:
+            rows = -(-shape[0] // world_size)
+            pieces[i] = [(r, min(shape[0], r * rows), min(shape[0], (r + 1) * rows)) for r in range(world_size)]
+            for r, first, end in pieces[i]:
+                loads[r] += (end - first) * numel[i] // shape[0]
+    for i in sorted(range(len(shapes)), key=lambda i: (-numel[i], i)):
+        if pieces[i] is None:
+            rank = min(range(world_size), key=lambda r: (loads[r], r))
+            pieces[i] = [(rank, 0, shapes[i][0] if shapes[i] else 1)]
+            loads[rank] += numel[i]
+    return pieces
+
+
+def whole_tensors(model, cfg):
+    """For each parameter of model (in order), whether sharding must keep it whole (see shard_layout)."""
+    muon = {id(p) for p in split_parameters(model)[2]} if cfg.matrix_optimizer == "muon" else set()
+    return [id(p) in muon or p.ndim < 2 for p in model.parameters()]
 
 
 class Sharding:
-    """Sharded optimizer state and update (ZeRO stage 2, Rajbhandari et al. 2020, arXiv:1910.02054, with
-    whole tensors per rank as nanochat's DistMuon and DistAdamW, nanochat/optim.py): each parameter is
-    owned by one rank (`shard_owners`), which alone keeps its optimizer state and updates it, so each Muon
-    matrix is orthogonalised by exactly one rank and exactly as in one process. A step:
+    """Sharded optimizer state and update (ZeRO stage 2, Rajbhandari et al. 2020, arXiv:1910.02054, shared
+    out as nanochat's DistMuon and DistAdamW share it, nanochat/optim.py): each Muon matrix and each small
+    tensor is owned whole by one rank, each AdamW table by all ranks in blocks of rows (`shard_layout`).
+    Only the owner keeps a piece's optimizer state and updates it, so each matrix is orthogonalised by
+    exactly one rank, exactly as in one process. A step:
 
-    1. `reduce_gradients`: the gradients are packed into one flat buffer laid out rank by rank (each
-       rank's segment padded with zeros to the longest), reduce-scattered so each rank receives the sum of
-       its own segment only, averaged, and clipped by the global norm (one all-reduce of one number);
-    2. the rank's optimizers step on its parameters (their .grad are views of the received segment);
-    3. `gather_parameters`: each rank's updated parameters are all-gathered through the same buffer.
+    1. `reduce_gradients`: the gradients are in one flat buffer laid out rank by rank (each rank's
+       segment padded with zeros to the longest): a whole tensor's gradient accumulates there in backward
+       (its .grad is a view of the buffer, as DDP's gradient_as_bucket_view), a table's blocks of rows are
+       copied in. The buffer is reduce-scattered so each rank receives the sum of its own segment only,
+       averaged, and clipped by the global norm (one all-reduce of one number);
+    2. the rank's optimizers step on its pieces (`share`: the parameter itself or a view of its rows),
+       whose .grad are views of the received segment;
+    3. `gather_parameters`: every rank's updated pieces are all-gathered through the same buffer, which
+       is then zeroed for the next step's gradients.
 
     The two collectives move what DDP's one all-reduce moves. torch.distributed's ZeroRedundancyOptimizer
     keeps DDP's all-reduce of every gradient and drives one optimizer class, and FSDP2's fully_shard
     splits every tensor along dim 0, so Muon would orthogonalise slices of a matrix: neither fits.
     reduce_scatter_tensor and all_gather_into_tensor are what FSDP2 itself runs on, on gloo, NCCL and
-    TorchNeuron's "neuron" backend (which supports DDP and FSDP2: "How to use torch.distributed on
-    Neuron", awsdocs-neuron torch/guides/torch-distributed). With one rank no collective runs."""
+    TorchNeuron's "neuron" backend (which supports DDP, FSDP2 and DTensor: "How to use torch.distributed
+    on Neuron", awsdocs-neuron torch/guides/torch-distributed). With one rank no collective runs."""
 
-    def __init__(self, model, rank, world_size, group=None):
-        self.params, self.world_size, self.group = list(model.parameters()), world_size, group
+    def __init__(self, model, cfg, rank, world_size, group=None):
+        self.params, self.rank, self.world_size, self.group = list(model.parameters()), rank, world_size, group
         if len({(p.dtype, p.device) for p in self.params}) != 1:
             raise ValueError("sharding packs all parameters into one buffer: they must share one dtype and device")
-        sizes = [p.numel() for p in self.params]
-        owners = shard_owners(sizes, world_size)
-        self.segment = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world_size))
+        layout = shard_layout([tuple(p.shape) for p in self.params], whole_tensors(model, cfg), world_size)
+        sizes = [[(end - first) * p.numel() // max(1, p.shape[0] if p.ndim else 1) for _, first, end in pieces]
+                 for p, pieces in zip(self.params, layout)]
+        self.segment = max(sum(n for pieces, ns in zip(layout, sizes) for (r, _, _), n in zip(pieces, ns) if r == q)
+                           for q in range(world_size))
         p0 = self.params[0]
         self.flat = torch.zeros(world_size * self.segment, dtype=p0.dtype, device=p0.device)
         self.received = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)  # this rank's segment
-        self.owned, self.in_flat, self.in_received, used = [], [], [], [0] * world_size
-        for p, n, o in zip(self.params, sizes, owners):
-            self.in_flat.append(self.flat[o * self.segment + used[o]:][:n].view_as(p))
-            if o == rank:
-                self.owned.append(p)
-                self.in_received.append(self.received[used[o]:][:n].view_as(p))
-            used[o] += n
-        owned_ids = {id(p) for p in self.owned}
-        self.others = [(p, v) for p, v in zip(self.params, self.in_flat) if id(p) not in owned_ids]
+        # per piece: the parameter, its rows, its place in the flat buffer; and this rank's own pieces
+        self.pieces, self.owned, self.in_received, self.rows_of, used = [], [], [], {}, [0] * world_size
+        for p, pieces, ns in zip(self.params, layout, sizes):
+            for (r, first, end), n in zip(pieces, ns):
+                rows = slice(first, end) if len(pieces) > 1 else slice(None)
+                self.pieces.append((p, rows, self.flat[r * self.segment + used[r]:][:n].view_as(p.data[rows]), r))
+                if r == rank:
+                    mine = p if len(pieces) == 1 else p.data[rows]  # a view: AdamW updates the rows in place
+                    self.owned.append(mine)
+                    self.rows_of[mine] = (p, rows)
+                    self.in_received.append(self.received[used[r]:][:n].view_as(mine))
+                used[r] += n
+        # the whole tensors' gradients live in the buffer; the tables', cut in rows, are copied into it
+        self.grad_views = [(p, view) for p, rows, view, _ in self.pieces if rows == slice(None)]
+        self.copied = [(p, rows, view) for p, rows, view, _ in self.pieces if rows != slice(None)]
+        self.arm_gradients()
         if world_size > 1:  # every rank starts from rank 0's weights, as DDP makes them
             for p in self.params:
                 dist.broadcast(p.data, 0, group=group)
 
+    def arm_gradients(self):
+        """Zero the buffer and point the whole tensors' .grad at it, for backward to accumulate into."""
+        self.flat.zero_()
+        for p, view in self.grad_views:
+            p.grad = view
+
+    @functools.cache
+    def device_mesh(self):
+        """The ranks as a 1-D DeviceMesh, for the DTensors a sharded checkpoint describes the tables' rows with."""
+        return init_device_mesh(self.params[0].device.type, (self.world_size,))
+
+    def share(self, param):
+        """The tensors this rank's optimizers step on for `param`: itself, a view of its rows, or none."""
+        return [t for t, (p, _) in self.rows_of.items() if p is param]
+
     @torch.no_grad()
     def reduce_gradients(self, grad_clip):
-        """Step 1: the mean gradient of this rank's parameters, clipped to norm grad_clip (0: not clipped);
+        """Step 1: the mean gradient of this rank's pieces, clipped to norm grad_clip (0: not clipped);
         returns the global gradient norm before clipping (as torch.nn.utils.clip_grad_norm_ does)."""
-        for p, view in zip(self.params, self.in_flat):
-            view.copy_(p.grad) if p.grad is not None else view.zero_()
+        for p, rows, view in self.copied:
+            if p.grad is not None:
+                view.copy_(p.grad[rows])
+        for p in self.params:
             p.grad = None
         if self.world_size > 1:
             dist.reduce_scatter_tensor(self.received, self.flat, group=self.group)
@@ -247,18 +297,19 @@ class Sharding:
         norm = norm_squared.sqrt()
         if grad_clip:
             self.received.mul_((grad_clip / (norm + 1e-6)).clamp(max=1.0))
-        for p, grad in zip(self.owned, self.in_received):
-            p.grad = grad
+        for mine, grad in zip(self.owned, self.in_received):
+            mine.grad = grad
         return norm
 
     @torch.no_grad()
     def gather_parameters(self):
-        """Step 3: every rank's updated parameters, on every rank."""
-        if self.world_size == 1:
-            return
-        torch._foreach_copy_(self.in_received, self.owned)
-        dist.all_gather_into_tensor(self.flat, self.received, group=self.group)
-        torch._foreach_copy_([p.data for p, _ in self.others], [v for _, v in self.others])
+        """Step 3: every rank's updated pieces, on every rank; then the buffer is armed for the next step."""
+        if self.world_size > 1:
+            torch._foreach_copy_(self.in_received, self.owned)
+            dist.all_gather_into_tensor(self.flat, self.received, group=self.group)
+            others = [(p.data[rows], view) for p, rows, view, r in self.pieces if r != self.rank]
+            torch._foreach_copy_([t for t, _ in others], [v for _, v in others])
+        self.arm_gradients()
 
 
 class WeightEMA:

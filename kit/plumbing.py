@@ -33,6 +33,7 @@ from dataclasses import asdict  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kit import optim  # noqa: E402
@@ -359,10 +360,11 @@ def shards_optimizer(cfg, world_size):
 def memory_plan(cfg, model_cfg, world_size):
     """{part: bytes} one rank holds in training. Weights and gradients fp32 (4 bytes a parameter); AdamW 2
     fp32 moments + a 4-byte step per tensor; Muon a fp32 momentum per entry and NorMuon's fp32 second
-    moment per row of the longer side (max(rows, cols)). With more than one rank, either DDP's gradient
-    buckets (a second fp32 copy of the gradients) and all of the optimizer state, or, sharded
-    (optim.Sharding), its exchange buffer (world_size segments plus the rank's own) and the optimizer state
-    of the rank that owns the most. An EMA is a copy of the weights; activations are one micro-batch's
+    moment per row of the longer side (max(rows, cols)). Unsharded, all of the optimizer state, and with
+    more than one rank DDP's gradient buckets (a second fp32 copy of the gradients); sharded
+    (optim.Sharding, `shard_layout`), the optimizer state of the rank that owns the most and the exchange
+    buffer (world_size segments, which hold the whole tensors' gradients, plus the rank's own), the tables'
+    gradients beside it. An EMA is a copy of the weights; activations are one micro-batch's
     (`activation_bytes`; micro-batches run one at a time)."""
     with torch.device("meta"):
         model = GPT(model_cfg)
@@ -370,16 +372,22 @@ def memory_plan(cfg, model_cfg, world_size):
     muon = {id(p) for p in matrices} if cfg.matrix_optimizer == "muon" else set()
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
-    state = [4 * (p.numel() + max(p.shape)) if id(p) in muon else 8 * p.numel() + 4 for p in params]
-    plan = {"parameters": 4 * n_params, "gradients": 4 * n_params}
-    if shards_optimizer(cfg, world_size):
-        owners = optim.shard_owners([p.numel() for p in params], world_size)
-        segment = max(sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(world_size))
-        plan[f"optimizer state (the largest of {world_size} shares)"] = max(
-            sum(b for b, o in zip(state, owners) if o == r) for r in range(world_size))
-        plan["gradient exchange buffer"] = 4 * (world_size + 1) * segment
+    plan = {"parameters": 4 * n_params}
+    sharded = shards_optimizer(cfg, world_size)
+    layout = optim.shard_layout([tuple(p.shape) for p in params], optim.whole_tensors(model, cfg), world_size if sharded else 1)
+    elements, state = [0] * world_size, [0] * world_size
+    for p, pieces in zip(params, layout):
+        for rank, first, end in pieces:
+            n = (end - first) * p.numel() // (p.shape[0] if p.ndim else 1)
+            elements[rank] += n
+            state[rank] += 4 * (n + max(p.shape)) if id(p) in muon else 8 * n + 4  # Muon's matrices are whole
+    if sharded:  # the whole tensors' gradients live in the exchange buffer; the tables' blocks are copied there
+        plan["gradients (of tables cut in rows)"] = 4 * sum(p.numel() for p, pieces in zip(params, layout) if len(pieces) > 1)
+        plan[f"optimizer state (largest of {world_size} shares)"] = max(state)
+        plan["gradient exchange buffer"] = 4 * (world_size + 1) * max(elements)
     else:
-        plan["optimizer state"] = sum(state)
+        plan["gradients"] = 4 * n_params
+        plan["optimizer state"] = state[0]
         if world_size > 1:
             plan["DDP gradient buckets"] = 4 * n_params
     if cfg.ema_decay:
@@ -444,12 +452,27 @@ def write_atomically(path, payload):
                       "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
 
 
-def optimizer_state(model, optimizers):
+def optimizer_state(model, optimizers, sharding=None, distributed=False):
     """{parameter name: {state name: tensor}} for the parameters these optimizers update: keyed by name,
     not by the optimizers' own numbering, so a checkpoint loads into any split of the parameters over ranks
-    (optim.Sharding) and into one process alike. The schedule's values are not saved: it rewrites them."""
+    (optim.Sharding) and into one process alike. The schedule's values are not saved: it rewrites them.
+    distributed: a table shared out by rows appears as a DTensor of its whole shape, sharded on dim 0 as
+    the rows are, and its step count replicated: torch.distributed.checkpoint then writes each rank's rows
+    and gives any other split of them, or the whole, on load. Otherwise the state of this rank's rows."""
     names = {p: name for name, p in model.named_parameters()}
-    return {names[p]: state for p, state in optim.param_states(optimizers).items()}
+    states = {}
+    for tensor, state in optim.param_states(optimizers).items():
+        if tensor in names:
+            states[names[tensor]] = state
+            continue
+        param, _ = sharding.rows_of[tensor]
+        if distributed:
+            mesh = sharding.device_mesh()
+            state = {k: DTensor.from_local(v, mesh, [Shard(0)] if v.ndim else [Replicate()], run_check=False,
+                                           shape=param.shape if v.ndim else v.shape, stride=param.stride() if v.ndim else ())
+                     for k, v in state.items()}
+        states[names[param]] = state
+    return states
 
 
 def run_state(step, train_time, loader_state, train_cfg, model_cfg):
@@ -465,14 +488,14 @@ def save_checkpoint(path, model, optimizers, step, train_time, loader_state, tra
                             **run_state(step, train_time, loader_state, train_cfg, model_cfg)})
 
 
-def save_sharded_checkpoint(path, model, optimizers, group, run):
+def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
     """A folder written by every rank through torch.distributed.checkpoint: the weights (identical on every
     rank, written once) and each rank's own optimizer state, keyed by parameter name so that any number of
     ranks can load it; `run` (run_state) goes beside it in meta.pt, written by rank 0. It is written as
     PATH.tmp and renamed when complete, so a crash leaves the previous checkpoints as they were."""
     tmp = f"{path}.tmp"
-    dcp.save({"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers)}, checkpoint_id=tmp,
-             process_group=group, no_dist=group is None)
+    state = optimizer_state(model, optimizers, sharding, distributed=group is not None)
+    dcp.save({"model": model.state_dict(), "optimizers": state}, checkpoint_id=tmp, process_group=group, no_dist=group is None)
     if group is None or dist.get_rank() == 0:
         write_atomically(os.path.join(tmp, "meta.pt"), run)
         if os.path.exists(path):  # the same step written before: this one replaces it
@@ -514,11 +537,11 @@ def make_out_dir(cfg, model_cfg):
         check_disk_space(cfg.out_dir, GPT(model_cfg).num_params(), cfg.keep_checkpoints)
 
 
-def restore(state, raw_model, optimizers, corpus, ranks):
+def restore(state, raw_model, optimizers, sharding, corpus, ranks):
     """Puts a checkpoint's weights, this rank's optimizer state, the data position and RNG back; returns
     (step, charged time). A sharded checkpoint (a folder) is read through torch.distributed.checkpoint,
     which reads each rank just what it now holds, whatever the number of ranks that wrote it."""
-    mine = optimizer_state(raw_model, optimizers)
+    mine = optimizer_state(raw_model, optimizers, sharding, distributed=sharding is not None and ranks.control is not None)
     if "folder" not in state and not isinstance(state["optimizers"], dict):
         raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
                               "start the run again, or train it on with the kit that wrote it")
@@ -527,23 +550,28 @@ def restore(state, raw_model, optimizers, corpus, ranks):
                  process_group=ranks.control, no_dist=ranks.control is None)
     else:
         raw_model.load_state_dict(state["model"])
+        rows = {name: slice(None) for name in mine}
+        if sharding is not None:  # a table shared out by rows takes this rank's rows of the whole
+            rows.update({name: r for name, r in zip(mine, (sharding.rows_of.get(t, (None, slice(None)))[1]
+                                                         for t in optim.param_states(optimizers)))})
         with torch.no_grad():
             for name, tensors in mine.items():
                 for key, tensor in tensors.items():
-                    tensor.copy_(state["optimizers"][name][key])
+                    saved = state["optimizers"][name][key]
+                    tensor.copy_(saved[rows[name]] if saved.ndim else saved)
     corpus.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"])
     return state["step"], state["train_time"]
 
 
-def write_checkpoint(cfg, raw_model, optimizers, corpus, ranks, step, charged):
+def write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, charged):
     """out_dir/ckpt_<step>.pt (by rank 0), or with a sharded optimizer the folder ckpt_<step>.dcp (by every
     rank), keeping the newest keep_checkpoints; returns its path."""
     sharded = shards_optimizer(cfg, ranks.world_size)
     path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if sharded else 'pt'}")
     if sharded:
         run = run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)
-        save_sharded_checkpoint(path, raw_model, optimizers, ranks.control, run)
+        save_sharded_checkpoint(path, raw_model, optimizers, sharding, ranks.control, run)
     elif ranks.rank == 0:
         save_checkpoint(path, raw_model, optimizers, step, charged, corpus.state_dict(), cfg, raw_model.config)
     if ranks.rank == 0:
@@ -590,7 +618,7 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
     checkpoint's folder gives its meta.pt, and "folder", its path, for `restore` to read the tensors from.
     (torch.distributed.checkpoint reads the folder's .metadata with pickle, torch/distributed/checkpoint/
     filesystem.py: resume only from folders you wrote.)"""
-    if path.endswith(".dcp") and os.path.isdir(path):
+    if str(path).endswith(".dcp") and os.path.isdir(path):
         if not os.path.exists(os.path.join(path, ".metadata")):
             raise CheckpointError(f"sharded checkpoint {path} lacks its .metadata: it was not completely written; "
                                   "use another checkpoint")

@@ -60,20 +60,28 @@ def test_planned_weights_gradients_and_state_equal_the_tensors_after_a_step(matr
     assert plan["gradients"] == grads
     assert plan["optimizer state"] == state
     assert plan["EMA weights"] == sum(t.nbytes for t in ema.average)
-    assert "DDP gradient buckets" not in plan and "DDP gradient buckets" in plumbing.memory_plan(cfg, c, world_size=2)
+    assert "DDP gradient buckets" not in plan
+    cfg.shard_optimizer = "false"
+    assert "DDP gradient buckets" in plumbing.memory_plan(cfg, c, world_size=2)
 
 
 def test_a_config_four_times_too_large_is_refused_before_the_model_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "GPT", None)  # building the model would fail differently
+    # as rank 0 of 64 (the plan is made before any collective)
+    monkeypatch.setattr(plumbing, "start_ranks", lambda device_type: plumbing.Ranks(0, 64, "cpu", "cpu", None))
     fits = ["--preset=phase2", "--device=cpu", "--dtype=bfloat16", "--device_memory_gb=24", f"--out_dir={tmp_path}"]
     cfg, c = train.parse_args(fits)
     assert sum(plumbing.memory_plan(cfg, c, 64).values()) <= plumbing.FIT_FRACTION * 24 * plumbing.GiB
-    with pytest.raises(ValueError, match="smaller --batch_size.*smaller model.*More ranks.*sharding is not available"):
-        train.main(fits + ["--n_embd=3072", "--n_head=24"])  # 4x the parameters (head_dim 128 kept)
+    larger = ["--n_embd=3072", "--n_head=24"]  # 4x the parameters (head_dim 128 kept)
+    with pytest.raises(ValueError, match=r"smaller --batch_size.*--shard_optimizer=true with more than one rank.*smaller model"):
+        train.main(fits + larger + ["--shard_optimizer=false"])
+    with pytest.raises(ValueError, match=r"smaller --batch_size.*more ranks \(each holds a smaller share.*smaller model"):
+        train.main(fits + larger)  # sharded, it does not fit 64 ranks either
 
 
 def test_bench_memory_plans_phase2_on_64_ranks_within_24_gib():
     out = subprocess.run([sys.executable, "bench.py", "--memory", "--preset=phase2", "--world_size=64"],
                          capture_output=True, text=True, check=True).stdout
-    assert "no sharding" in out and "Trn2 rank, LNC=2                 24.0 GiB, fits" in out
+    assert "optimizer sharded" in out and "optimizer state (largest of 64 shares)" in out
+    assert any(line.split()[:5] == ["Trn2", "rank,", "LNC=2", "24.0", "GiB,"] and "fits" in line for line in out.splitlines())
     assert float(next(line for line in out.splitlines() if line.strip().startswith("total")).split()[1]) < 24 * 0.9
