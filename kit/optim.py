@@ -76,7 +76,7 @@ class Muon(torch.optim.Optimizer):
         params = group["params"]
         state = self.state[params[0]]
         if not state:
-            state["momentum"] = torch.zeros((len(params), *params[0].shape), device=params[0].device)
+            state["momentum"] = torch.zeros((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
             rows, cols = params[0].shape
             state["second_moment"] = torch.zeros_like(state["momentum"][..., :1] if rows >= cols else state["momentum"][..., :1, :])
         return state

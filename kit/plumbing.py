@@ -541,11 +541,12 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
     """Puts a checkpoint's weights, this rank's optimizer state, the data position and RNG back; returns
     (step, charged time). A sharded checkpoint (a folder) is read through torch.distributed.checkpoint,
     which reads each rank just what it now holds, whatever the number of ranks that wrote it."""
-    mine = optimizer_state(raw_model, optimizers, sharding, distributed=sharding is not None and ranks.control is not None)
-    if "folder" not in state and not isinstance(state["optimizers"], dict):
+    through_dcp = "folder" in state
+    mine = optimizer_state(raw_model, optimizers, sharding, distributed=through_dcp and sharding is not None and ranks.control is not None)
+    if not through_dcp and not isinstance(state["optimizers"], dict):
         raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
                               "start the run again, or train it on with the kit that wrote it")
-    if "folder" in state:
+    if through_dcp:
         dcp.load({"model": raw_model.state_dict(), "optimizers": mine}, checkpoint_id=state["folder"],
                  process_group=ranks.control, no_dist=ranks.control is None)
     else:
