@@ -247,9 +247,9 @@ class Sharding:
         for p, pieces, ns in zip(self.params, layout, sizes):
             for (r, first, end), n in zip(pieces, ns):
                 rows = slice(first, end) if len(pieces) > 1 else slice(None)
-                self.pieces.append((p, rows, self.flat[r * self.segment + used[r]:][:n].view_as(p.data[rows]), r))
+                self.pieces.append((p, rows, self.flat[r * self.segment + used[r]:][:n].view_as(p.detach()[rows]), r))
                 if r == rank:
-                    mine = p if len(pieces) == 1 else p.data[rows]  # a view: AdamW updates the rows in place
+                    mine = p if len(pieces) == 1 else p.detach()[rows]  # a view: AdamW updates the rows in place
                     self.owned.append(mine)
                     self.rows_of[mine] = (p, rows)
                     self.in_received.append(self.received[used[r]:][:n].view_as(mine))
@@ -260,7 +260,7 @@ class Sharding:
         self.arm_gradients()
         if world_size > 1:  # every rank starts from rank 0's weights, as DDP makes them
             for p in self.params:
-                dist.broadcast(p.data, 0, group=group)
+                dist.broadcast(p.detach(), 0, group=group)
 
     def arm_gradients(self):
         """Zero the buffer and point the whole tensors' .grad at it, for backward to accumulate into."""
@@ -307,7 +307,7 @@ class Sharding:
         if self.world_size > 1:
             torch._foreach_copy_(self.in_received, self.owned)
             dist.all_gather_into_tensor(self.flat, self.received, group=self.group)
-            others = [(p.data[rows], view) for p, rows, view, r in self.pieces if r != self.rank]
+            others = [(p.detach()[rows], view) for p, rows, view, r in self.pieces if r != self.rank]
             torch._foreach_copy_([t for t, _ in others], [v for _, v in others])
         self.arm_gradients()
 

@@ -32,8 +32,6 @@ from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kit import optim  # noqa: E402
@@ -467,6 +465,10 @@ def optimizer_state(model, optimizers, sharding=None, distributed=False):
             continue
         param, _ = sharding.rows_of[tensor]
         if distributed:
+            # imported here, not at the top: torch.distributed.tensor takes ~1 s to import (measured on a 2-core
+            # Xeon), which every process (evaluate.py, each test's) would pay, and only sharded checkpoints use it
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
             mesh = sharding.device_mesh()
             state = {k: DTensor.from_local(v, mesh, [Shard(0)] if v.ndim else [Replicate()], run_check=False,
                                            shape=param.shape if v.ndim else v.shape, stride=param.stride() if v.ndim else ())
@@ -493,6 +495,8 @@ def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
     rank, written once) and each rank's own optimizer state, keyed by parameter name so that any number of
     ranks can load it; `run` (run_state) goes beside it in meta.pt, written by rank 0. It is written as
     PATH.tmp and renamed when complete, so a crash leaves the previous checkpoints as they were."""
+    import torch.distributed.checkpoint as dcp  # imported where used, as DTensor is (optimizer_state)
+
     tmp = f"{path}.tmp"
     state = optimizer_state(model, optimizers, sharding, distributed=group is not None)
     dcp.save({"model": model.state_dict(), "optimizers": state}, checkpoint_id=tmp, process_group=group, no_dist=group is None)
@@ -547,6 +551,8 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
         raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
                               "start the run again, or train it on with the kit that wrote it")
     if through_dcp:
+        import torch.distributed.checkpoint as dcp  # imported where used, as DTensor is (optimizer_state)
+
         dcp.load({"model": raw_model.state_dict(), "optimizers": mine}, checkpoint_id=state["folder"],
                  process_group=ranks.control, no_dist=ranks.control is None)
     else:
