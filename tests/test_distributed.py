@@ -54,30 +54,23 @@ def assert_same_run(out_dir, reference, from_step=0):
         assert (ours[name] - theirs[name]).abs().max() <= 1e-3 * theirs[name].abs().max(), name
 
 
-def test_four_sharded_ranks_match_one_process_and_resume_at_two_and_at_one(tmp_path, data_dir, one_process):
+def test_four_sharded_ranks_match_one_process_and_resume_at_two(tmp_path, data_dir, one_process):
     """The bar: 4 ranks with --shard_optimizer=true step for step as one process (fp32, losses within 1e-5
-    relative); their sharded checkpoint resumed at 2 ranks, and at 1, continues as the uninterrupted run."""
-    four, two, one = tmp_path / "four", tmp_path / "two", tmp_path / "one"
+    relative); their sharded checkpoint resumed at 2 ranks continues as the uninterrupted run (one process
+    reading it, and a file resumed sharded: tests/test_sharding.py)."""
+    four, two = tmp_path / "four", tmp_path / "two"
     stdout = launch(4, four, data_dir, *SAME_WORK, "--shard_optimizer=true")  # 4 ranks x 1 micro-step
     assert stdout.count("val_bpb") == 3  # first eval, final eval, summary: printed once, by rank 0 only
     assert sorted(os.listdir(four)) == ["ckpt_0000002.dcp", "ckpt_0000004.dcp", "final.pt", "log.jsonl"]
     assert len(losses(four)) == 4  # one log line per step, not one per rank
     assert_same_run(four, one_process)
-    for resumed in (two, one):
-        os.makedirs(resumed)
-        shutil.copytree(four / "ckpt_0000002.dcp", resumed / "ckpt_0000002.dcp")
+    os.makedirs(two)
+    shutil.copytree(four / "ckpt_0000002.dcp", two / "ckpt_0000002.dcp")
     launch(2, two, data_dir, *SAME_WORK, "--resume=latest")  # 2 ranks x 2 micro-steps, sharded (auto)
     assert_same_run(two, one_process, from_step=2)
-    launch(0, one, data_dir, *SAME_WORK, "--resume=latest")  # one process reads the whole of each table's rows
-    assert_same_run(one, one_process, from_step=2)
 
 
-def test_ddp_matches_one_process_and_its_checkpoint_resumes_sharded(tmp_path, data_dir, one_process):
-    ddp, resumed = tmp_path / "ddp", tmp_path / "resumed"
-    launch(2, ddp, data_dir, *SAME_WORK, "--shard_optimizer=false")  # 2 ranks x 2 micro-steps, DDP
-    assert sorted(os.listdir(ddp)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "final.pt", "log.jsonl"]
-    assert_same_run(ddp, one_process)
-    os.makedirs(resumed)
-    shutil.copy(ddp / "ckpt_0000002.pt", resumed)
-    launch(2, resumed, data_dir, *SAME_WORK, "--resume=latest")  # sharded: each rank takes its rows of the file
-    assert_same_run(resumed, one_process, from_step=2)
+def test_ddp_matches_one_process(tmp_path, data_dir, one_process):
+    launch(2, tmp_path, data_dir, *SAME_WORK, "--shard_optimizer=false")  # 2 ranks x 2 micro-steps, DDP
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "final.pt", "log.jsonl"]
+    assert_same_run(tmp_path, one_process)

@@ -56,6 +56,15 @@ def test_sharded_steps_equal_one_process_and_ddp(measured, recipe):
     assert norms["sharded"] == pytest.approx(norms["one_process"], rel=1e-5)
 
 
+@pytest.mark.parametrize("recipe", ["muon", "adamw"])
+def test_checkpoints_move_between_one_process_and_sharded_ranks(measured, recipe):
+    """After 3 steps, one process's checkpoint file resumed on 4 sharded ranks (each taking its rows of every
+    table), and the 4 ranks' sharded folder resumed in one process, take the 4th step as the one process
+    does (float64, to 1e-12): weights and optimizer state both came back."""
+    exact = measured[recipe]["float64"]
+    assert exact["file_resumed_sharded"] < 1e-12 and exact["folder_resumed_in_one_process"] < 1e-12
+
+
 def test_each_matrix_is_orthogonalised_by_exactly_one_rank(measured):
     m = measured["muon"]
     assert sum(m["orthogonalised_per_rank"]) == m["matrices"] * m["steps"]
@@ -80,6 +89,13 @@ def test_a_sharded_step_sees_no_changed_python_number(measured):
 
 
 # ---- the ranks' side ----------------------------------------------------------------------------------------
+
+class NoPosition:
+    """A corpus with no data position to restore (the checkpoints here are of models alone)."""
+
+    def load_state_dict(self, state):
+        assert state is None
+
 
 def run_rank(out_path):
     sys.path.insert(0, ROOT)
@@ -165,6 +181,29 @@ def run_rank(out_path):
         steps = [re.sub(r" object at 0x[0-9a-f]+", " object", repr(r)) for r in records[1:]]
         m["same_dispatch"] = steps[0] == steps[1]
         m["collectives_dispatched"] = sum("c10d" in op for op, _ in records[2])
+
+        # checkpoints after the 3 steps: one process's file read by the 4 sharded ranks, and the sharded ranks'
+        # folder read by one process (each rank here); then one more step of each against the one process's
+        saved = os.path.join(os.path.dirname(out_path), f"{recipe}-{dtype}".replace("torch.", ""))
+        if rank == 0:
+            plumbing.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
+        plumbing.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
+                                         plumbing.run_state(3, 0.0, None, cfg, model_cfg))
+        ranks = plumbing.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
+        from_file, from_folder = GPT(model_cfg).to(dtype), GPT(model_cfg).to(dtype)
+        file_sharding = optim.Sharding(from_file, cfg, rank, world)
+        file_opts = optim.make_optimizers(from_file, cfg, "cpu", dtype, share=file_sharding.share)
+        folder_opts = optim.make_optimizers(from_folder, cfg, "cpu", dtype)
+        plumbing.restore(plumbing.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
+        plumbing.restore(plumbing.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
+        values = train.schedule(cfg, m["steps"], m["steps"] / cfg.max_steps)
+        batches = [(torch.randint(0, 70, (2, 16), generator=data), torch.randint(0, 70, (2, 16), generator=data))
+                   for _ in range(2 * world)]
+        for opt_list, model, micro_batches, share in ((one_opts, one, batches, None), (folder_opts, from_folder, batches, None),
+                                                      (file_opts, from_file, batches[2 * rank: 2 * rank + 2], file_sharding)):
+            train.apply_schedule(opt_list, values, model)
+            train.train_step(model, model, opt_list, micro_batches, "cpu", train.nullcontext(), cfg.grad_clip, share)
+        m["file_resumed_sharded"], m["folder_resumed_in_one_process"] = max(apart(from_file, one)), max(apart(from_folder, one))
         return m
 
     results = {}
@@ -173,7 +212,8 @@ def run_rank(out_path):
         # AdamW's first steps are nearly sign(gradient) (eps 1e-10): fp32 rounding of a near-zero gradient
         # entry, which differs with the order of the sums, moves its weight by a whole step either way
         exact = measure(recipe, torch.float64)
-        results[recipe]["float64"] = {k: exact[k] for k in ("sharded_vs_one_process", "ddp_vs_one_process", "ranks_apart")}
+        results[recipe]["float64"] = {k: exact[k] for k in ("sharded_vs_one_process", "ddp_vs_one_process", "ranks_apart",
+                                                             "file_resumed_sharded", "folder_resumed_in_one_process")}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
