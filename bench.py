@@ -31,7 +31,7 @@ its engine: TensorE (nc_matmul max(min(64, M), N) cycles, 4x for fp32), VectorE 
 cycles per input tile, at least 64), GpSimd and the 16 DMA queues. A kernel call then has a busy time per
 engine, a bottleneck, an overlap bound (the busiest engine: estimate_s) and a serial bound (the sum:
 serial_s). A whole training step adds what the compiler generates around the kernels (projection and head
-matmuls, elementwise ops, the optimizer, gradient all-reduce), priced with the same table; its
+matmuls, elementwise ops, the optimizer, the gradients' exchange), priced with the same table; its
 assumptions are STEP_ASSUMPTIONS. `--step_estimate` prints it, with the two public Trn2 measurements
 beside their estimates. Estimates, not measurements: host dispatch, dependencies between engines and
 compiler scheduling are left out.
@@ -374,11 +374,12 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     "ops); the head's softcap and cross-entropy are 5 fp32 passes over the logits forward and 5 backward",
     "within an op the engines overlap (its time is its busiest engine); ops run one after another",
     "Muon (optim.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
-    "passes per matrix element, on every rank for every matrix (optim.Muon does not shard); AdamW: 3 one-input "
-    "and 5 two-input fp32 passes per parameter; gradient clipping 2 passes; accumulation 1 two-input pass per "
-    "micro-step after the first",
-    "one fp32 ring all-reduce of all gradients per step, 2 (R - 1) / R x 4 bytes x parameters through one "
-    "core's DMA queues",
+    "passes per matrix element; AdamW: 3 one-input and 5 two-input fp32 passes per parameter; gradient clipping "
+    "2 passes; accumulation 1 two-input pass per micro-step after the first. Sharded (optim.Sharding, the default "
+    "with more than one rank), the optimizer work of the busiest rank's share (optim.shard_layout); else all of it",
+    "the gradients' exchange through one core's DMA queues as ring collectives: sharded, a reduce-scatter and an "
+    "all-gather of the padded buffer, 2 (R - 1) / R x 4 bytes x R x the longest share; DDP, one all-reduce, "
+    "2 (R - 1) / R x 4 bytes x parameters",
     "left out: host dispatch and eager per-op launch (where measured runs lose most), compilation, data "
     "loading, dependencies between ops' engines, compiler fusion and spills, the levers' extra work (value "
     "embeddings, multi-token prediction, EMA, batch warm-up)",
@@ -515,18 +516,37 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
         _op_seconds(_passes(N * c.vocab_size, *vector, scalar)) for vector, scalar in HEAD_PASSES.values())
     params = sum(math.prod(s) for s in named.values())
     seconds["embedding lookup"] = micro_steps * 2 * _op_seconds(_passes(N * c.n_embd, one_input=1))
-    matrices = [s for n, s in named.items() if len(s) == 2 and n not in ("wte.weight", "lm_head.weight")
-                and not n.startswith("value_embeds.")] if cfg.matrix_optimizer == "muon" else []
-    seconds["optimizer"] = _op_seconds(_passes(params - sum(math.prod(s) for s in matrices), *ADAMW_PASSES))
-    for shape in set(matrices):  # stacked by shape, as optim.Muon does; wide orientation (m <= n)
-        m, n = sorted(shape)
-        k = matrices.count(shape)
-        gemms = [_gemm(m, n, m, k), _gemm(m, m, m, k), _gemm(m, m, n, k)]
-        seconds["optimizer"] += 5 * sum(_op_seconds(g) for g in gemms) + _op_seconds(_passes(k * m * n, *MUON_PASSES))
-        seconds["optimizer"] += 5 * (_op_seconds(_passes(k * m * m, two_input=1, dtype="bfloat16"))
-                                     + _op_seconds(_passes(k * m * n, two_input=1, dtype="bfloat16")))
+    muon = {n for n, s in named.items() if len(s) == 2 and n not in ("wte.weight", "lm_head.weight")
+            and not n.startswith("value_embeds.")} if cfg.matrix_optimizer == "muon" else set()
+    # each rank's pieces (optim.shard_layout): the shapes of its Muon matrices, and its AdamW elements
+    sharded = plumbing.shards_optimizer(cfg, ranks)
+    shapes, is_muon = list(named.values()), [n in muon for n in named]
+    layout = optim.shard_layout(shapes, [m or len(s) < 2 for m, s in zip(is_muon, shapes)], ranks if sharded else 1)
+    shares = [([], 0) for _ in range(ranks if sharded else 1)]
+    for shape, muon, pieces in zip(shapes, is_muon, layout):
+        for rank, first, end in pieces:
+            elements = (end - first) * math.prod(shape) // (shape[0] if shape else 1)
+            shares[rank] = (shares[rank][0] + [shape], shares[rank][1]) if muon else (shares[rank][0], shares[rank][1] + elements)
+    optimizer_s = []
+    for share_matrices, adamw_elements in shares:
+        t = _op_seconds(_passes(adamw_elements, *ADAMW_PASSES))
+        for shape in set(share_matrices):  # stacked by shape, as optim.Muon does; wide orientation (m <= n)
+            m, n = sorted(shape)
+            k = share_matrices.count(shape)
+            gemms = [_gemm(m, n, m, k), _gemm(m, m, m, k), _gemm(m, m, n, k)]
+            t += 5 * sum(_op_seconds(g) for g in gemms) + _op_seconds(_passes(k * m * n, *MUON_PASSES))
+            t += 5 * (_op_seconds(_passes(k * m * m, two_input=1, dtype="bfloat16"))
+                      + _op_seconds(_passes(k * m * n, two_input=1, dtype="bfloat16")))
+        optimizer_s.append(t)
+    seconds["optimizer"] = max(optimizer_s)
     seconds["optimizer"] += _op_seconds(_passes(params, one_input=2 if cfg.grad_clip else 0, two_input=micro_steps - 1))
-    seconds["gradient all-reduce"] = 2 * (ranks - 1) / ranks * 4 * params / (TRN2.dma_queues * TRN2.dma_bytes_per_s)
+    if sharded:
+        longest = max(sum((end - first) * math.prod(shape) // (shape[0] if shape else 1)
+                          for shape, pieces in zip(shapes, layout) for rank, first, end in pieces if rank == r) for r in range(ranks))
+        exchanged = ranks * longest
+    else:
+        exchanged = params
+    seconds["gradient exchange"] = 2 * (ranks - 1) / ranks * 4 * exchanged / (TRN2.dma_queues * TRN2.dma_bytes_per_s)
     step_s = sum(seconds.values())
     return {"components": seconds, "step_s": step_s, "tokens_per_s": step_tokens / step_s, "ranks": ranks,
             "step_tokens": step_tokens, "micro_steps": micro_steps, "params": params,

@@ -814,7 +814,7 @@ def resolve_resume(cfg, model_cfg):
         return cfg.resume
     found = periodic_checkpoints(cfg.out_dir)
     if not found:
-        raise FileNotFoundError(f"--resume=latest: no ckpt_*.pt in {cfg.out_dir}; pass a checkpoint path instead")
+        raise FileNotFoundError(f"--resume=latest: no ckpt_*.pt or ckpt_*.dcp in {cfg.out_dir}; pass a checkpoint path instead")
     skipped = []
     for path in reversed(found):
         try:

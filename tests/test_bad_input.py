@@ -39,6 +39,35 @@ def cli(script, *args):
     return proc.returncode, proc.stderr
 
 
+# Runs `script`'s `if __name__ == "__main__":` block once for each argument list, in one process, and prints
+# [exit code, stderr] of each as Python would have ended it: a SystemExit with a message prints it and exits 1,
+# an uncaught exception prints its traceback. One interpreter start instead of one per case.
+CLI_RUNNER = """
+import contextlib, io, json, runpy, sys, traceback
+script, results = sys.argv[1], []
+for args in json.loads(sys.argv[2]):
+    sys.argv, err, code = [script, *args], io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else print(e.code, file=sys.stderr) or 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code or 0, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def cli_cases(script, cases):
+    """[(exit code, stderr)] of `python script *args` for each args in cases, in one process (CLI_RUNNER)."""
+    proc = subprocess.run([sys.executable, "-c", CLI_RUNNER, script, json.dumps(cases)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def assert_one_line_error(rc, stderr, *needles):
     assert rc != 0 and "Traceback" not in stderr, stderr
     line = stderr.strip().splitlines()[-1]
@@ -112,13 +141,14 @@ def test_help_describes_every_field_in_aligned_columns(capsys):
 
 
 def test_bad_flags_and_a_missing_device_print_one_line_without_a_traceback(tmp_path):
-    for args, needles in [
+    cases = [
         (["--n_head=0"], ["n_head=0 must be positive"]),
         (["--log_every", "0"], ["--log_every=0 must be >= 1"]),
         (["--device=cuda", "--max_steps=1", f"--out_dir={tmp_path}"], ["--device=cuda: no CUDA device"]),
         (["--resume=nowhere.pt", f"--out_dir={tmp_path}"], ["--resume=nowhere.pt: no such checkpoint"]),
-    ]:
-        assert_one_line_error(*cli("train.py", *args), *needles)
+    ]
+    for (rc, stderr), (_, needles) in zip(cli_cases("train.py", [args for args, _ in cases]), cases, strict=True):
+        assert_one_line_error(rc, stderr, *needles)
     assert os.listdir(tmp_path) == []  # refused before data preparation or any file was written
 
 
@@ -208,9 +238,10 @@ def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkp
 
 def test_bad_checkpoints_on_the_command_line_print_one_line(tmp_path, good_checkpoint):
     cases = bad_checkpoints(tmp_path, good_checkpoint)
-    for kind in ("empty", "random", "truncated", "pickled object"):
+    kinds = ("empty", "random", "truncated", "pickled object")
+    runs = [TINY + ["--max_steps=2", f"--resume={cases[kind][0]}", f"--out_dir={tmp_path / 'out'}"] for kind in kinds]
+    for (rc, stderr), kind in zip(cli_cases("train.py", runs), kinds, strict=True):
         path, message = cases[kind]
-        rc, stderr = cli("train.py", *TINY, "--max_steps=2", f"--resume={path}", f"--out_dir={tmp_path / 'out'}")
         assert_one_line_error(rc, stderr, str(path), message)
         assert "pwned" not in stderr and "weights_only=False" not in stderr
 

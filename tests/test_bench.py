@@ -103,11 +103,15 @@ def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monk
     for part in ("kernels: attention", "kernels: mlp", "projection matmuls", "elementwise"):
         assert deep["components"][part] == pytest.approx(2 * small["components"][part])  # per-layer work
     assert deep["components"]["head matmul"] == pytest.approx(small["components"]["head matmul"])
-    assert small["components"]["gradient all-reduce"] == 0
+    assert small["components"]["gradient exchange"] == 0
     on_eight = bench.step_estimate(dataclasses.replace(cfg, total_batch_tokens=8192),
                                    GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1, vocab_size=512), 8,
                                    kernel_costs)
-    assert on_eight["micro_steps"] == 2 and on_eight["components"]["gradient all-reduce"] > 0
+    assert on_eight["micro_steps"] == 2 and on_eight["components"]["gradient exchange"] > 0
+    unsharded = bench.step_estimate(dataclasses.replace(cfg, total_batch_tokens=8192, shard_optimizer="false"),
+                                    GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1, vocab_size=512), 8,
+                                    kernel_costs)  # every rank updates everything
+    assert on_eight["components"]["optimizer"] < unsharded["components"]["optimizer"] / 2
     with pytest.raises(ValueError, match="not a multiple"):
         bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1), 3, kernel_costs)
 
