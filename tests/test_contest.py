@@ -119,7 +119,7 @@ def losses(out_dir):
 
 def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(contest_dir, tmp_path):
     exported = contest_dir / "train.py"
-    run([sys.executable, "train.py", *TINY, f"--export_submission={exported}", f"--competition_dir={contest_dir}"], ROOT)
+    train.main(TINY + [f"--export_submission={exported}", f"--competition_dir={contest_dir}"])
     source = exported.read_text()
     assert len(source.encode()) <= contest.SUBMISSION_LIMIT_BYTES
     assert not re.search(r"\bimport data\b", source) and "urllib" not in source and "class KitCorpus" not in source
@@ -154,9 +154,11 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     bpb = float(run([sys.executable, "-c", score], contest_dir).stdout.split()[-1])
     assert 0 < bpb < 10
     # the kit's local evaluation command reports the scorer's number
-    local = run([sys.executable, "evaluate.py", "bpb", f"--checkpoint={final}", f"--competition_dir={contest_dir}",
-                 "--sequence_len=64", "--batch_size=4", "--tokens=4096"], ROOT).stdout
-    assert f"val_bpb {bpb:.4f}" in local
+    import evaluate
+
+    local = evaluate.main(["bpb", f"--checkpoint={final}", f"--competition_dir={contest_dir}", "--sequence_len=64",
+                           "--batch_size=4", "--tokens=4096"])
+    assert f"{local['val_bpb']:.4f}" == f"{bpb:.4f}"
 
 
 def test_evaluate_bpb_on_the_kits_data_equals_the_runs_own_final_evaluation(tmp_path):

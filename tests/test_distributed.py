@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import train
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ SAME_WORK = ["--total_batch_tokens=1024", "--max_steps=4", "--checkpoint_every=2
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("one_process")
-    launch(0, out, data_dir, *SAME_WORK)  # 1 rank x 4 micro-steps
+    train.main(TINY + [f"--out_dir={out}", f"--data_dir={data_dir}", *SAME_WORK])  # 1 rank x 4 micro-steps, in-process
     return out
 
 
@@ -57,7 +58,7 @@ def assert_same_run(out_dir, reference, from_step=0):
 def test_four_sharded_ranks_match_one_process_and_resume_at_two(tmp_path, data_dir, one_process):
     """The bar: 4 ranks with --shard_optimizer=true step for step as one process (fp32, losses within 1e-5
     relative); their sharded checkpoint resumed at 2 ranks continues as the uninterrupted run (one process
-    reading it, and a file resumed sharded: tests/test_sharding.py)."""
+    reading it, a file resumed sharded, and DDP's step: tests/test_sharding.py)."""
     four, two = tmp_path / "four", tmp_path / "two"
     stdout = launch(4, four, data_dir, *SAME_WORK, "--shard_optimizer=true")  # 4 ranks x 1 micro-step
     assert stdout.count("val_bpb") == 3  # first eval, final eval, summary: printed once, by rank 0 only
@@ -68,9 +69,3 @@ def test_four_sharded_ranks_match_one_process_and_resume_at_two(tmp_path, data_d
     shutil.copytree(four / "ckpt_0000002.dcp", two / "ckpt_0000002.dcp")
     launch(2, two, data_dir, *SAME_WORK, "--resume=latest")  # 2 ranks x 2 micro-steps, sharded (auto)
     assert_same_run(two, one_process, from_step=2)
-
-
-def test_ddp_matches_one_process(tmp_path, data_dir, one_process):
-    launch(2, tmp_path, data_dir, *SAME_WORK, "--shard_optimizer=false")  # 2 ranks x 2 micro-steps, DDP
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "final.pt", "log.jsonl"]
-    assert_same_run(tmp_path, one_process)
