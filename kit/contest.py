@@ -99,9 +99,12 @@ FRONTIER_LEVERS = {
 # et al. 2022): D = 20 N tokens and C = 6 N D give N = sqrt(C / 120) = 6.2e8 parameters and D = 1.2e10 tokens
 # (~860k tokens/s). 22 layers of width 1536 (12 heads of 128, multiples of 128 throughout): 623M block
 # parameters, 648M with the embedding and head. Steps of 2^20 tokens; micro-batch 4 so one LNC=2 rank (24 GiB)
-# holds it: `python bench.py --memory --preset=phase2 --world_size=64` (docs/training.md "Memory plan").
+# holds it: `python bench.py --memory --preset=phase2 --world_size=64` (docs/training.md "Memory plan": 13.98 GiB
+# with the optimizer sharded, the default under torchrun; at 128 LNC=1 ranks (12 GiB) with --batch_size=1, 10.19).
+# The data: 1.2e10 tokens is more than most prepared corpora, so the start-up line says how many epochs that is.
 # Learning rates are the baseline's, not tuned at this size. Launch:
 #   NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=64 train.py --preset=phase2
+#   NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=128 train.py --preset=phase2 --batch_size=1
 PHASE2 = dict(
     BASELINE,
     n_layer=22, n_embd=1536, n_head=12, n_kv_head=12, vocab_size=8192,
