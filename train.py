@@ -360,8 +360,9 @@ def check_batch(cfg, model_cfg, world_size, prepare):
 
 
 def log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason):
+    sharded = " (optimizer sharded)" if plumbing.shards_optimizer(cfg, ranks.world_size) else ""
     log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
-        f"{ranks.world_size} rank(s) on {ranks.device_type}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
+        f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
         f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
         model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
 
