@@ -544,28 +544,26 @@ def make_out_dir(cfg, model_cfg):
 def restore(state, raw_model, optimizers, sharding, corpus, ranks):
     """Puts a checkpoint's weights, this rank's optimizer state, the data position and RNG back; returns
     (step, charged time). A sharded checkpoint (a folder) is read through torch.distributed.checkpoint,
-    which reads each rank just what it now holds, whatever the number of ranks that wrote it."""
-    through_dcp = "folder" in state
-    mine = optimizer_state(raw_model, optimizers, sharding, distributed=through_dcp and sharding is not None and ranks.control is not None)
-    if not through_dcp and not isinstance(state["optimizers"], dict):
-        raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
-                              "start the run again, or train it on with the kit that wrote it")
-    if through_dcp:
+    which reads each rank just what it now holds, whatever the number of ranks that wrote it; from a file,
+    a rank that holds a table's block of rows takes those rows of its state."""
+    if "folder" in state:
         import torch.distributed.checkpoint as dcp  # imported where used, as DTensor is (optimizer_state)
 
-        dcp.load({"model": raw_model.state_dict(), "optimizers": mine}, checkpoint_id=state["folder"],
-                 process_group=ranks.control, no_dist=ranks.control is None)
+        distributed = sharding is not None and ranks.control is not None
+        dcp.load({"model": raw_model.state_dict(), "optimizers": optimizer_state(raw_model, optimizers, sharding, distributed)},
+                 checkpoint_id=state["folder"], process_group=ranks.control, no_dist=ranks.control is None)
+    elif not isinstance(state["optimizers"], dict):
+        raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
+                              "start the run again, or train it on with the kit that wrote it")
     else:
         raw_model.load_state_dict(state["model"])
-        rows = {name: slice(None) for name in mine}
-        if sharding is not None:  # a table shared out by rows takes this rank's rows of the whole
-            rows.update({name: r for name, r in zip(mine, (sharding.rows_of.get(t, (None, slice(None)))[1]
-                                                         for t in optim.param_states(optimizers)))})
+        names = {p: name for name, p in raw_model.named_parameters()}
         with torch.no_grad():
-            for name, tensors in mine.items():
-                for key, tensor in tensors.items():
-                    saved = state["optimizers"][name][key]
-                    tensor.copy_(saved[rows[name]] if saved.ndim else saved)
+            for tensor, tensors in optim.param_states(optimizers).items():
+                param, rows = (tensor, slice(None)) if tensor in names else sharding.rows_of[tensor]
+                for key, target in tensors.items():
+                    saved = state["optimizers"][names[param]][key]
+                    target.copy_(saved[rows] if saved.ndim else saved)
     corpus.load_state_dict(state["loader"])
     torch.set_rng_state(state["rng"])
     return state["step"], state["train_time"]

@@ -236,6 +236,18 @@ def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkp
     assert plumbing.load_checkpoint(good_checkpoint)["step"] == 1
 
 
+def test_an_unfinished_sharded_checkpoint_and_an_old_format_are_named(tmp_path, data_dir, good_checkpoint):
+    unfinished = tmp_path / "ckpt_0000001.dcp"  # a folder whose ranks did not all finish: no .metadata
+    unfinished.mkdir()
+    with pytest.raises(plumbing.CheckpointError, match=f"sharded checkpoint {unfinished} lacks its .metadata"):
+        plumbing.load_checkpoint(str(unfinished))
+    old = torch.load(good_checkpoint, weights_only=True)
+    old["optimizers"] = [{"state": {}, "param_groups": []}]  # by position, as the kit wrote it before
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(plumbing.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
+        run(tmp_path / "out", data_dir, "--max_steps=2", f"--resume={tmp_path / 'old.pt'}")
+
+
 def test_bad_checkpoints_on_the_command_line_print_one_line(tmp_path, good_checkpoint):
     cases = bad_checkpoints(tmp_path, good_checkpoint)
     kinds = ("empty", "random", "truncated", "pickled object")
