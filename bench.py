@@ -502,7 +502,8 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     c = model_cfg
     kernel_costs = kernel_step_costs(c) if kernel_costs is None else kernel_costs
     with torch.device("meta"):  # shapes only
-        named = {n: tuple(p.shape) for n, p in GPT(dataclasses.replace(c)).named_parameters()}
+        model = GPT(dataclasses.replace(c))
+    shapes = [tuple(p.shape) for p in model.parameters()]
     micro_tokens = cfg.batch_size * c.sequence_len * ranks
     step_tokens = cfg.total_batch_tokens or micro_tokens
     if step_tokens % micro_tokens:
@@ -514,19 +515,16 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     seconds["head matmul"] = micro_steps * sum(_op_seconds(op) for op in head.values())
     seconds["head softcap + cross-entropy"] = micro_steps * sum(
         _op_seconds(_passes(N * c.vocab_size, *vector, scalar)) for vector, scalar in HEAD_PASSES.values())
-    params = sum(math.prod(s) for s in named.values())
+    params = sum(math.prod(s) for s in shapes)
     seconds["embedding lookup"] = micro_steps * 2 * _op_seconds(_passes(N * c.n_embd, one_input=1))
-    muon = {n for n, s in named.items() if len(s) == 2 and n not in ("wte.weight", "lm_head.weight")
-            and not n.startswith("value_embeds.")} if cfg.matrix_optimizer == "muon" else set()
+    muon = {id(p) for p in optim.split_parameters(model)[2]} if cfg.matrix_optimizer == "muon" else set()
     # each rank's pieces (optim.shard_layout): the shapes of its Muon matrices, and its AdamW elements
     sharded = plumbing.shards_optimizer(cfg, ranks)
-    shapes, is_muon = list(named.values()), [n in muon for n in named]
-    layout = optim.shard_layout(shapes, [m or len(s) < 2 for m, s in zip(is_muon, shapes)], ranks if sharded else 1)
+    layout = optim.shard_layout(shapes, optim.whole_tensors(model, cfg), ranks if sharded else 1)
     shares = [([], 0) for _ in range(ranks if sharded else 1)]
-    for shape, muon, pieces in zip(shapes, is_muon, layout):
-        for rank, first, end in pieces:
-            elements = (end - first) * math.prod(shape) // (shape[0] if shape else 1)
-            shares[rank] = (shares[rank][0] + [shape], shares[rank][1]) if muon else (shares[rank][0], shares[rank][1] + elements)
+    for p, pieces in zip(model.parameters(), layout):
+        for rank, _, _, elements in pieces:
+            shares[rank] = (shares[rank][0] + [tuple(p.shape)], shares[rank][1]) if id(p) in muon else (shares[rank][0], shares[rank][1] + elements)
     optimizer_s = []
     for share_matrices, adamw_elements in shares:
         t = _op_seconds(_passes(adamw_elements, *ADAMW_PASSES))
@@ -540,12 +538,7 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
         optimizer_s.append(t)
     seconds["optimizer"] = max(optimizer_s)
     seconds["optimizer"] += _op_seconds(_passes(params, one_input=2 if cfg.grad_clip else 0, two_input=micro_steps - 1))
-    if sharded:
-        longest = max(sum((end - first) * math.prod(shape) // (shape[0] if shape else 1)
-                          for shape, pieces in zip(shapes, layout) for rank, first, end in pieces if rank == r) for r in range(ranks))
-        exchanged = ranks * longest
-    else:
-        exchanged = params
+    exchanged = ranks * max(optim.shard_loads(layout, ranks)) if sharded else params
     seconds["gradient exchange"] = 2 * (ranks - 1) / ranks * 4 * exchanged / (TRN2.dma_queues * TRN2.dma_bytes_per_s)
     step_s = sum(seconds.values())
     return {"components": seconds, "step_s": step_s, "tokens_per_s": step_tokens / step_s, "ranks": ranks,

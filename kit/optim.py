@@ -179,7 +179,7 @@ def param_states(optimizers):
 
 def shard_layout(shapes, whole, world_size):
     """How the parameters of these shapes are shared over the ranks: for each, a list of pieces
-    (rank, first row, end row). A tensor marked `whole` (Muon's matrices: orthogonalisation needs the
+    (rank, first row, end row, elements). A tensor marked `whole` (Muon's matrices: orthogonalisation needs the
     whole matrix; 0-D and 1-D ones) goes to one rank, the largest first to the least loaded so far
     (longest-processing-time scheduling); any other (AdamW's tables, head and matrices, updated entry by
     entry) is cut into world_size blocks of rows as torch.chunk cuts it. Every rank's share of the elements,
@@ -189,15 +189,26 @@ def shard_layout(shapes, whole, world_size):
     for i, shape in enumerate(shapes):
         if not whole[i] and world_size > 1:
             rows = -(-shape[0] // world_size)
-            pieces[i] = [(r, min(shape[0], r * rows), min(shape[0], (r + 1) * rows)) for r in range(world_size)]
-            for r, first, end in pieces[i]:
-                loads[r] += (end - first) * numel[i] // shape[0]
+            pieces[i] = []
+            for r in range(world_size):
+                first, end = min(shape[0], r * rows), min(shape[0], (r + 1) * rows)
+                pieces[i].append((r, first, end, (end - first) * numel[i] // shape[0]))
+                loads[r] += pieces[i][-1][3]
     for i in sorted(range(len(shapes)), key=lambda i: (-numel[i], i)):
         if pieces[i] is None:
             rank = min(range(world_size), key=lambda r: (loads[r], r))
-            pieces[i] = [(rank, 0, shapes[i][0] if shapes[i] else 1)]
+            pieces[i] = [(rank, 0, shapes[i][0] if shapes[i] else 1, numel[i])]
             loads[rank] += numel[i]
     return pieces
+
+
+def shard_loads(layout, world_size):
+    """Elements each rank owns under `layout` (shard_layout): the longest is the exchange buffer's segment."""
+    loads = [0] * world_size
+    for pieces in layout:
+        for rank, _, _, elements in pieces:
+            loads[rank] += elements
+    return loads
 
 
 def whole_tensors(model, cfg):
@@ -235,17 +246,14 @@ class Sharding:
         if len({(p.dtype, p.device) for p in self.params}) != 1:
             raise ValueError("sharding packs all parameters into one buffer: they must share one dtype and device")
         layout = shard_layout([tuple(p.shape) for p in self.params], whole_tensors(model, cfg), world_size)
-        sizes = [[(end - first) * p.numel() // max(1, p.shape[0] if p.ndim else 1) for _, first, end in pieces]
-                 for p, pieces in zip(self.params, layout)]
-        self.segment = max(sum(n for pieces, ns in zip(layout, sizes) for (r, _, _), n in zip(pieces, ns) if r == q)
-                           for q in range(world_size))
+        self.segment = max(shard_loads(layout, world_size))
         p0 = self.params[0]
         self.flat = torch.zeros(world_size * self.segment, dtype=p0.dtype, device=p0.device)
         self.received = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)  # this rank's segment
         # per piece: the parameter, its rows, its place in the flat buffer; and this rank's own pieces
         self.pieces, self.owned, self.in_received, self.rows_of, used = [], [], [], {}, [0] * world_size
-        for p, pieces, ns in zip(self.params, layout, sizes):
-            for (r, first, end), n in zip(pieces, ns):
+        for p, pieces in zip(self.params, layout):
+            for r, first, end, n in pieces:
                 rows = slice(first, end) if len(pieces) > 1 else slice(None)
                 self.pieces.append((p, rows, self.flat[r * self.segment + used[r]:][:n].view_as(p.detach()[rows]), r))
                 if r == rank:
@@ -257,6 +265,8 @@ class Sharding:
         # the whole tensors' gradients live in the buffer; the tables', cut in rows, are copied into it
         self.grad_views = [(p, view) for p, rows, view, _ in self.pieces if rows == slice(None)]
         self.copied = [(p, rows, view) for p, rows, view, _ in self.pieces if rows != slice(None)]
+        # the other ranks' pieces, where gather_parameters copies them from the buffer
+        self.theirs = [(p.detach()[rows], view) for p, rows, view, r in self.pieces if r != rank]
         self.arm_gradients()
         if world_size > 1:  # every rank starts from rank 0's weights, as DDP makes them
             for p in self.params:
@@ -307,8 +317,7 @@ class Sharding:
         if self.world_size > 1:
             torch._foreach_copy_(self.in_received, self.owned)
             dist.all_gather_into_tensor(self.flat, self.received, group=self.group)
-            others = [(p.detach()[rows], view) for p, rows, view, r in self.pieces if r != self.rank]
-            torch._foreach_copy_([t for t, _ in others], [v for _, v in others])
+            torch._foreach_copy_([t for t, _ in self.theirs], [v for _, v in self.theirs])
         self.arm_gradients()
 
 

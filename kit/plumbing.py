@@ -373,16 +373,14 @@ def memory_plan(cfg, model_cfg, world_size):
     plan = {"parameters": 4 * n_params}
     sharded = shards_optimizer(cfg, world_size)
     layout = optim.shard_layout([tuple(p.shape) for p in params], optim.whole_tensors(model, cfg), world_size if sharded else 1)
-    elements, state = [0] * world_size, [0] * world_size
+    state = [0] * world_size
     for p, pieces in zip(params, layout):
-        for rank, first, end in pieces:
-            n = (end - first) * p.numel() // (p.shape[0] if p.ndim else 1)
-            elements[rank] += n
+        for rank, _, _, n in pieces:
             state[rank] += 4 * (n + max(p.shape)) if id(p) in muon else 8 * n + 4  # Muon's matrices are whole
     if sharded:  # the whole tensors' gradients live in the exchange buffer; the tables' blocks are copied there
         plan["gradients (of tables cut in rows)"] = 4 * sum(p.numel() for p, pieces in zip(params, layout) if len(pieces) > 1)
         plan[f"optimizer state (largest of {world_size} shares)"] = max(state)
-        plan["gradient exchange buffer"] = 4 * (world_size + 1) * max(elements)
+        plan["gradient exchange buffer"] = 4 * (world_size + 1) * max(optim.shard_loads(layout, world_size))
     else:
         plan["gradients"] = 4 * n_params
         plan["optimizer state"] = state[0]
@@ -572,9 +570,8 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
 def write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, charged):
     """out_dir/ckpt_<step>.pt (by rank 0), or with a sharded optimizer the folder ckpt_<step>.dcp (by every
     rank), keeping the newest keep_checkpoints; returns its path."""
-    sharded = shards_optimizer(cfg, ranks.world_size)
-    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if sharded else 'pt'}")
-    if sharded:
+    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if sharding is not None else 'pt'}")
+    if sharding is not None:
         run = run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)
         save_sharded_checkpoint(path, raw_model, optimizers, sharding, ranks.control, run)
     elif ranks.rank == 0:

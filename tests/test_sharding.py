@@ -25,11 +25,13 @@ def test_layout_shares_every_element_once_and_keeps_matrices_whole():
     loads = [0] * RANKS
     for shape, keep, pieces in zip(shapes, whole, layout):
         rows = shape[0] if shape else 1
-        assert [(first, end) for _, first, end in pieces] == ([(0, rows)] if keep else
-                                                                [(min(rows, r * -(-rows // RANKS)), min(rows, (r + 1) * -(-rows // RANKS))) for r in range(RANKS)])
-        for rank, first, end in pieces:
-            loads[rank] += (end - first) * (shape[1] if len(shape) > 1 else 1)
+        assert [(first, end) for _, first, end, _ in pieces] == ([(0, rows)] if keep else
+                                                                   [(min(rows, r * -(-rows // RANKS)), min(rows, (r + 1) * -(-rows // RANKS))) for r in range(RANKS)])
+        for rank, first, end, elements in pieces:
+            assert elements == (end - first) * (shape[1] if len(shape) > 1 else 1)
+            loads[rank] += elements
     assert sum(loads) == sum(torch.Size(s).numel() for s in shapes)
+    assert optim.shard_loads(layout, RANKS) == loads
     assert max(loads) - min(loads) <= 128 * 32  # at most the largest whole tensor apart
 
 
