@@ -26,7 +26,7 @@ on CPU, or --peak_tflops.
 
 Estimates for Trn2 without a Trn2 (--kernels, --step_estimate, --sweep off Trainium): the NKI kernels run
 under the CPU emulator, which records every instruction with its engine, tile shape, dtypes and buffers;
-its cost model (tests/nki_emulator/_cost.py, each formula with its AWS source) prices each instruction on
+its cost model (nki_emulator/_cost.py, each formula with its AWS source) prices each instruction on
 its engine: TensorE (nc_matmul max(min(64, M), N) cycles, 4x for fp32), VectorE and ScalarE (about N
 cycles per input tile, at least 64), GpSimd and the 16 DMA queues. A kernel call then has a busy time per
 engine, a bottleneck, an overlap bound (the busiest engine: estimate_s) and a serial bound (the sum:
@@ -54,8 +54,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-# The CPU emulator of NKI that the tests use, with the cost model behind every Trn2 estimate here.
-sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+# The CPU emulator of NKI (nki_emulator/, beside this file), with the cost model behind every Trn2 estimate here.
 import nki_emulator  # noqa: E402
 
 if {"--kernels", "--check", "--sweep", "--step_estimate"} & set(sys.argv[1:]):
@@ -331,7 +330,7 @@ ENGINE_LETTERS = {"tensor": "T", "vector": "V", "scalar": "S", "gpsimd": "G", "d
 
 def print_kernels(rows, on_trainium):
     if not on_trainium:
-        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (tests/nki_emulator/_cost.py): "
+        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py): "
               "us busy per engine (T TensorE, V VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap "
               "bound (busiest engine) and the serial bound (sum)")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
@@ -359,7 +358,7 @@ def print_kernels(rows, on_trainium):
 # a whole training step on Trn2, estimated: the kernels' costs plus what the compiler generates around them
 
 STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
-    "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (tests/nki_emulator/_cost.py)",
+    "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
     "NKI kernels (attention, MLP, RMSNorm; forward + backward) cost their emulated trace for one sequence at the "
     "overlap bound (busiest engine), times the sequences of a step; RMSNorm on q and k (QK-norm) and on the "
     "embedding costs the same per element as on the residual stream",
