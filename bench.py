@@ -271,6 +271,11 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
                   tensor(hidden, C, scale=C ** -0.5) if n_up == 2 else None),
          lambda x, w_up, w_down, w_gate, mode: kernels.mlp(x, w_up, w_down, model_cfg.mlp, w_gate, mode=mode)),
         ("rms_norm", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x, mode=mode)),
+        # the residual stream is fp32 under autocast, and so are the norms on it; a branch (a matmul's output)
+        # is in the matmul dtype. add_rms_norm's two outputs are summed so that both get a gradient.
+        ("rms_norm_fp32", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x.float(), mode=mode)),
+        ("add_rms_norm", 0, 0, lambda: (tensor(B, T, C), tensor(B, T, C)),
+         lambda x, branch, mode: sum(o.float() for o in kernels.add_rms_norm(x.float(), branch, mode=mode))),
     ]
 
 
@@ -305,7 +310,7 @@ def measure_kernels(cfg, model_cfg, device_type, device):
             inputs = make_inputs()
             seconds = time_call(lambda *a: call(*a, "torch"), inputs, backward, device_type)
             row.update(torch_s=seconds, torch_flops_per_s=flops / seconds, torch_fraction_of_peak=flops / seconds / peak)
-            if not flops:  # RMSNorm does no matmul work: its figure of merit is bandwidth
+            if name == "rms_norm":  # no matmul work: its figure of merit is bandwidth
                 x = inputs[0]
                 row["torch_bytes_per_s"] = (5 if backward else 2) * x.numel() * x.element_size() / seconds
             if on_trainium:
@@ -340,8 +345,10 @@ def print_kernels(rows, on_trainium):
     for r in rows:
         if r["flops"]:
             rate = f"{r['torch_flops_per_s'] / 1e12:>8.3f} {100 * r['torch_fraction_of_peak']:>7.1f}%"
-        else:  # x read and y written forward; x, dy read and dx written again backward
+        elif "torch_bytes_per_s" in r:  # x read and y written forward; x, dy read and dx written again backward
             rate = f"{r['torch_bytes_per_s'] / 1e9:>5.1f} GB/s        "
+        else:
+            rate = " " * 17
         line = f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {rate}   "
         if on_trainium:
             line += f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
@@ -359,9 +366,11 @@ def print_kernels(rows, on_trainium):
 
 STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
     "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
-    "NKI kernels (attention, MLP, RMSNorm; forward + backward) cost their emulated trace for one sequence at the "
-    "overlap bound (busiest engine), times the sequences of a step; RMSNorm on q and k (QK-norm) and on the "
-    "embedding costs the same per element as on the residual stream",
+    "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm; forward + backward) cost their "
+    "emulated trace for one sequence at the overlap bound (busiest engine), times the sequences of a step; "
+    "RMSNorm on q and k (QK-norm) costs the same per element as on the model's rows, in bf16; on the residual "
+    "stream and the embedding, which stay fp32 under autocast, the norm and the fused residual add + norm are "
+    "priced on fp32 rows (a branch added to the stream is bf16)",
     "an op without its kernel (kernels=torch, or shapes the kernel refuses, e.g. head_dim > 128) is compiled as "
     "plain ops: its matmuls, plus elementwise passes (attention: the full T x T scores in fp32, mask, max, exp, "
     "normalise, cast forward, 2 passes backward)",
@@ -466,13 +475,25 @@ def _layer_ops(c, sequences, kernel_costs):
     for projection in (_linear(N, C, C + 2 * kv), _linear(N, C, C)):  # q, k, v; output projection
         for op in projection.values():
             add("projection matmuls", op)
+    # model.Block fuses each residual add with the norm of its sum, where that norm comes next: not where the
+    # residual scalars rescale x between blocks (then each block norms its input itself)
+    if kernel_costs["add_rms_norm"] is None:
+        fused_adds, plain_adds, stream_norms = 0, 2 * L, 2 * L + 2  # x twice per block, the embedding, the final norm
+    elif c.residual_scalars:
+        fused_adds, plain_adds, stream_norms = L + 1, L - 1, L + 1  # the embedding, each block's input
+    else:
+        fused_adds, plain_adds, stream_norms = 2 * L, 0, 2  # the embedding, the first block's input
     for direction in ("forward", "backward"):  # rotary on q and k; (B, H, D, T) layouts for the kernels; residuals
         add("elementwise", _passes(N * (C + kv), one_input=1, two_input=3, dtype="bfloat16"))
         add("elementwise", _passes(2 * N * (C + kv), one_input=1, dtype="bfloat16"))
-        add("elementwise", _passes(N * C, two_input=2))
-    norm_elements = L * (3 * N * C + N * kv) + 2 * N * C  # x twice per block, q, k; the embedding and the final norm
+        add("elementwise", _passes(N * C, two_input=1), plain_adds)
+    if fused_adds:
+        seconds["kernels: add_rms_norm"] = fused_adds * sequences * kernel_costs["add_rms_norm"]
+    stream_norm_elements = stream_norms * N * C
+    norm_elements = stream_norm_elements + L * (N * C + N * kv)  # and QK-norm
     if kernel_costs["rms_norm"] is not None:
-        seconds["kernels: rms_norm"] = kernel_costs["rms_norm"] * norm_elements / (T * C)
+        seconds["kernels: rms_norm"] = (kernel_costs["rms_norm_fp32"] * stream_norm_elements
+                                        + kernel_costs["rms_norm"] * L * (N * C + N * kv)) / (T * C)
     else:
         # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
         add("rms_norm (compiled)", _passes(norm_elements, one_input=3) + _passes(norm_elements, one_input=4, two_input=1), 1)
@@ -803,6 +824,8 @@ def _kernel_checks(dtype, device):
     weight = (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)
     cases.append(("rms_norm weighted", (tensor(3, tokens, dim), weight),
                   lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
+    cases.append(("add_rms_norm", (tensor(3, tokens, dim), tensor(3, tokens, dim)),
+                  lambda x, branch, mode: torch.stack(kernels.add_rms_norm(x, branch, mode=mode))))
     return cases
 
 
@@ -860,7 +883,7 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
         x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(where, dtype)
         run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
         with plumbing.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
-            out = run(x, cos, sin)
+            out = torch.cat(run(x, cos, sin), dim=-1)  # the new residual stream and its norm
         out.float().square().mean().backward()
         results.append([out] + [p.grad for p in block.parameters()])
     dtype = plumbing.compute_dtype(cfg)

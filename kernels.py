@@ -1150,6 +1150,111 @@ def _broadcast_to_partitions(vector):
 
 
 # -----------------------------------------------------------------------------
+# residual add + RMSNorm: NKI kernels, s = x + branch and y = s / sqrt(mean(s^2) + eps), forward and backward
+#
+# In a pre-norm block every residual add is followed by the RMSNorm of its result (the next sub-block's
+# input). Apart, the add reads x and the branch and writes s, and the norm reads s again and writes y;
+# fused, s never makes the extra round trip through HBM, and in the backward the gradient arriving at s
+# from later in the stream is added in the same pass instead of in one of its own.
+
+
+def add_rms_norm_fwd_kernel(x, branch, eps):
+    """Residual add and the RMSNorm after it. x (N, d), the residual stream, bf16 or fp32; branch (N, d),
+    the sub-block's output, bf16 or fp32. Returns s = x + branch (N, d) in x's dtype and
+    y = s * rstd(s) (N, d) in branch's dtype: the dtype of the matmul that made the branch, which is the
+    one the next matmul takes (under bf16 autocast: the rounding autocast would apply to y anyway).
+
+    Rows on the partitions, 128 per tile, the whole of d along the free axis (as rms_norm_fwd_kernel).
+    Per tile: VectorE adds the two tiles (fp32 inside, rounded to x's dtype, as PyTorch's x + branch);
+    ScalarE squares s and sums each row in one instruction, then a [rows, 1] rsqrt, then writes s * rstd.
+    rstd comes from the rounded s, the tensor the unfused norm would read. Nothing is saved for the
+    backward beyond s itself (an output), from which it recomputes rstd.
+
+    HBM traffic: read x and branch, write s and y, once each (fp32 stream, bf16 branch: 12 bytes a value;
+    apart: 16). SBUF per partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the
+    compiler: under 64 KiB at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
+    partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
+    pass and ScalarE two, both well under the tile's DMA time, so the kernel runs at HBM bandwidth (the
+    emulator at the baseline shape, 1024 x 640: DMA ~8x the busier compute engine).
+    """
+    n_rows, dim = x.shape
+    total = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
+    normed = nl.ndarray((n_rows, dim), branch.dtype, buffer=nl.shared_hbm)
+    eps_column = _constant_column(eps)
+    program_start, program_stop = _program_rows(n_rows)
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
+        tile_rows = slice(row, row + rows)
+        x_tile = _load_tile(x, tile_rows, slice(0, dim))
+        branch_tile = _load_tile(branch, tile_rows, slice(0, dim))
+        sum_tile = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sum_tile, data1=x_tile, data2=branch_tile, op=nl.add)
+        nisa.dma_copy(dst=total[tile_rows, :], src=sum_tile)
+        out = nl.ndarray((rows, dim), branch.dtype, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(sum_tile, eps_column, squares=out)
+        nisa.activation(dst=out, op=nl.copy, data=sum_tile, scale=rstd)
+        nisa.dma_copy(dst=normed[tile_rows, :], src=out)
+    return total, normed
+
+
+def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
+    """Backward of add_rms_norm_fwd_kernel. total (N, d), the s the forward returned; d_normed (N, d), the
+    gradient of y, in y's dtype; d_total (N, d), the gradient that reached s from later in the stream, in
+    s's dtype, or None when nothing read s. Returns dx (N, d) in s's dtype, the gradient of both x and
+    branch, and, where y's dtype differs from s's, the same values once more in y's dtype for the branch
+    (a second write of half the bytes, instead of a cast pass over dx after the kernel).
+
+    With r = rstd(s):  dx = d_total + r * dy - r^3 * mean(s * dy) * s.
+    Per 128-row tile: r recomputed (ScalarE squares and sums, as in the forward); s * dy (VectorE) summed
+    per row by ScalarE's accumulator, scaled by -1/d; its product with r^3 ([rows, 1], tiny); then
+    VectorE s * coef + d_total and dx = dy * r + that (two fused multiply-adds, fp32 inside).
+
+    HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy,
+    d_total, dx, d_branch tiles and one fp32 scratch, at most 24 * d bytes, double-buffered: under 100 KiB at
+    d = 2048. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and ScalarE two,
+    TensorE none; DMA, at 18 bytes a value for an fp32 stream and bf16 branch, is the bottleneck.
+    """
+    n_rows, dim = total.shape
+    dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
+    split = d_normed.dtype != total.dtype
+    if split:
+        d_branch = nl.ndarray((n_rows, dim), d_normed.dtype, buffer=nl.shared_hbm)
+    eps_column = _constant_column(eps)
+    program_start, program_stop = _program_rows(n_rows)
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
+        tile_rows = slice(row, row + rows)
+        s_tile = _load_tile(total, tile_rows, slice(0, dim))
+        dy_tile = _load_tile(d_normed, tile_rows, slice(0, dim))
+        scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(s_tile, eps_column, squares=scratch)
+        nisa.tensor_tensor(dst=scratch, data1=s_tile, data2=dy_tile, op=nl.multiply)
+        neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(s dy)
+        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
+                               scale=-1.0 / dim)
+        r_squared = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=r_squared, data1=rstd, data2=rstd, op=nl.multiply)
+        s_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -r^3 mean(s dy)
+        nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                           operand1=r_squared)
+        if d_total is None:
+            nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
+        else:
+            nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
+                                      operand1=_load_tile(d_total, tile_rows, slice(0, dim)))
+        out = nl.ndarray((rows, dim), total.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=out, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.add, operand1=scratch)
+        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
+        if split:
+            out_branch = nl.ndarray((rows, dim), d_normed.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out_branch, op=nl.copy, data=out)  # on ScalarE, which has one pass less
+            nisa.dma_copy(dst=d_branch[tile_rows, :], src=out_branch)
+    if split:
+        return dx, d_branch
+    return dx  # one output: TorchNeuron hands it back bare
+
+
+# -----------------------------------------------------------------------------
 # MLP and RMSNorm: PyTorch ops around the kernels
 
 
@@ -1242,6 +1347,46 @@ if nki is not None:
                                         _rms_norm_backward_fake, _rms_norm_setup_context, _rms_norm_vjp)
 
 
+def _add_rms_norm_forward(x: torch.Tensor, branch: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(add_rms_norm_fwd_kernel, x, branch, eps)
+
+
+def _add_rms_norm_forward_fake(x, branch, eps):
+    return torch.empty_like(x), torch.empty_like(branch)
+
+
+def _add_rms_norm_backward(d_total: torch.Tensor | None, d_normed: torch.Tensor, total: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, *d_branch = _run_kernel(add_rms_norm_bwd_kernel, d_total, d_normed, total, eps)
+    return dx, d_branch[0] if d_branch else dx.new_empty(0)
+
+
+def _add_rms_norm_backward_fake(d_total, d_normed, total, eps):
+    d_branch = torch.empty_like(d_normed) if d_normed.dtype != total.dtype else total.new_empty(0)
+    return torch.empty_like(total), d_branch
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[0])  # s: the backward recomputes rstd from it
+    ctx.eps = inputs[2]
+    ctx.set_materialize_grads(False)  # no zeros for an s that nothing after it read (the last block's)
+
+
+def _add_rms_norm_vjp(backward_op, ctx, d_total, d_normed):
+    (total,) = ctx.saved_tensors
+    if d_normed is None:  # only s was used: the norm adds nothing to its gradient
+        return d_total, d_total, None
+    d_total = d_total.to(total.dtype).contiguous() if d_total is not None else None
+    dx, d_branch = backward_op(d_total, d_normed.contiguous(), total, ctx.eps)
+    return dx, d_branch if d_branch.numel() else dx, None
+
+
+if nki is not None:
+    _add_rms_norm_op = _register_kernel_ops("add_rms_norm", _add_rms_norm_forward, _add_rms_norm_forward_fake,
+                                            _add_rms_norm_backward, _add_rms_norm_backward_fake,
+                                            _add_rms_norm_setup_context, _add_rms_norm_vjp)
+
+
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -1300,6 +1445,17 @@ def _rms_norm_shape_problem(x):
     if x.numel() == 0:
         return "there are no rows"
     return None
+
+
+def _add_rms_norm_shape_problem(x, branch):
+    """None if the fused residual add + RMSNorm kernels take x and branch, else what stops them."""
+    if branch.shape != x.shape:
+        return f"the branch {tuple(branch.shape)} is not the residual's shape {tuple(x.shape)}"
+    if branch.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32, not {branch.dtype}"
+    if torch.promote_types(x.dtype, branch.dtype) != x.dtype:
+        return f"the residual stream ({x.dtype}) cannot hold its sum with a {branch.dtype} branch"
+    return _rms_norm_shape_problem(x)
 
 
 # -----------------------------------------------------------------------------
@@ -1424,3 +1580,16 @@ def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
         rows = x.reshape(-1, x.size(-1)).contiguous()
         return _rms_norm_op(rows, weight.float() if weight is not None else None, eps).view(x.shape)
     return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)
+
+
+def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
+    """A residual add and the RMSNorm (no weight) of its result: (s, rms_norm(s)) with s = x + branch, in
+    one pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
+    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
+    dtype, which is what the matmul reading the norm would round it to anyway."""
+    if _use_nki("add_rms_norm", mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
+        rows = x.reshape(-1, x.size(-1)).contiguous()
+        total, normed = _add_rms_norm_op(rows, branch.reshape(rows.shape).contiguous(), eps)
+        return total.view(x.shape), normed.view(x.shape)
+    total = x + branch
+    return total, rms_norm(total, eps=eps, mode=mode)

@@ -199,16 +199,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, ve=False):
+    def __init__(self, config, ve=False, norm_output=True):
         super().__init__()
         self.attn = CausalSelfAttention(config, ve)
         self.mlp = MLP(config)
         self.kernels = config.kernels
+        self.norm_output = norm_output  # whether what reads the block's output first is its norm
 
-    def forward(self, x, cos, sin, ve=None):
-        x = x + self.attn(norm(x, self.kernels), cos, sin, ve)
-        x = x + self.mlp(norm(x, self.kernels))
-        return x
+    def forward(self, x, cos, sin, ve=None, normed=None):
+        """x: the residual stream; normed: norm(x) if the block before made it. Returns the new stream and,
+        with norm_output, its norm (the next block's input, or the final norm), else None. A residual add
+        followed by a norm of its sum runs as one op, kernels.add_rms_norm (one pass over the rows on NKI)."""
+        normed = norm(x, self.kernels) if normed is None else normed
+        x, normed = kernels.add_rms_norm(x, self.attn(normed, cos, sin, ve), mode=self.kernels)
+        if not self.norm_output:
+            return x + self.mlp(normed), None
+        return kernels.add_rms_norm(x, self.mlp(normed), mode=self.kernels)
 
 
 class GPT(nn.Module):
@@ -218,7 +224,9 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         ve_layers = [i for i in range(config.n_layer) if config.value_embeds and has_value_embed(i, config.n_layer)]
-        self.blocks = nn.ModuleList([Block(config, i in ve_layers) for i in range(config.n_layer)])
+        # the residual scalars rescale x between blocks, so there only the last block hands on the norm of its output
+        self.blocks = nn.ModuleList([Block(config, i in ve_layers, not config.residual_scalars or i == config.n_layer - 1)
+                                     for i in range(config.n_layer)])
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.padded_vocab_size, kv_dim) for i in ve_layers})
         if config.residual_scalars:
@@ -272,12 +280,13 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         c = self.config
         x = x0 = norm(self.wte(idx), c.kernels)
+        normed = None  # norm(x), when the block before made it
         for i, block in enumerate(self.blocks):
-            if c.residual_scalars:
+            if c.residual_scalars:  # (then normed is None: only the last block makes it)
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
-            x = block(x, cos, sin, ve)
-        x = norm(x, c.kernels)
+            x, normed = block(x, cos, sin, ve, normed)
+        x = normed
         if targets is not None and (c.mtp_extra or c.loss_chunks):
             return self.lever_loss(x, targets, loss_reduction)
         logits = self.lm_head(x)[..., : c.vocab_size].float()  # padding columns never win

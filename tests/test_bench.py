@@ -94,12 +94,18 @@ def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monk
     from model import GPTConfig
 
     cfg, _ = train.parse_args(["--batch_size=2", "--total_batch_tokens=1024"])
-    kernel_costs = {"attention": 1e-5, "mlp": 2e-5, "rms_norm": 1e-6}  # seconds per sequence: given, not emulated
+    kernel_costs = {"attention": 1e-5, "mlp": 2e-5, "rms_norm": 1e-6, "rms_norm_fp32": 2e-6,
+                    "add_rms_norm": 3e-6}  # seconds per sequence: given, not emulated
     small, deep = (bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=n, n_embd=128, n_head=1,
                                                       vocab_size=512), 1, kernel_costs) for n in (2, 4))
     assert small["step_s"] == pytest.approx(sum(small["components"].values()))
     assert small["tokens_per_s"] == pytest.approx(1024 / small["step_s"]) and small["micro_steps"] == 2
     assert small["components"]["kernels: attention"] == pytest.approx(2 * 2 * 2 * 1e-5)  # micro-steps x layers x seqs
+    assert small["components"]["kernels: add_rms_norm"] == pytest.approx(2 * 2 * 2 * 2 * 3e-6)  # two per layer
+    unfused = bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1, vocab_size=512), 1,
+                                  {**kernel_costs, "add_rms_norm": None})  # the residual adds as elementwise passes
+    assert unfused["components"]["elementwise"] > small["components"]["elementwise"]
+    assert unfused["components"]["kernels: rms_norm"] > small["components"]["kernels: rms_norm"]
     for part in ("kernels: attention", "kernels: mlp", "projection matmuls", "elementwise"):
         assert deep["components"][part] == pytest.approx(2 * small["components"][part])  # per-layer work
     assert deep["components"]["head matmul"] == pytest.approx(small["components"]["head matmul"])
@@ -124,7 +130,8 @@ def test_step_estimate_prints_the_references_beside_their_measurements(monkeypat
                           "--batch_size=1", "--compile=false"])
     reference, = results["references"]
     assert reference["estimate_over_measured"] == pytest.approx(reference["estimate_tokens_per_s"] / 1000.0)
-    assert set(results["step_estimate"]["kernel_costs_s"]) == {"attention", "mlp", "rms_norm"}
+    assert set(results["step_estimate"]["kernel_costs_s"]) == {"attention", "mlp", "rms_norm", "rms_norm_fp32",
+                                                                "add_rms_norm"}
     printed = capsys.readouterr().out
     assert f"{reference['estimate_tokens_per_s']:,.0f} / 1,000" in printed and "left out:" in printed
 
@@ -140,8 +147,8 @@ def test_first_hour_check_passes_under_the_emulator(monkeypatch):
     names = " | ".join(r["check"] for r in rows)
     for activation in kernels.MLP_ACTIVATIONS:
         assert f"mlp {activation} forward, no grad" in names and f"mlp {activation} forward+backward" in names
-    for part in ("attention forward, no grad", "rms_norm weighted forward+backward", "Block (nki)", "2 training steps",
-                 "causality"):
+    for part in ("attention forward, no grad", "rms_norm weighted forward+backward", "add_rms_norm forward+backward",
+                 "Block (nki)", "2 training steps", "causality"):
         assert part in names
 
 

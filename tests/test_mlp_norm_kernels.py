@@ -1,5 +1,6 @@
-"""The NKI MLP and RMSNorm kernels, run under nki.simulate (the CPU emulator here), through the same
-PyTorch op and autograd glue that training on Trainium uses (kernels.mlp / kernels.rms_norm, mode="nki").
+"""The NKI MLP and RMSNorm kernels (and the residual add fused with RMSNorm), run under nki.simulate (the
+CPU emulator here), through the same PyTorch op and autograd glue that training on Trainium uses
+(kernels.mlp / kernels.rms_norm / kernels.add_rms_norm, mode="nki").
 
 Tolerances. The references run in float64 on the very inputs the kernels get (bf16 cases: the bf16-rounded
 values), so the differences are the kernels' own error. Values are compared against the largest reference
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import nki_emulator
-from kernels import mlp, rms_norm
+from kernels import add_rms_norm, mlp, rms_norm
 from model import GPT, GPTConfig
 from reference import mlp_reference, rms_norm_reference
 
@@ -199,6 +200,66 @@ def test_rms_norm_shape_limits():
         rms_norm(torch.zeros(4, 4096), mode="nki")
     x = torch.randn(4, 4096)
     torch.testing.assert_close(rms_norm(x, mode="auto"), rms_norm_reference(x))
+
+
+# Residual add + RMSNorm: the model's mix (fp32 stream, bf16 branch) and one dtype throughout; d 64 to 384,
+# rows ragged (200 = 128 + 72; 25 per sequence) and not; with and without a gradient reaching the sum.
+ADD_NORM_CASES = [
+    # shape, stream dtype, branch dtype, gradient of the sum
+    ((2, 100, 256), torch.float32, torch.bfloat16, True),
+    ((3, 128, 64), torch.float32, torch.float32, True),
+    ((200, 384), torch.bfloat16, torch.bfloat16, True),
+    ((5, 25, 128), torch.float32, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, branch_dtype, sum_used", ADD_NORM_CASES,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}+{str(b)[6:]}{'' if u else '-sum-unused'}"
+                              for s, d, b, u in ADD_NORM_CASES])
+def test_add_rms_norm_matches_reference(shape, dtype, branch_dtype, sum_used):
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=generator)).to(dtype).requires_grad_()
+    branch = torch.randn(shape, generator=generator).to(branch_dtype).requires_grad_()
+    total, normed = add_rms_norm(x, branch, mode="nki")
+    d_total = torch.randn(shape, generator=generator).to(dtype)
+    d_normed = torch.randn(shape, generator=generator).to(branch_dtype)
+    torch.autograd.backward((total, normed) if sum_used else (normed,), (d_total, d_normed) if sum_used else (d_normed,))
+    x64, branch64 = (t.detach().double().requires_grad_() for t in (x, branch))
+    total64 = x64 + branch64
+    normed64 = rms_norm_reference(total64)
+    torch.autograd.backward((total64, normed64) if sum_used else (normed64,),
+                            (d_total.double(), d_normed.double()) if sum_used else (d_normed.double(),))
+    assert_close(total, total64, dtype, "sum")
+    assert_close(normed, normed64, branch_dtype, "norm")  # in the branch's (the matmul's) dtype
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    assert_close(branch.grad, branch64.grad, branch_dtype, "dbranch")
+
+
+@emulated
+def test_add_rms_norm_makes_one_pass_over_the_data():
+    """Forward: read x and the branch, write the sum and the norm; backward: read the sum, both gradients,
+    write dx (and dx once more in the branch's dtype): no intermediate goes through HBM."""
+    rows, dim = 512, 256
+    x = torch.randn(rows, dim, requires_grad=True)
+    branch = torch.randn(rows, dim, dtype=torch.bfloat16, requires_grad=True)
+    with nki_emulator.counting() as forward:
+        total, normed = add_rms_norm(x, branch, mode="nki")
+    with nki_emulator.counting() as backward:
+        (total.sum() + normed.float().sum()).backward()
+    assert forward.dma_bytes == rows * dim * (4 + 2) * 2
+    assert backward.dma_bytes == rows * dim * (4 + 2 + 4 + 4 + 2)
+    assert forward.matmul_flops == backward.matmul_flops == 0
+
+
+def test_add_rms_norm_shape_limits():
+    x = torch.randn(4, 128)
+    with pytest.raises(ValueError, match="cannot hold its sum"):  # a bf16 stream with an fp32 branch
+        add_rms_norm(x.bfloat16(), x, mode="nki")
+    with pytest.raises(ValueError, match="2048"):
+        add_rms_norm(torch.zeros(4, 4096), torch.zeros(4, 4096), mode="nki")
+    total, normed = add_rms_norm(x, x, mode="torch")
+    torch.testing.assert_close(total, 2 * x)
+    torch.testing.assert_close(normed, rms_norm_reference(2 * x))
 
 
 def test_gpt_with_every_kernel_on_nki_matches_torch():
