@@ -276,6 +276,10 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
         ("rms_norm_fp32", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x.float(), mode=mode)),
         ("add_rms_norm", 0, 0, lambda: (tensor(B, T, C), tensor(B, T, C)),
          lambda x, branch, mode: sum(o.float() for o in kernels.add_rms_norm(x.float(), branch, mode=mode))),
+        ("softcap_cross_entropy", 0, 0, lambda: (tensor(B, T, model_cfg.padded_vocab_size, scale=8.0),),
+         lambda logits, mode: kernels.softcap_cross_entropy(
+             logits, torch.arange(B * T, device=logits.device).view(B, T) % model_cfg.vocab_size,
+             model_cfg.logit_softcap, model_cfg.vocab_size, "none", mode=mode)),
     ]
 
 
@@ -366,7 +370,8 @@ def print_kernels(rows, on_trainium):
 
 STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
     "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
-    "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm; forward + backward) cost their "
+    "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm, the head's softcap "
+    "cross-entropy; forward + backward) cost their "
     "emulated trace for one sequence at the overlap bound (busiest engine), times the sequences of a step; "
     "RMSNorm on q and k (QK-norm) costs the same per element as on the model's rows, in bf16; on the residual "
     "stream and the embedding, which stay fp32 under autocast, the norm and the fused residual add + norm are "
@@ -379,7 +384,8 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     "ScalarE in turn; the operands and the result cross HBM once",
     "elementwise ops outside the kernels run as one 128-partition instruction each at the cost model's "
     "VectorE/ScalarE rates, and each reads its inputs from HBM and writes its result to HBM (no fusion across "
-    "ops); the head's softcap and cross-entropy are 5 fp32 passes over the logits forward and 5 backward",
+    "ops); without its kernel the head's softcap and cross-entropy are 5 fp32 passes over the logits forward "
+    "and 5 backward",
     "within an op the engines overlap (its time is its busiest engine); ops run one after another",
     "Muon (optim.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
     "passes per matrix element; AdamW: 3 one-input and 5 two-input fp32 passes per parameter; gradient clipping "
@@ -533,8 +539,11 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     seconds = {k: micro_steps * v for k, v in _layer_ops(c, cfg.batch_size, kernel_costs).items()}
     head = _linear(N, c.n_embd, V)
     seconds["head matmul"] = micro_steps * sum(_op_seconds(op) for op in head.values())
-    seconds["head softcap + cross-entropy"] = micro_steps * sum(
-        _op_seconds(_passes(N * c.vocab_size, *vector, scalar)) for vector, scalar in HEAD_PASSES.values())
+    if kernel_costs["softcap_cross_entropy"] is not None and not (c.mtp_extra or c.loss_chunks):  # (levers: their own loss)
+        seconds["kernels: softcap_cross_entropy"] = micro_steps * cfg.batch_size * kernel_costs["softcap_cross_entropy"]
+    else:
+        seconds["head softcap + cross-entropy"] = micro_steps * sum(
+            _op_seconds(_passes(N * c.vocab_size, *vector, scalar)) for vector, scalar in HEAD_PASSES.values())
     params = sum(math.prod(s) for s in shapes)
     seconds["embedding lookup"] = micro_steps * 2 * _op_seconds(_passes(N * c.n_embd, one_input=1))
     muon = {id(p) for p in optim.split_parameters(model)[2]} if cfg.matrix_optimizer == "muon" else set()
@@ -826,6 +835,10 @@ def _kernel_checks(dtype, device):
                   lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
     cases.append(("add_rms_norm", (tensor(3, tokens, dim), tensor(3, tokens, dim)),
                   lambda x, branch, mode: torch.stack(kernels.add_rms_norm(x, branch, mode=mode))))
+    vocab = CHECK_MODEL["vocab_size"]  # padded to a multiple of 128: the kernel skips the padding columns
+    targets = torch.randint(-1, vocab, (2, tokens), generator=generator).to(device)  # -1: ignored
+    cases.append(("softcap_cross_entropy", (tensor(2, tokens, math.ceil(vocab / 128) * 128, scale=8.0),),
+                  lambda logits, mode: kernels.softcap_cross_entropy(logits, targets, 15.0, vocab, "none", mode=mode)))
     return cases
 
 

@@ -1174,8 +1174,8 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
     apart: 16). SBUF per partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the
     compiler: under 64 KiB at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
-    pass and ScalarE two, both well under the tile's DMA time, so the kernel runs at HBM bandwidth (the
-    emulator at the baseline shape, 1024 x 640: DMA ~8x the busier compute engine).
+    pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
+    at the baseline shape, 1024 x 640, fp32 stream and bf16 branch: DMA 27 us, VectorE 11, ScalarE 9).
     """
     n_rows, dim = x.shape
     total = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
@@ -1211,8 +1211,10 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
 
     HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy,
     d_total, dx, d_branch tiles and one fp32 scratch, at most 24 * d bytes, double-buffered: under 100 KiB at
-    d = 2048. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and ScalarE two,
-    TensorE none; DMA, at 18 bytes a value for an fp32 stream and bf16 branch, is the bottleneck.
+    d = 2048. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and ScalarE three
+    (two with one dtype throughout), TensorE none; DMA, at 16 bytes a value for an fp32 stream and bf16
+    branch, is the bottleneck, VectorE close behind (the emulator at 1024 x 640: DMA 36 us, VectorE 33,
+    ScalarE 14).
     """
     n_rows, dim = total.shape
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
@@ -1252,6 +1254,168 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     if split:
         return dx, d_branch
     return dx  # one output: TorchNeuron hands it back bare
+
+
+# -----------------------------------------------------------------------------
+# the head's loss: NKI kernels, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap), forward and backward
+#
+# Apart, the softcap and the cross-entropy make several fp32 passes over the (tokens, vocab) logits through
+# HBM each way (the tanh, its scaling, the logsumexp, the gather; in the backward the softmax, the one-hot,
+# the tanh's derivative, the cast). Fused, the logits are read once forward, and once read and once
+# written backward; every intermediate stays in SBUF.
+
+VOCAB_CHUNK = 2048  # logits columns per step: 4 KiB rows of bf16 per DMA, ~40 KiB of SBUF per partition
+
+
+def _vocab_iota():
+    """[128, VOCAB_CHUNK] fp32 tile whose every row is 0, 1, ..., VOCAB_CHUNK - 1: the column index within a
+    chunk, which one compare against a row's target (shifted by the chunk's start) turns into the one-hot."""
+    columns = nl.ndarray((TILE, VOCAB_CHUNK), nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=columns, pattern=[[1, VOCAB_CHUNK]], offset=0, channel_multiplier=0)
+    return columns
+
+
+def _load_targets(targets, tile_rows, rows):
+    """A tile's targets (int32 in HBM, -1 = ignored) as an fp32 column, exact below 2^24, and 1.0 / 0.0 for
+    kept / ignored."""
+    raw = _load_tile(targets, tile_rows, slice(0, 1))
+    target = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=target, src=raw)
+    kept = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=kept, data=target, op0=nl.greater_equal, operand0=0.0)
+    return target, kept
+
+
+def _chunk_target(target, start):
+    """target - start: where a chunk starting at column `start` holds the row's target (else out of range)."""
+    shifted = nl.ndarray(target.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=shifted, data=target, op0=nl.subtract, operand0=float(start))
+    return shifted
+
+
+def softcap_cross_entropy_fwd_kernel(logits, targets, vocab, cap):
+    """Softcap cross-entropy forward. logits (N, V_padded) bf16 or fp32, the head's raw output; columns from
+    `vocab` on are padding and ignored; targets (N, 1) int32, -1 = ignored; cap > 0. Returns nll (N, 1) fp32,
+    the loss of each row (0 where ignored), and lse (N, 1) fp32, the logsumexp of its capped logits, which the
+    backward needs.
+
+    The cap bounds every capped logit by cap, so exp(cap t - cap) with t = tanh(z / cap) never overflows and
+    the largest term is at least exp(-2 cap): the logsumexp needs no running max, only a running sum,
+    lse = cap + log(sum_j exp(cap t_j - cap)) (fp32 statistics throughout).
+
+    Rows on the partitions, 128 per tile; the vocabulary in chunks of VOCAB_CHUNK columns. Per chunk: one
+    DMA; ScalarE t = tanh(z / cap) (fp32), then exp(cap t - cap) with its row sum in the same instruction;
+    VectorE picks t at the target (one compare of a column-index iota against the shifted target, times t,
+    in one instruction), which ScalarE's accumulator sums. Per tile: lse, nll = lse - cap t_target.
+
+    HBM: the logits read once; 8 bytes a row written. SBUF per partition: the chunk's logits, t, exp and the
+    pick (2 + 3 * 4 bytes a column: 28 KiB) and the iota (8 KiB); PSUM: none. Limits: cap > 0 (without the
+    bound the sum would need a running max: the PyTorch path runs), vocab < 2^24; any N, any vocab (the
+    last chunk may be short). Engines per chunk: ScalarE 3 passes, VectorE one of two inputs (costed as 2),
+    TensorE none: ScalarE is the bottleneck, VectorE at 87% of it, the DMA of bf16 logits at a third (the
+    emulator at 1024 x 8192). The running sums are [rows, 1] updates, one per chunk.
+    """
+    n_rows = logits.shape[0]
+    nll = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
+    lse = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
+    columns = _vocab_iota()
+    neg_cap = _constant_column(-cap)
+    program_start, program_stop = _program_rows(n_rows)
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
+        tile_rows = slice(row, row + rows)
+        target, kept = _load_targets(targets, tile_rows, rows)
+        total = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # sum of exp(cap t - cap) so far
+        picked = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # t at the target so far
+        for chunk in _spans(0, vocab, VOCAB_CHUNK):
+            start, width = chunk
+            z = _load_tile(logits, tile_rows, slice(start, start + width))
+            t = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=t, op=nl.tanh, data=z, scale=1.0 / cap)
+            exps = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            chunk_total = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.activation_reduce(dst=exps, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=chunk_total,
+                                   bias=neg_cap[:rows], scale=cap)
+            at_target = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=at_target, data=columns[:rows, :width], op0=nl.equal,
+                                      operand0=_chunk_target(target, start), op1=nl.multiply, operand1=t)
+            chunk_picked = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # summed by ScalarE: VectorE is busier
+            nisa.activation_reduce(dst=at_target, op=nl.copy, data=at_target, reduce_op=nl.add, reduce_res=chunk_picked)
+            if start == 0:
+                nisa.tensor_copy(dst=total, src=chunk_total)
+                nisa.tensor_copy(dst=picked, src=chunk_picked)
+            else:
+                nisa.tensor_tensor(dst=total, data1=total, data2=chunk_total, op=nl.add)
+                nisa.tensor_tensor(dst=picked, data1=picked, data2=chunk_picked, op=nl.add)
+        log_total = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=log_total, op=nl.log, data=total)  # total >= exp(-2 cap): in log's range
+        lse_tile = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lse_tile, data=log_total, op0=nl.add, operand0=float(cap))
+        nisa.dma_copy(dst=lse[tile_rows, :], src=lse_tile)
+        loss = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # lse - cap t_target
+        nisa.scalar_tensor_tensor(dst=loss, data=picked, op0=nl.multiply, operand0=-float(cap), op1=nl.add,
+                                  operand1=lse_tile)
+        kept_loss = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # 0 where ignored
+        nisa.tensor_tensor(dst=kept_loss, data1=loss, data2=kept, op=nl.multiply)
+        nisa.dma_copy(dst=nll[tile_rows, :], src=kept_loss)
+    return nll, lse
+
+
+def softcap_cross_entropy_bwd_kernel(logits, targets, lse, d_nll, vocab, cap):
+    """Softcap cross-entropy backward. logits, targets, vocab, cap as for the forward; lse (N, 1) from it;
+    d_nll (N, 1) fp32, the gradient of each row's loss. Returns d_logits (N, V_padded) in the logits' dtype,
+    zero in the padding columns and in ignored rows.
+
+    With t = tanh(z / cap), p = exp(cap t - lse) (the softmax) and g = d_nll for kept rows, 0 for ignored:
+    d_z = g (p - onehot(target)) (1 - t^2), the chain through the cap's tanh.
+    Per chunk: one DMA in, one out; ScalarE t, p (bias -lse), t^2 and 1 - t^2; VectorE onehot - p (the iota
+    compared with the shifted target, minus p: one instruction), then that times -g times (1 - t^2), written
+    in the logits' dtype.
+
+    HBM: the logits read once, d_logits written once. SBUF per partition: the chunk's logits and gradient,
+    t, p, t^2, 1 - t^2 and onehot - p (2 * 2 + 5 * 4 bytes a column at bf16: 48 KiB) and the iota (8 KiB);
+    PSUM: none. Limits as for the forward. Engines per chunk: ScalarE 4 passes, VectorE two of two inputs
+    (costed 2 each), TensorE none: VectorE is the bottleneck, ScalarE at 80% of it, the DMA at a fifth (the
+    emulator at 1024 x 8192).
+    """
+    n_rows, padded = logits.shape
+    d_logits = nl.ndarray((n_rows, padded), logits.dtype, buffer=nl.shared_hbm)
+    columns = _vocab_iota()
+    ones = _constant_column(1.0)
+    if padded > vocab:
+        zeros = nl.ndarray((TILE, padded - vocab), logits.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+    program_start, program_stop = _program_rows(n_rows)
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
+        tile_rows = slice(row, row + rows)
+        target, kept = _load_targets(targets, tile_rows, rows)
+        neg_g = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -g
+        nisa.scalar_tensor_tensor(dst=neg_g, data=_load_tile(d_nll, tile_rows, slice(0, 1)), op0=nl.multiply,
+                                  operand0=-1.0, op1=nl.multiply, operand1=kept)
+        neg_lse = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_lse, data=_load_tile(lse, tile_rows, slice(0, 1)), op0=nl.multiply, operand0=-1.0)
+        for chunk in _spans(0, vocab, VOCAB_CHUNK):
+            start, width = chunk
+            z = _load_tile(logits, tile_rows, slice(start, start + width))
+            t = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=t, op=nl.tanh, data=z, scale=1.0 / cap)
+            probs = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=probs, op=nl.exp, data=t, bias=neg_lse, scale=cap)
+            t_squared = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=t_squared, op=nl.square, data=t)
+            slope = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)  # 1 - t^2
+            nisa.activation(dst=slope, op=nl.copy, data=t_squared, bias=ones[:rows], scale=-1.0)
+            onehot_minus_p = nl.ndarray((rows, width), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=onehot_minus_p, data=columns[:rows, :width], op0=nl.equal,
+                                      operand0=_chunk_target(target, start), op1=nl.subtract, operand1=probs)
+            out = nl.ndarray((rows, width), logits.dtype, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=out, data=onehot_minus_p, op0=nl.multiply, operand0=neg_g,
+                                      op1=nl.multiply, operand1=slope)
+            nisa.dma_copy(dst=d_logits[tile_rows, start:start + width], src=out)
+        if padded > vocab:
+            nisa.dma_copy(dst=d_logits[tile_rows, vocab:padded], src=zeros[:rows])
+    return d_logits
 
 
 # -----------------------------------------------------------------------------
@@ -1387,6 +1551,44 @@ if nki is not None:
                                             _add_rms_norm_setup_context, _add_rms_norm_vjp)
 
 
+def _softcap_cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
+                                   cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(softcap_cross_entropy_fwd_kernel, logits, targets, vocab, cap)
+
+
+def _softcap_cross_entropy_forward_fake(logits, targets, vocab, cap):
+    column = logits.new_empty((logits.size(0), 1), dtype=torch.float32)
+    return column, torch.empty_like(column)
+
+
+def _softcap_cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                                    d_nll: torch.Tensor, vocab: int, cap: float) -> torch.Tensor:
+    (d_logits,) = _run_kernel(softcap_cross_entropy_bwd_kernel, logits, targets, lse, d_nll, vocab, cap)
+    return d_logits
+
+
+def _softcap_cross_entropy_backward_fake(logits, targets, lse, d_nll, vocab, cap):
+    return torch.empty_like(logits)
+
+
+def _softcap_cross_entropy_setup_context(ctx, inputs, output):
+    logits, targets, ctx.vocab, ctx.cap = inputs
+    ctx.save_for_backward(logits, targets, output[1])
+    ctx.mark_non_differentiable(output[1])  # lse: an output only for the backward's sake
+
+
+def _softcap_cross_entropy_vjp(backward_op, ctx, d_nll, _d_lse):
+    logits, targets, lse = ctx.saved_tensors
+    return backward_op(logits, targets, lse, d_nll.float().contiguous(), ctx.vocab, ctx.cap), None, None, None
+
+
+if nki is not None:
+    _softcap_cross_entropy_op = _register_kernel_ops(
+        "softcap_cross_entropy", _softcap_cross_entropy_forward, _softcap_cross_entropy_forward_fake,
+        _softcap_cross_entropy_backward, _softcap_cross_entropy_backward_fake, _softcap_cross_entropy_setup_context,
+        _softcap_cross_entropy_vjp)
+
+
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -1456,6 +1658,22 @@ def _add_rms_norm_shape_problem(x, branch):
     if torch.promote_types(x.dtype, branch.dtype) != x.dtype:
         return f"the residual stream ({x.dtype}) cannot hold its sum with a {branch.dtype} branch"
     return _rms_norm_shape_problem(x)
+
+
+def _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size):
+    """None if the softcap cross-entropy kernels take these, else what stops them."""
+    if logits.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32 logits, not {logits.dtype}"
+    if not cap:
+        return ("logit_softcap=0: the kernels rely on the cap's bound on the logits (no running max); set "
+                "logit_softcap > 0")
+    if not 0 < vocab_size <= logits.size(-1) or vocab_size >= 2 ** 24:
+        return f"vocab_size={vocab_size} must be in 1..{min(logits.size(-1), 2 ** 24 - 1)} (the logits' width)"
+    if targets.shape != logits.shape[:-1]:
+        return f"targets {tuple(targets.shape)} do not match the logits {tuple(logits.shape)}"
+    if logits.numel() == 0:
+        return "there are no rows"
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -1580,6 +1798,27 @@ def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
         rows = x.reshape(-1, x.size(-1)).contiguous()
         return _rms_norm_op(rows, weight.float() if weight is not None else None, eps).view(x.shape)
     return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)
+
+
+def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
+    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0), as
+    F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
+    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
+    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
+    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
+    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
+    if _use_nki("softcap_cross_entropy", mode, logits.device.type,
+                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
+        rows = logits.reshape(-1, logits.size(-1)).contiguous()
+        nll, _ = _softcap_cross_entropy_op(rows, targets.reshape(-1, 1).to(torch.int32), vocab_size, float(cap))
+        if reduction == "none":
+            return nll.view(targets.shape)
+        return nll.sum() if reduction == "sum" else nll.sum() / (targets >= 0).sum()  # mean: over the kept targets
+    logits = logits[..., :vocab_size].float()  # padding columns never win
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 def add_rms_norm(x, branch, eps=1e-6, mode="auto"):

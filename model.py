@@ -289,14 +289,14 @@ class GPT(nn.Module):
         x = normed
         if targets is not None and (c.mtp_extra or c.loss_chunks):
             return self.lever_loss(x, targets, loss_reduction)
-        logits = self.lm_head(x)[..., : c.vocab_size].float()  # padding columns never win
-        if self.config.logit_softcap:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction=loss_reduction)
-        return loss.view(B, T) if loss_reduction == "none" else loss
+        logits = self.lm_head(x)  # (B, T, padded vocab)
+        if targets is not None:  # softcap and cross-entropy in one op (one pass over the logits on NKI)
+            return kernels.softcap_cross_entropy(logits, targets, c.logit_softcap, c.vocab_size, loss_reduction,
+                                                 c.kernels)
+        logits = logits[..., : c.vocab_size].float()  # padding columns never win
+        if c.logit_softcap:
+            logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)
+        return logits
 
     def lever_loss(self, x, targets, loss_reduction):
         """Cross-entropy for the levers: the next token, plus (training only) the tokens mtp_extra further
