@@ -1,11 +1,13 @@
 """
-The three operations a GPT spends its time in: causal attention, the MLP and RMSNorm.
+The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, plus the elementwise work
+next to them fused into kernels of its own: the residual add with the RMSNorm after it, and the head's
+softcap with its cross-entropy.
 
-model.py calls only `attention`, `mlp` and `rms_norm` from this file. Each takes `mode`, the model's
-`kernels` setting, and picks its path with `_use_nki`:
+model.py calls only `attention`, `mlp`, `rms_norm`, `add_rms_norm` and `softcap_cross_entropy` from this
+file. Each takes `mode`, the model's `kernels` setting, and picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
-  CPU; F.rms_norm; plain matmuls).
+  CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy).
 - "auto": the NKI kernel on a Trainium ("neuron") device when the shapes fit; otherwise the PyTorch path,
   logging why once per operation and reason.
 - "nki": the NKI kernel or a clear error. Off Trainium the kernel runs on the CPU under `nki.simulate`
