@@ -45,6 +45,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -755,6 +756,9 @@ def run_ablation(seeds, steps, extra=()):
 # The model the check builds: two layers, grouped-query heads of 64, two 128-query tiles per sequence.
 CHECK_MODEL = dict(sequence_len=256, n_layer=2, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
 CHECK_STEPS = 20
+# The kernel checks' shapes are ragged wherever the kernels allow it: an odd batch, T = 3 x 128, grouped
+# heads 4:1, and token counts that leave the last 128-row tile partial.
+CHECK_BATCH, CHECK_KERNEL_LEN, CHECK_HEADS, CHECK_KV_HEADS, CHECK_ROWS = 3, 384, 4, 1, 67
 # How far NKI may honestly be from PyTorch, measured per check rather than fixed per dtype (a fixed 1e-4 in
 # fp32 failed a sound run at step 13 with 1.2e-4). PyTorch's own error is measured against the PyTorch path
 # in float64 on the CPU: for a kernel, for a Block, and for the whole training run (whose losses amplify
@@ -778,40 +782,67 @@ def _close(what, got, want, tolerance):
     if not error <= tolerance:  # also catches NaN
         raise AssertionError(f"{what}: max |nki - torch| / max |torch| = {error:.3g}, over {tolerance:.3g} "
                              f"({HONEST_FACTOR} x PyTorch's own error here)")
+    return error, tolerance
 
 
-def _kernel_checks(dtype, device):
-    """(name, inputs, call(*inputs, mode) -> output) for each NKI kernel at the check model's shapes, every
-    MLP activation and RMSNorm with and without a weight; token counts that leave a ragged last tile."""
-    generator = torch.Generator().manual_seed(0)
-    length, dim, heads, kv_heads = (CHECK_MODEL[k] for k in ("sequence_len", "n_embd", "n_head", "n_kv_head"))
-    hidden, tokens = 4 * dim, length - 56  # 2 x 200 rows at the default: the last 128-row tile is ragged
+def refuse_degenerate(what, got, inputs):
+    """AssertionError if `got` is all zeros, one constant, not finite, or bit-equal to one of `inputs`,
+    whatever a tolerance would say: what an untouched output, a kernel that skipped its work or one that
+    copied its input through looks like (after Neuron SDK 2.32 four of six aws-neuron/nki-samples kernels
+    exited 0 with all-zero outputs: aws-neuron/nki-samples#134)."""
+    values = got.detach().float()
+    if values.numel() == 0:
+        return
+    if not torch.isfinite(values).all():
+        raise AssertionError(f"{what}: {int((~torch.isfinite(values)).sum())} of {values.numel()} values are not "
+                             "finite (NaN is what an output the kernel never wrote holds under the emulator)")
+    if not values.any():
+        raise AssertionError(f"{what}: all {values.numel()} values are zero")
+    if values.numel() > 1 and values.min() == values.max():
+        raise AssertionError(f"{what}: all {values.numel()} values are {values.flatten()[0].item():g}")
+    for i, tensor in enumerate(inputs):
+        if tensor is not None and tensor.shape == got.shape and torch.equal(tensor.detach().to(got), got.detach()):
+            raise AssertionError(f"{what}: equal to input {i}, bit for bit")
+
+
+def _kernel_checks(dtype, device, seed):
+    """(name, inputs, call(*inputs, mode) -> output) for each NKI kernel at ragged shapes (CHECK_BATCH ...),
+    every MLP activation and RMSNorm with and without a weight; random inputs drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    dim, head_dim = CHECK_MODEL["n_embd"], CHECK_MODEL["n_embd"] // CHECK_HEADS
+    hidden = 4 * dim
 
     def tensor(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
 
-    cases = [("attention", (tensor(2, heads, length, dim // heads), tensor(2, kv_heads, length, dim // heads),
-                            tensor(2, kv_heads, length, dim // heads)),
-              lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode))]
+    def attention_inputs():
+        return (tensor(CHECK_BATCH, CHECK_HEADS, CHECK_KERNEL_LEN, head_dim),
+                tensor(CHECK_BATCH, CHECK_KV_HEADS, CHECK_KERNEL_LEN, head_dim),
+                tensor(CHECK_BATCH, CHECK_KV_HEADS, CHECK_KERNEL_LEN, head_dim))
+
+    cases = [("attention", attention_inputs, lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode))]
     for activation in kernels.MLP_ACTIVATIONS:
-        gate = tensor(hidden, dim, scale=dim ** -0.5) if activation == "swiglu" else None
-        inputs = (tensor(2, tokens, dim), tensor(hidden, dim, scale=dim ** -0.5),
-                  tensor(dim, hidden, scale=hidden ** -0.5), gate)
-        cases.append((f"mlp {activation}", inputs, lambda x, w_up, w_down, w_gate, mode, activation=activation:
+        def mlp_inputs(activation=activation):
+            gate = tensor(hidden, dim, scale=dim ** -0.5) if activation == "swiglu" else None
+            return (tensor(CHECK_BATCH, CHECK_ROWS, dim), tensor(hidden, dim, scale=dim ** -0.5),
+                    tensor(dim, hidden, scale=hidden ** -0.5), gate)
+
+        cases.append((f"mlp {activation}", mlp_inputs, lambda x, w_up, w_down, w_gate, mode, activation=activation:
                       kernels.mlp(x, w_up, w_down, activation, w_gate, mode=mode)))
-    cases.append(("rms_norm", (tensor(3, tokens, dim),), lambda x, mode: kernels.rms_norm(x, mode=mode)))
-    weight = (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)
-    cases.append(("rms_norm weighted", (tensor(3, tokens, dim), weight),
+    cases.append(("rms_norm", lambda: (tensor(CHECK_BATCH, CHECK_ROWS, dim),),
+                  lambda x, mode: kernels.rms_norm(x, mode=mode)))
+    cases.append(("rms_norm weighted",
+                  lambda: (tensor(CHECK_BATCH, CHECK_ROWS, dim), (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)),
                   lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
     return cases
 
 
-def _run_both(call, inputs, grad):
-    """Outputs (and with grad, the gradients of every input for one random output gradient) for
-    mode="nki", mode="torch" and the float64 reference (mode="torch" on the CPU). (A loss like
+def _run_both(call, inputs, grad, seed):
+    """Outputs (and with grad, the gradients of every input for one random output gradient, drawn from
+    `seed`) for mode="nki", mode="torch" and the float64 reference (mode="torch" on the CPU). (A loss like
     out.square().mean() would not do: its gradient is parallel to the output, which RMSNorm's dx cancels to
-    almost nothing.)"""
-    results = []
+    almost nothing.) Also returns the output gradient, for refuse_degenerate."""
+    results, d_out = [], None
     for mode, cast in (("nki", None), ("torch", None), ("torch", torch.float64)):
         leaves = [t.detach().clone() if t is not None else None for t in inputs]
         if cast is not None:
@@ -820,19 +851,26 @@ def _run_both(call, inputs, grad):
         with torch.set_grad_enabled(grad):
             out = call(*leaves, mode)
             if grad:
-                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out))
+                d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+                out.backward(d_out.to(out))
         results.append([out] + ([t.grad for t in leaves if t is not None] if grad else []))
-    return results
+    return results, d_out
 
 
-def _check_kernel(call, inputs, grad):
-    nki_results, torch_results, exact_results = _run_both(call, inputs, grad)
+def _check_kernel(call, inputs, grad, seed=0):
+    """Every output and gradient of the NKI path against PyTorch's; returns the largest error measured
+    (its number repeats with the same --seed)."""
+    (nki_results, torch_results, exact_results), d_out = _run_both(call, inputs, grad, seed)
     names = ["output"] + [f"gradient of input {i}" for i in range(len(nki_results) - 1)]
+    worst = (0.0, 1.0)
     for name, got, want, exact in zip(names, nki_results, torch_results, exact_results):
         if got.shape != want.shape or got.dtype != want.dtype:
             raise AssertionError(f"{name}: NKI gives {tuple(got.shape)} {got.dtype}, PyTorch {tuple(want.shape)} "
                                  f"{want.dtype}")
-        _close(name, got, want, _tolerance(_error(want.cpu(), exact), want.dtype))
+        refuse_degenerate(name, got, [*inputs, d_out])
+        error, tolerance = _close(name, got, want, _tolerance(_error(want.cpu(), exact), want.dtype))
+        worst = max(worst, (error, tolerance), key=lambda pair: pair[0] / pair[1])
+    return f"largest error {worst[0]:.3g} (tolerance {worst[1]:.3g})"
 
 
 def _check_model_config(model_cfg, kernels_mode):
@@ -857,7 +895,7 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
         where, dtype = ("cpu", torch.float64) if exact else (device, torch.float32)
         block = block.to(where, dtype)
         cos, sin = (t.to(where, dtype) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
-        x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(where, dtype)
+        x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(cfg.seed + 1)).to(where, dtype)
         run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
         with plumbing.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
             out = run(x, cos, sin)
@@ -891,7 +929,7 @@ def _training_losses(cfg, model_cfg, mode, device_type, device, exact=False):
     raw_model = GPT(_check_model_config(model_cfg, mode)).to(device, torch.float64 if exact else None)
     with _float64_by_default() if exact else contextlib.nullcontext():
         tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
-                               generator=torch.Generator().manual_seed(2))
+                               generator=torch.Generator().manual_seed(cfg.seed + 2))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
         optimizers = optim.make_optimizers(raw_model, cfg, device_type,
@@ -918,6 +956,7 @@ def _check_training(cfg, model_cfg, device_type, device):
                nki_losses[step], torch_losses[step], tolerance)
     if not nki_losses[-1] < nki_losses[0]:
         raise AssertionError(f"the loss did not fall in {CHECK_STEPS} steps: {nki_losses.tolist()}")
+    return f"last loss {nki_losses[-1]:.6f} on nki, {torch_losses[-1]:.6f} on torch"
 
 
 def _check_causality(cfg, model_cfg, device_type, device):
@@ -934,15 +973,42 @@ def _check_causality(cfg, model_cfg, device_type, device):
         contest.check_causality(model, CHECK_MODEL["vocab_size"], CHECK_MODEL["sequence_len"], device)
 
 
+def _two_transposes(a, b):
+    return (a.view(4, 256, 64).transpose(-1, -2).contiguous(), b.view(4, 256, 64).transpose(-1, -2).contiguous())
+
+
+def inductor_transpose_line():
+    """One line: does this machine's inductor miscompile two 16-bit transposes fused into one C++ kernel?
+    PyTorch's inductor (2.13, 2.14) gets ~96% of the values wrong on some AVX512 CPUs: a PyTorch bug (the
+    same transposed-tile fast path was disabled for BF16 on SVE256 for correctness: pytorch/pytorch#173190),
+    which the kit keeps out of its own compiled graphs, but a user's own compiled code may meet. Workaround:
+    torch._inductor.config.cpp.simdlen = 256 (docs/troubleshooting.md). One small compile, a few seconds."""
+    a, b = (torch.randn(1024, 64, generator=torch.Generator().manual_seed(i)).bfloat16() for i in (0, 1))
+    try:
+        compiled = torch.compile(_two_transposes, fullgraph=True, dynamic=False)(a, b)
+    except Exception as error:  # no C++ compiler, say: the line says so and the check goes on
+        return f"inductor: the fused bf16 transpose repro could not run here ({type(error).__name__}: {error})"
+    wrong = sum(int((got != want).sum()) for got, want in zip(compiled, _two_transposes(a, b)))
+    if wrong:
+        return (f"inductor: MISCOMPILES fused bf16 transposes on this CPU ({wrong} of {2 * a.numel()} values wrong; "
+                "a PyTorch bug the kit avoids; in your own compiled code set "
+                "torch._inductor.config.cpp.simdlen = 256, see docs/troubleshooting.md)")
+    return "inductor: fused bf16 transposes compile right on this CPU (the kit avoids the pattern anyway)"
+
+
 def run_checks(cfg, model_cfg, device_type, device):
     """Every check, each caught on its own so that one failure does not hide the others; returns rows of
-    (check, passed, seconds, first line of the error), and prints each failure's traceback."""
+    (check, passed, seconds, first line of the error), and prints each failure's traceback. First the seed
+    of this run's random inputs (--seed repeats them) and the inductor line."""
+    print(f"seed {cfg.seed} (the same inputs again: --seed={cfg.seed})", flush=True)
+    t0 = time.perf_counter()
+    print(f"{inductor_transpose_line()} [{time.perf_counter() - t0:.1f} s]", flush=True)
     dtype = plumbing.compute_dtype(cfg)
     checks = []
-    for name, inputs, call in _kernel_checks(dtype, device):
-        for grad in (False, True):
+    for name, inputs, call in _kernel_checks(dtype, device, cfg.seed):
+        for grad in (False, True):  # fresh inputs for each check: a stale output of an earlier call is wrong here
             checks.append((f"{name} {'forward+backward' if grad else 'forward, no grad'}",
-                           lambda call=call, inputs=inputs, grad=grad: _check_kernel(call, inputs, grad)))
+                           lambda call=call, inputs=inputs, grad=grad: _check_kernel(call, inputs(), grad, cfg.seed)))
     checks += [
         (f"Block (nki{', compiled' if cfg.compile else ''}) vs eager (torch)",
          lambda: _check_compiled_block(cfg, model_cfg, device_type, device)),
@@ -953,14 +1019,14 @@ def run_checks(cfg, model_cfg, device_type, device):
     for name, check in checks:
         t0 = time.perf_counter()
         try:
-            check()
+            detail = check()
         except Exception as error:  # reported in the table and by the exit code; the traceback goes to stderr
             traceback.print_exc()
             message = str(error).strip().splitlines()
             rows.append({"check": name, "passed": False, "seconds": time.perf_counter() - t0,
                          "error": f"{type(error).__name__}: {message[0] if message else ''}"})
         else:
-            rows.append({"check": name, "passed": True, "seconds": time.perf_counter() - t0, "error": ""})
+            rows.append({"check": name, "passed": True, "seconds": time.perf_counter() - t0, "error": detail or ""})
         print(f"{'PASS' if rows[-1]['passed'] else 'FAIL'}  {name}", flush=True)
     return rows
 
@@ -968,7 +1034,7 @@ def run_checks(cfg, model_cfg, device_type, device):
 def print_checks(rows, device_type):
     where = "NKI kernels on the NeuronCores" if device_type == "neuron" else "NKI kernels under the CPU emulator"
     print(f"\nfirst-hour check on {device_type} ({where})")
-    print(f"{'check':<44} {'result':<6} {'s':>6}  first error")
+    print(f"{'check':<44} {'result':<6} {'s':>6}  measured, or the first error")
     for r in rows:
         print(f"{r['check']:<44} {'pass' if r['passed'] else 'FAIL':<6} {r['seconds']:>6.1f}  {r['error']}")
     failed = sum(not r["passed"] for r in rows)
@@ -1037,6 +1103,8 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
+    if args.check and not any(a == "--seed" or a.startswith("--seed=") for a in rest):
+        cfg.seed = random.SystemRandom().randrange(2 ** 31)  # a fresh one each run, printed, so it can be repeated
     plumbing.validate_config(cfg, model_cfg)
     if args.memory:
         return print_memory(cfg, model_cfg, args.world_size)

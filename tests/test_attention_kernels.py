@@ -20,6 +20,7 @@ import torch
 
 import kernels
 import nki_emulator
+from bench import refuse_degenerate
 from model import GPT, GPTConfig
 from reference import attention_logsumexp_reference, attention_reference
 
@@ -74,8 +75,10 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
     expected.backward(d_out.double())
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    refuse_degenerate("out", out, (q, k, v, d_out))  # whatever the tolerance: never zeros, a constant or an input
     for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
         assert got.dtype == dtype and got.shape == want.shape, name
+        refuse_degenerate(name, got, (q, k, v, d_out))
         torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
     with torch.no_grad():  # the logsumexp the forward op hands to the backward: lse[b, h, p, t] is query t*128+p
