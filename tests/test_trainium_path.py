@@ -134,3 +134,20 @@ def test_value_embeddings_keep_attention_in_bf16():
         patch.setattr(kernels, "attention", lambda q, k, v, mode: seen.append(v.dtype) or attention(q, k, v, mode))
         model(idx)
     assert seen == [torch.bfloat16] * TINY.n_layer
+
+
+def test_cpu_fallbacks_are_named_on_neuron_only(monkeypatch):
+    """At the end of a run on neuron the ops TorchNeuron ran on the CPU are listed (its get_fallback_ops()),
+    or it says the installed torch_neuronx cannot list them; off Trainium nothing is said."""
+    import sys
+    import types
+
+    assert runtime.cpu_fallbacks("cpu") is None
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(
+        get_fallback_ops=lambda: ["aten::nonzero", "aten::_unique2", "aten::nonzero"]))
+    assert runtime.cpu_fallbacks("neuron") == \
+        "CPU fallbacks: TorchNeuron ran 2 op(s) on the CPU: aten::_unique2, aten::nonzero"
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(get_fallback_ops=lambda: []))
+    assert runtime.cpu_fallbacks("neuron") == "CPU fallbacks: none (every op ran on the NeuronCores)"
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace())
+    assert "cannot be listed" in runtime.cpu_fallbacks("neuron")
