@@ -4,7 +4,8 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     python bench.py                                   # train.py's default model: tokens/s and MFU
     python bench.py --n_layer=8 --n_embd=512 --json=bench.json
     torchrun --standalone --nproc_per_node=4 bench.py # per rank and for the whole job
-    python bench.py --check                           # first hour on Trainium: is everything right?
+    python bench.py --first_hour --preset=baseline    # the whole first Trainium session, step by step, one table
+    python bench.py --check                           # NKI against PyTorch on this device: is everything right?
     python bench.py --kernels                         # each kernel against its PyTorch fallback (+ Trn2 estimate)
     python bench.py --step_estimate --preset=baseline # a whole Trn2 training step, estimated from the cost model
     python bench.py --memory --preset=phase2 --world_size=64  # per-rank memory plan, before anything expensive
@@ -58,7 +59,7 @@ import torch.distributed as dist
 # The CPU emulator of NKI (nki_emulator/, beside this file), with the cost model behind every Trn2 estimate here.
 import nki_emulator  # noqa: E402
 
-if {"--kernels", "--check", "--sweep", "--step_estimate"} & set(sys.argv[1:]):
+if {"--kernels", "--check", "--sweep", "--step_estimate", "--first_hour_step"} & set(sys.argv[1:]):
     # Off Trainium these run (and count) the NKI kernels under the emulator, which has to stand in for `nki`
     # before kernels.py imports it. (Where the Neuron SDK is installed it is used.)
     nki_emulator.install()
@@ -1043,6 +1044,223 @@ def print_checks(rows, device_type):
 
 
 # -----------------------------------------------------------------------------
+# the whole first device session in one command (--first_hour)
+#
+# Every question a paid run depends on, each step in a child process with its own timeout, so that one
+# failure or hang cannot hide the rest; one table at the end, exit code 1 if any step failed, and the flags
+# for the first paid run. Off Trainium the same steps run on the CPU and the emulator at FIRST_HOUR_TINY
+# shapes (a few minutes on 2 cores).
+
+FIRST_HOUR_TINY = ["--n_layer=2", "--n_embd=128", "--n_head=2", "--n_kv_head=1", "--sequence_len=128", "--batch_size=2",
+                   "--tokenizer=bytes", "--dataset=shakespeare"]
+FIRST_HOUR_STEPS = 20
+# seconds each step may take: (on Trainium, where a cold compile of a graph takes up to ~15 min; off it)
+FIRST_HOUR_TIMEOUTS = {"versions": (120, 60), "kernel": (1800, 180), "check": (3600, 900), "train": (2400, 400),
+                       "ranks": (2400, 300), "resume": (1800, 200), "eval": (1800, 180)}
+ODD_EVAL_LEN = 777  # "an odd T": the scorer's context is 1024, a model must also take any other length
+
+
+def nki_front_end(version):
+    """Which NKI front end a version string means: KLR's parser up to NKI 0.6, a Python tracer from 0.7
+    (Neuron 2.33 release notes; the parser's rules are the stricter, which the kernels keep)."""
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    if match is None:
+        return "unknown front end"
+    return "tracer front end (NKI >= 0.7)" if (int(match[1]), int(match[2])) >= (0, 7) else "parser front end (NKI <= 0.6, KLR)"
+
+
+def first_hour_versions():
+    import importlib.metadata
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    nki_version = getattr(kernels.nki, "__version__", None)
+    emulated = kernels.nki is nki_emulator
+    where = f"NKI {nki_version}" + (" (the CPU emulator: no Neuron SDK here)" if emulated else "")
+    return (f"{where}, {nki_front_end(nki_version)}; torch {torch.__version__}; "
+            f"torch-neuronx {version('torch-neuronx') or 'not installed'}; neuronx-cc {version('neuronx-cc') or 'not installed'}")
+
+
+def first_hour_kernel(model_cfg, batch_size, device_type, device, op):
+    """Run the NKI kernels of `op` (attention, mlp, rms_norm) alone, forward and backward, at the model's
+    shapes; one "front end ok / backend ok" per kernel. On the emulator the front end is nki.jit's check of
+    the kernel source against KLR's Python subset and the backend the emulated run; on a NeuronCore nki.jit
+    and the call (a compiler error carries an NCC_ code, so it is the backend's; any other, the front end's)."""
+    results = {}
+    run = kernels._run_kernel
+
+    def launch(kernel, *args):
+        name = kernel.__name__
+        try:
+            kernels._jitted(kernel, kernels._logical_core_degree())
+        except Exception as error:
+            results[name] = f"front end FAILED ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            raise
+        try:
+            outputs = run(kernel, *args)
+        except Exception as error:
+            stage = "front end ok / backend" if device_type != "neuron" or "NCC_" in str(error) else "front end"
+            results[name] = f"{stage} FAILED ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            raise
+        results[name] = "front end ok / backend ok"
+        return outputs
+
+    dtype = torch.bfloat16
+    case = next(c for c in kernel_cases(model_cfg, batch_size, device, dtype) if c[0].split()[0] == op)
+    _, _, _, make_inputs, call = case
+    try:
+        with mock.patch.object(kernels, "_run_kernel", launch):
+            inputs = make_inputs()
+            out = call(*inputs, "nki")
+            out.float().sum().backward()
+    finally:
+        print("; ".join(f"{name}: {result}" for name, result in results.items()) or "no kernel ran")
+    return all(result.endswith("backend ok") for result in results.values())
+
+
+def first_hour_eval(checkpoint_path, batch_size, device_type, device):
+    """Time one load_for_eval forward at (batch, 1024) and at (batch, ODD_EVAL_LEN), the scorer's way (no
+    autocast, no grad)."""
+    t0 = time.perf_counter()
+    model = train.load_for_eval(checkpoint_path, device)
+    parts = [f"load {time.perf_counter() - t0:.1f} s"]
+    vocab = model.config.vocab_size
+    for length in (1024, ODD_EVAL_LEN):
+        idx = torch.randint(0, vocab, (batch_size, length), device=device)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            logits = model(idx)
+            runtime.synchronize(device_type)
+        if logits.shape[:2] != (batch_size, length) or not torch.isfinite(logits.float()).all():
+            raise AssertionError(f"forward at {batch_size} x {length}: logits {tuple(logits.shape)}, finite: "
+                                 f"{bool(torch.isfinite(logits.float()).all())}")
+        parts.append(f"{batch_size} x {length}: {time.perf_counter() - t0:.2f} s")
+    print("; ".join(parts))
+    return True
+
+
+def first_hour_plan(passthrough, on_trainium, out_dir):
+    """The steps: (name, command, timeout in seconds). `passthrough`: the user's train.py flags (e.g.
+    --preset=baseline); off Trainium FIRST_HOUR_TINY shapes follow them."""
+    python, here = sys.executable, os.path.dirname(os.path.abspath(__file__))
+    bench_py, train_py = os.path.join(here, "bench.py"), os.path.join(here, "train.py")
+    shapes = list(passthrough) + ([] if on_trainium else FIRST_HOUR_TINY)
+    run_flags = [f"--data_dir={os.path.join(out_dir, 'data')}", "--time_budget_s=0", "--sample_tokens=0",
+                 "--eval_tokens=4096", "--log_every=5", "--compile=true"]
+    timeout = {name: pair[0 if on_trainium else 1] for name, pair in FIRST_HOUR_TIMEOUTS.items()}
+    step = [python, bench_py, "--first_hour_step"]
+    steps = [("versions", step + ["versions"] + shapes, timeout["versions"])]
+    for op in ("attention", "mlp", "rms_norm"):
+        steps.append((f"kernels: {op}", step + [f"kernel:{op}"] + shapes, timeout["kernel"]))
+    steps.append(("bench.py --check", [python, bench_py, "--check"] + list(passthrough), timeout["check"]))
+    auto = "auto" if on_trainium else "nki"  # off Trainium auto is the PyTorch path: the emulator stands in
+    for kernels_mode in ("torch", auto):
+        steps.append((f"{FIRST_HOUR_STEPS} compiled steps, --kernels={kernels_mode}",
+                      [python, train_py] + shapes + run_flags + [f"--kernels={kernels_mode}",
+                       f"--max_steps={FIRST_HOUR_STEPS}", f"--out_dir={os.path.join(out_dir, 'steps_' + kernels_mode)}"],
+                      timeout["train"]))
+    ranks_dir = os.path.join(out_dir, "ranks")
+    sharded = shapes + run_flags + [f"--out_dir={ranks_dir}", "--checkpoint_every=2"]
+    steps.append(("2 ranks, sharded optimizer, checkpoint",
+                  [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py] + sharded
+                  + ["--shard_optimizer=true", "--max_steps=4"], timeout["ranks"]))
+    steps.append(("resume it on 1 rank", [python, train_py] + sharded + ["--resume=latest", "--max_steps=6"],
+                  timeout["resume"]))
+    steps.append((f"load_for_eval forward at B x 1024 and B x {ODD_EVAL_LEN}",
+                  step + ["eval", f"--first_hour_checkpoint={os.path.join(ranks_dir, 'final.pt')}"] + shapes,
+                  timeout["eval"]))
+    return steps
+
+
+def run_step(name, command, timeout_s):
+    """One step in its own process group, killed whole at its timeout; its output streams through. Returns a
+    row: step, passed, seconds, detail (its last output line, or why it failed)."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    print(f"\n=== {name} (timeout {timeout_s} s): {' '.join(command)}", flush=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    lines = []
+
+    def read():
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip())
+
+    import threading
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)  # the whole group: torchrun's workers too
+        process.wait()
+        code = None
+    reader.join(timeout=10)
+    seconds = time.perf_counter() - t0
+    last = next((line for line in reversed(lines) if line.strip()), "")
+    if code is None:
+        detail = f"TIMED OUT after {timeout_s} s; last line: {last[:160]}"
+    elif code:
+        detail = f"exit code {code}: {last[:200]}"
+    else:
+        detail = last[:200]
+    return {"step": name, "passed": code == 0, "seconds": seconds, "detail": detail}
+
+
+def first_hour_flags(rows, passthrough, on_trainium):
+    """The launch string of the first paid run, from what passed: the NKI kernels if their 20 compiled steps
+    ran, else the PyTorch path."""
+    kernels_ok = any(r["passed"] for r in rows if "--kernels=auto" in r["step"] or "--kernels=nki" in r["step"])
+    flags = " ".join(list(passthrough) + [f"--kernels={'auto' if kernels_ok else 'torch'}"])
+    if on_trainium:
+        return f"NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py {flags}"
+    return f"(on a Trn2) NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 train.py {flags}"
+
+
+def print_first_hour(rows, flags, seconds):
+    print(f"\nfirst device session: {sum(r['passed'] for r in rows)} of {len(rows)} steps passed in {seconds:.0f} s")
+    print(f"{'step':<52} {'result':<6} {'s':>7}  detail")
+    for r in rows:
+        print(f"{r['step']:<52} {'pass' if r['passed'] else 'FAIL':<6} {r['seconds']:>7.1f}  {r['detail']}")
+    code = 0 if all(r["passed"] for r in rows) else 1
+    print(f"exit code {code}")
+    print(f"first paid run: {flags}")
+    return code
+
+
+def run_first_hour(passthrough, out_dir):
+    import tempfile
+
+    on_trainium = runtime.detect_device() == "neuron"
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="first_hour_", dir=out_dir) as work:
+        rows = [run_step(*step) for step in first_hour_plan(passthrough, on_trainium, work)]
+    flags = first_hour_flags(rows, passthrough, on_trainium)
+    return rows, flags, time.perf_counter() - t0
+
+
+def first_hour_step(step, checkpoint_path, cfg, model_cfg, device_type, device):
+    """One step of --first_hour, in its own process: prints its result line last; returns whether it passed."""
+    if step == "versions":
+        print(first_hour_versions())
+        return True
+    if step.startswith("kernel:"):
+        return first_hour_kernel(model_cfg, 1, device_type, device, step.split(":", 1)[1])
+    if step == "eval":
+        return first_hour_eval(checkpoint_path, cfg.batch_size, device_type, device)
+    raise ValueError(f"--first_hour_step={step}: not a step of --first_hour")
+
+
+# -----------------------------------------------------------------------------
 # the memory plan (--memory)
 
 def print_memory(cfg, model_cfg, world_size):
@@ -1100,7 +1318,17 @@ def main(argv):
     parser.add_argument("--ablation", action="store_true", help="val_bpb of baseline, frontier and each lever alone (CPU)")
     parser.add_argument("--ablation_seeds", type=int, default=3)
     parser.add_argument("--ablation_steps", type=int, default=80)
+    parser.add_argument("--first_hour", action="store_true", help="the whole first device session: versions, each "
+                        "kernel alone, --check, 20 compiled steps on torch and on the kernels, 2 sharded ranks with a "
+                        "checkpoint resumed on 1, load_for_eval timings; each step a child process with its own "
+                        "timeout; one table, the exit code and the first paid run's flags (off Trainium: tiny, on CPU)")
+    parser.add_argument("--first_hour_step", help=argparse.SUPPRESS)  # one step of --first_hour, in its child process
+    parser.add_argument("--first_hour_checkpoint", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
+    if args.first_hour:  # before any device work: the steps do it, each in its own process
+        rows, flags, seconds = run_first_hour(rest, None)
+        print_first_hour(rows, flags, seconds)
+        return {"first_hour": rows, "first_paid_run": flags}
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
@@ -1125,6 +1353,9 @@ def main(argv):
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device, ranks)}
         if rank == 0:
             write_sweep(results["sweep"], args.sweep_out, sweep_title(cfg, model_cfg, device_type))
+    elif args.first_hour_step:
+        results = {"check": [{"passed": first_hour_step(args.first_hour_step, args.first_hour_checkpoint, cfg, model_cfg,
+                                                        device_type, device)}]}
     elif args.check:
         results = {"check": run_checks(cfg, model_cfg, device_type, device)}
         if rank == 0:
@@ -1158,4 +1389,4 @@ if __name__ == "__main__":
         results = main(sys.argv[1:])
     except (ValueError, OSError, data.DataError) as e:  # as train.py: the foreseeable in one line
         sys.exit(f"error: {e}")
-    sys.exit(1 if any(not row["passed"] for row in results.get("check", ())) else 0)
+    sys.exit(1 if any(not row["passed"] for row in [*results.get("check", ()), *results.get("first_hour", ())]) else 0)
