@@ -1057,6 +1057,9 @@ FIRST_HOUR_STEPS = 20
 # seconds each step may take: (on Trainium, where a cold compile of a graph takes up to ~15 min; off it)
 FIRST_HOUR_TIMEOUTS = {"versions": (120, 60), "kernel": (1800, 180), "check": (3600, 900), "train": (2400, 400),
                        "ranks": (2400, 300), "resume": (1800, 200), "eval": (1800, 180)}
+# a script run with the CPU emulator standing in for `nki` (as bench.py itself does): python -c EMULATED_RUN script args
+EMULATED_RUN = ("import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+                "import nki_emulator; nki_emulator.install(); runpy.run_path(sys.argv[0], run_name='__main__')")
 ODD_EVAL_LEN = 777  # "an odd T": the scorer's context is 1024, a model must also take any other length
 
 
@@ -1159,14 +1162,16 @@ def first_hour_plan(passthrough, on_trainium, out_dir):
     for op in ("attention", "mlp", "rms_norm"):
         steps.append((f"kernels: {op}", step + [f"kernel:{op}"] + shapes, timeout["kernel"]))
     steps.append(("bench.py --check", [python, bench_py, "--check"] + list(passthrough), timeout["check"]))
-    auto = "auto" if on_trainium else "nki"  # off Trainium auto is the PyTorch path: the emulator stands in
-    for kernels_mode in ("torch", auto):
+    # off Trainium auto is the PyTorch path: there the kernels run under the emulator, installed as `nki` first
+    auto, on_kernels = ("auto", [python, train_py]) if on_trainium else ("nki", [python, "-c", EMULATED_RUN, train_py])
+    for kernels_mode, launcher in (("torch", [python, train_py]), (auto, on_kernels)):
         steps.append((f"{FIRST_HOUR_STEPS} compiled steps, --kernels={kernels_mode}",
-                      [python, train_py] + shapes + run_flags + [f"--kernels={kernels_mode}",
+                      launcher + shapes + run_flags + [f"--kernels={kernels_mode}",
                        f"--max_steps={FIRST_HOUR_STEPS}", f"--out_dir={os.path.join(out_dir, 'steps_' + kernels_mode)}"],
                       timeout["train"]))
     ranks_dir = os.path.join(out_dir, "ranks")
-    sharded = shapes + run_flags + [f"--out_dir={ranks_dir}", "--checkpoint_every=2"]
+    # off Trainium these steps ask only about sharding and checkpoints: uncompiled (a CPU compile per rank is slow)
+    sharded = shapes + run_flags + [f"--out_dir={ranks_dir}", "--checkpoint_every=2"] + ([] if on_trainium else ["--compile=false"])
     steps.append(("2 ranks, sharded optimizer, checkpoint",
                   [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py] + sharded
                   + ["--shard_optimizer=true", "--max_steps=4"], timeout["ranks"]))
