@@ -256,18 +256,39 @@ def _rows_to_cols(rows, on_scalar):
     return tuple(pieces)
 
 
+def _load_cols(src, b, h, dtype, on_scalar):
+    """HBM src[b, h] (S, d) -> one (d_piece, S) cols tile per head-dim piece, for a head only ever
+    contracted over d. 512 positions per DMA, row-major into (128, 4, d): partition p gets the 4
+    consecutive positions 4p..4p+3, one contiguous 4d-element run on both sides (a quarter of the
+    descriptors of 128-row DMAs). TensorE transposes slot j into every 4th column of a PSUM bank
+    (positions 4p + j), so one copy out of the bank gives the columns in position order."""
+    seq_len, head_dim = src.shape[2], src.shape[3]
+    pieces = []
+    for piece in _head_dim_pieces(head_dim):
+        pieces.append(nl.ndarray((piece[1], seq_len), dtype=dtype))
+    for start in range(0, seq_len, KEY_BLOCK):
+        width = min(KEY_BLOCK, seq_len - start)
+        per_partition = width // TILE
+        rows = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype)
+        nisa.dma_copy(rows, src[b, h, start:start + width, :])
+        for p in range(len(pieces)):
+            first, size = _head_dim_pieces(head_dim)[p]
+            transposed = nl.ndarray((size, TILE, per_partition), dtype=dtype, buffer=nl.psum)
+            for j in range(per_partition):
+                nisa.nc_transpose(transposed[:, :, j], rows[:, j, first:first + size])
+            _evict(pieces[p][:, start:start + width], transposed, on_scalar)
+    return tuple(pieces)
+
+
 def _transpose_chunks(dst, src):
     """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
-    transposes into one PSUM bank; the first half of the chunks is copied out by VectorE, the rest by
-    ScalarE (VectorE copies bf16 from PSUM at twice ScalarE's rate, and both have other work)."""
+    transposes into one PSUM bank, VectorE copies them out in one instruction (bf16 from PSUM at twice
+    ScalarE's rate, [TRN2] performance mode; ScalarE has the exps)."""
     count = dst.shape[1]
     transposed = nl.ndarray((TILE, count, TILE), dtype=dst.dtype, buffer=nl.psum)
     for c in range(count):
         nisa.nc_transpose(transposed[:, c, :], src[:, c * TILE:(c + 1) * TILE])
-    on_vector = (count + 1) // 2
-    nisa.tensor_copy(dst[:, 0:on_vector, :], transposed[:, 0:on_vector, :])
-    if on_vector < count:
-        nisa.activation(dst[:, on_vector:count, :], nl.copy, transposed[:, on_vector:count, :])
+    nisa.tensor_copy(dst, transposed)
 
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
@@ -313,7 +334,11 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
             width = min(KEY_BLOCK, group_stop - starts[j])
             block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
             _scores(block, q_cols, k_cols, query_tile, starts[j], mask)
-            nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
+            if j % 2:  # ScalarE's reduce registers take the max too: they share VectorE's load
+                ignored = nl.ndarray((TILE, width), dtype=dtype)
+                nisa.activation_reduce(ignored, nl.copy, block, reduce_op=nl.maximum, reduce_res=block_max[:, j:j + 1])
+            else:
+                nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
             scores.append(block)
 
         group_neg_max = neg_max_all[:, query_tile:query_tile + 1] if single_group else \
@@ -419,10 +444,10 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     mask = _causal_mask_operands(dtype)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
-        k_cols = _rows_to_cols(_load_rows(k, b, kv_head, dtype), False)
+        k_cols = _load_cols(k, b, kv_head, dtype, True)
         v_rows = _load_rows(v, b, kv_head, dtype)
         for h in range(kv_head * group, (kv_head + 1) * group):
-            q_cols = _rows_to_cols(_load_rows(q, b, h, dtype), True)
+            q_cols = _load_cols(q, b, h, dtype, True)
             stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32), nl.ndarray((TILE, n_tiles), dtype=nl.float32))
             for i in range(n_tiles):
                 _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, i)
@@ -558,7 +583,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         k_rows = _load_rows(k, b, kv_head, dtype)
-        kv = (_rows_to_cols(k_rows, False), k_rows, _rows_to_cols(_load_rows(v, b, kv_head, dtype), True))
+        kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
         dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
         dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
         dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32) if group > 1 else None
