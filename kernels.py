@@ -401,38 +401,42 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     """Causal flash attention forward, grouped-query heads.
 
     Inputs (HBM), as the model holds them: q (B, H, S, d), k and v (B, Hkv, S, d); all bf16 (or all fp32:
-    then every matmul runs in fp32, 4x slower, for testing). d <= 256 (1 or 2 pieces of <= 128 on the
-    partitions), S a multiple of 128, Hkv divides H, query head h uses kv head h // (H / Hkv); scale is
-    the softmax scale. Returns out (B, H, S, d) in the input dtype and lse (B, H, 128, S/128) fp32, the
-    logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which the backward needs.
+    then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
+    pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
+    h // (H / Hkv); scale is the softmax scale. Returns out (B, H, S, d) in the input dtype and lse
+    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
+    the backward needs. S is limited by the backward's SBUF plan (flash_attention_bwd_kernel).
 
-    Layouts change on chip: q, k and v arrive in rows of 128 positions (one DMA each); q and k are
-    turned into cols (head dim on the partitions, as the score matmul contracts over it) by TensorE
-    transposes, 4 per PSUM bank, evicted by ScalarE (q) and VectorE (k).
+    Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
+    (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
+    contracts over d), ScalarE copying them out of PSUM; v comes in rows of 128 positions, as P @ V
+    wants it (keys on the partitions).
 
     Work: (batch, kv head) pairs are split over the programs of an LNC launch (kernel[2] on Trn2); K and V
     of a pair are loaded once and serve its G query heads. For each 128-query tile i, keys [0, 128(i+1))
-    go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece into a
-    PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the diagonal block only
-    (blocks wholly above the diagonal are skipped); per group of up to 4 blocks one row max (a VectorE
-    reduce per block, one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
-    reduce registers over the group, P cast to the input dtype and transposed in 128x128 chunks on
-    TensorE (copied out half by VectorE, half by ScalarE), then P @ V as 128x128xd matmuls accumulating
-    in one PSUM tile for the whole group; out = acc / sum (one VectorE divide from PSUM). Groups after
-    the first (S > 2048) rescale the running sum and output once each (online softmax). The row
-    statistics of a head stay in (128, S/128) tiles, so lse = log(sum) - neg_max is one ScalarE and one
-    VectorE instruction per head.
+    go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece,
+    accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
+    diagonal block only (blocks wholly above the diagonal are skipped). Per group of up to 4 blocks
+    (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
+    registers, ScalarE; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
+    reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
+    on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
+    matmuls accumulating in one PSUM tile over the group; out = acc / sum (one VectorE divide from
+    PSUM). Groups after the first (S > 2048) rescale the running sum and output once each (online
+    softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
+    one ScalarE and one VectorE instruction per head.
 
-    SBUF per partition (bf16): K rows + cols, V rows, Q rows + cols: 2S*d/128 bytes each (8 KiB at
-    S = 2048, d = 256) plus ~10 KiB of per-group tiles. PSUM: a group's scores 4 banks, P^T and the
-    output tile 1 KiB each, the layout transposes 1 KiB: at most 6 of the 8 banks.
+    SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
+    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB). PSUM: a group's scores
+    4 banks, P^T 1 KiB, the output tile d*4 bytes, the layout transposes 1 KiB: at most 6 of the 8 banks.
 
-    Engine balance, counted by the emulator's cost model (nki_emulator/_cost.py, one Trn2 core) at the
-    baseline shape (d 128, 5 heads, S 1024, B 1) and the K82s4 shape (d 256, 4 heads, 1 kv head): see
-    docs/kernels.md. Per full block at d = 128 TensorE spends 512 cycles on scores, 4 x 128 on P^T and
-    4 x 128 on P @ V (640 ns at 2.4 GHz); VectorE's fp32 row max is 512 cycles at 0.96 GHz (533 ns) and
-    ScalarE's exp 576 cycles at 1.2 GHz (480 ns), so the P^T copies are split between them; at d = 256
-    TensorE's share doubles for scores and P @ V and it is the bottleneck.
+    Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
+    TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
+    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz) or 576 on ScalarE (480 ns), the exp 576
+    ScalarE cycles, the P^T copy 256 VectorE cycles: split as above, VectorE and ScalarE each land near
+    TensorE. Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 39.2
+    (1.11x), ScalarE 36.5, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound,
+    44.4 us against VectorE 35.7, ScalarE 30.9, DMA 23.9.
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -549,14 +553,15 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     d = 128, 2048 at d = 256) and 2048*128 in fp32 (`_attention_sbuf_bytes`).
 
     Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
-    scores), V cols (for dP), both turned on chip by TensorE transposes. Per query head: Q rows and cols,
+    scores), V cols (for dP), the cols made on chip by TensorE transposes (V's loaded 512 positions per
+    DMA, `_load_cols`); rows in 128-row DMAs. Per query head: Q rows and cols,
     dO rows and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ
     accumulator. Then key blocks of up to 512 keys outside, the 128-query tiles that see them inside:
     recompute P = exp(scale * q.T k - lse) (ScalarE from PSUM; causal bias on the diagonal chunk only,
     blocks above the diagonal skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM,
     VectorE multiplies in SBUF); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles
     (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed (4 TensorE
-    transposes per block, copied out half by VectorE, half by ScalarE) and is added into SBUF. The
+    transposes per block, copied out by VectorE) and is added into SBUF. The
     softmax scale is applied once, when dQ and dK are written; a pair's first query head writes dK and
     dV (scaled) from PSUM, later ones add onto them, the last writes the input dtype.
 
@@ -567,9 +572,12 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     at most 7 of the 8 banks.
 
     Per full block (d = 128) TensorE spends 512 cycles each on scores and dP and 4 x 128 each on dV, dK,
-    dQ and the dS transposes (1280 ns); ScalarE exp and the dP shift 2 x 512 cycles plus half the dS^T
-    copies, VectorE the dS product 512 plus half the copies and the dQ add: both below TensorE. The
-    emulator's counts at the baseline and K82s4 shapes are in docs/kernels.md.
+    dQ and the dS transposes (1280 ns); ScalarE 2 x 512 cycles (exp, the dP shift; 853 ns), VectorE the
+    dS product 512, the dS^T copy 256 and the dQ add 128 (933 ns). Counted (nki_emulator/_cost.py, one
+    Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 68.3 us, DMA 81.1 (1.19x:
+    eight (S, d) tensors cross HBM per head in 128-row DMAs), ScalarE 59.7, VectorE 55.2; at K82s4's
+    (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 94.7 us against VectorE 81.5, DMA 56.7,
+    ScalarE 49.5.
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
