@@ -418,7 +418,7 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped). Per group of up to 4 blocks
     (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
-    registers, ScalarE; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
+    registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
     reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
     on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
     matmuls accumulating in one PSUM tile over the group; out = acc / sum (one VectorE divide from

@@ -57,7 +57,7 @@ CASES = [
     (3, 4, 1, 256, 128, torch.bfloat16),
     (2, 8, 2, 384, 64, torch.float32),
     (1, 4, 1, 384, 256, torch.bfloat16),
-    (3, 2, 1, 640, 256, torch.float32),
+    (1, 2, 1, 640, 256, torch.float32),
     (2, 4, 4, 256, 64, torch.bfloat16),
     (1, 2, 2, 1024, 128, torch.bfloat16),
     (1, 1, 1, 2048, 128, torch.bfloat16),
