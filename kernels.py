@@ -1506,11 +1506,13 @@ def attention(q, k, v, mode="auto"):
 
     q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
     Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T a multiple
-    of 128 and head_dim <= 128 (see `_attention_shape_problem`). The PyTorch path is SDPA, except fp32 on
+    of 128, head_dim <= 256 and T x head_dim within the backward's SBUF plan (see `_attention_shape_problem`). The PyTorch path is SDPA, except fp32 on
     CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
     """
     if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
-        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)))  # as they come: layouts change on chip
+        # as they come, no copies in the graph: the kernels change layouts on chip, and index each (S, d)
+        # head per 128-row tile, so v may be the model's transposed view of a (B, T, Hkv, D) tensor
+        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)))
         return out
     if q.device.type == "cpu" and q.dtype == torch.float32 and q.size(-2) <= CPU_BLOCK_ATTENTION_MAX_LEN:
         groups = q.size(1) // k.size(1)
