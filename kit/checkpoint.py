@@ -46,9 +46,10 @@ def replace_atomically(path, write):
         if isinstance(e, PermissionError):
             fix = f"make {folder} writable"
         else:
-            fix = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there: free space"
-        raise OSError(f"cannot write {path} ({reason}); the previous file there and earlier checkpoints are intact; "
-                      f"{fix} and resume with --resume=latest") from e
+            reason += f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
+            fix = "free space"
+        raise OSError(f"cannot write {path} ({reason}); the previous file there and earlier checkpoints are intact: "
+                      f"{fix}, then --resume=latest if the run stopped") from e
 
 
 def write_atomically(path, payload):
@@ -127,8 +128,8 @@ def check_payload(path, state):
         expected = {}
     for key in list(expected) + [k for k in found if k not in expected]:
         if expected.get(key) != found.get(key):
-            what = key if key == EVERYTHING_ELSE else f"tensor {key}"
-            raise CheckpointError(f"checkpoint {path} is damaged: {what} has sha256 {found.get(key, 'none (missing)')}, "
+            what = f"{key} have" if key == EVERYTHING_ELSE else f"tensor {key} has"
+            raise CheckpointError(f"checkpoint {path} is damaged: {what} sha256 {found.get(key, 'none (missing)')}, "
                                   f"expected {expected.get(key, 'none (not written)')}; use another checkpoint "
                                   "(--resume=latest takes the newest intact one)")
 
@@ -206,11 +207,12 @@ class CheckpointWriteError(OSError):
 
 
 def describe(e):
-    """One line for an exception: its type and first line; torch.distributed.checkpoint's, the ranks' own."""
+    """One line for an exception: its type and first line; for torch.distributed.checkpoint's, the first
+    failing rank's own."""
     failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
     if isinstance(failures, dict) and failures:
         rank, (first, _) = next(iter(failures.items()))
-        return f"torch.distributed.checkpoint failed on rank(s) {sorted(failures)}: rank {rank}: {describe(first)}"
+        return f"torch.distributed.checkpoint failed on rank {rank}: {describe(first)}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
@@ -226,7 +228,8 @@ def on_every_rank(group, work, errors=(Exception,)):
     if group is not None:  # one small all-gather on the CPU (gloo) control group
         reports = [None] * dist.get_world_size(group)
         dist.all_gather_object(reports, failure, group=group)
-        failure = next((f"rank {r}: {f}" for r, f in enumerate(reports) if f), None)
+        # torch.distributed.checkpoint's failure reaches every rank, naming the one where it happened
+        failure = next((f if "failed on rank" in f else f"rank {r}: {f}" for r, f in enumerate(reports) if f), None)
     if failure:
         raise CheckpointWriteError(failure)
     return result
@@ -568,7 +571,7 @@ def resume_state(cfg, model_cfg):
                               f"resumed from; start again with --start_over=true or pass an intact checkpoint "
                               f"(skipped {' | '.join(skipped)})")
     hint = " or --resume_any_config=true to accept other settings" if not cfg.resume_any_config else ""
-    raise CheckpointError(f"--resume=latest: no intact checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
+    raise CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
                           f"trained with{hint} (skipped {' | '.join(skipped)})")
 
 
