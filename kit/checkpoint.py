@@ -88,11 +88,11 @@ def tensor_sha256(t):
 def payload_digests(payload):
     """{path: sha256} of every tensor of a checkpoint's payload (its keys joined by "/"), and under
     EVERYTHING_ELSE one of the rest: the repr of the structure with each tensor replaced by its path."""
-    digests = {}
+    tensors = {}
 
     def walk(value, path):
         if isinstance(value, torch.Tensor):
-            digests[path] = tensor_sha256(value)
+            tensors[path] = value
             return f"<tensor {path}>"
         if isinstance(value, dict):
             return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
@@ -100,8 +100,8 @@ def payload_digests(payload):
             return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
         return value
 
-    digests[EVERYTHING_ELSE] = hashlib.sha256(repr(walk(payload, "")).encode()).hexdigest()
-    return digests
+    rest = hashlib.sha256(repr(walk(payload, "")).encode()).hexdigest()
+    return {**{path: tensor_sha256(t) for path, t in tensors.items()}, EVERYTHING_ELSE: rest}
 
 
 def file_sha256(path):
