@@ -382,6 +382,16 @@ def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, 
     assert (tmp_path / "log.jsonl").read_bytes() == log_before  # the half line was cut back off
 
 
+def test_a_folder_without_permission_names_the_fix(tmp_path, monkeypatch):
+    def refused(path, *args, **kwargs):  # as a folder this user may not write (root ignores chmod)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "open", refused, raising=False)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/final.pt .Permission denied.*make {tmp_path} writable"):
+        checkpoint.write_atomically(str(tmp_path / "final.pt"), {"step": 1})
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_torn_last_log_line_is_cut_on_resume_and_a_marker_written(tmp_path, data_dir):
     run(tmp_path, data_dir, "--max_steps=2", "--checkpoint_every=2")
     with open(tmp_path / "log.jsonl", "ab") as f:
