@@ -79,7 +79,7 @@ def tree_to_cpu(value):
 
 
 def tensor_sha256(t):
-    """sha256 of a CPU tensor's dtype, shape and bytes (hashlib reads the buffer in place, without the GIL)."""
+    """sha256 of a CPU tensor's dtype, shape and bytes (hashlib reads the buffer in place: no copy)."""
     digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
     digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -400,7 +400,7 @@ class Checkpoints:
     def periodic(self, step, charged):
         try:
             return self.write(step, charged)
-        except Exception as e:  # noqa: BLE001  whatever the cause, it is logged and the run goes on
+        except Exception as e:  # whatever the cause, it is logged and the run goes on
             sharded = self.sharding is not None and not self.consolidate and isinstance(e, CheckpointWriteError)
             self.consolidate |= sharded
             then = ("; the next checkpoints are consolidated ckpt_*.pt files written by rank 0" if sharded else "")
@@ -445,10 +445,10 @@ def load_checkpoint(path, keys=CHECKPOINT_KEYS, mmap=False, verify=True):
     file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing, bytes that no
     longer match their digests) raises CheckpointError naming it; torch's own advice for some of these
     (weights_only=False) would be unsafe. verify: check the digests (`check_payload`, `check_folder`); a
-    checkpoint written before they existed loads with a note. mmap: map the tensors instead of reading them.
-    Tensors load on the CPU. A sharded checkpoint's folder gives its meta.pt, and "folder", its path, for `restore` to read the
-    tensors from. (torch.distributed.checkpoint reads the folder's .metadata with pickle, torch/distributed/
-    checkpoint/filesystem.py: resume only from folders you wrote.)"""
+    checkpoint written before they existed loads with a note. Tensors load on the CPU; mmap: map them
+    instead of reading them. A sharded checkpoint's folder gives its meta.pt, and "folder", its path, for
+    `restore` to read the tensors from. (torch.distributed.checkpoint reads the folder's .metadata with
+    pickle, torch/distributed/checkpoint/filesystem.py: resume only from folders you wrote.)"""
     if str(path).endswith(".dcp") and os.path.isdir(path):
         if not os.path.exists(os.path.join(path, ".metadata")):
             raise CheckpointError(f"sharded checkpoint {path} lacks its .metadata: it was not completely written; "
