@@ -462,6 +462,43 @@ def test_view_errors():
     raises(partition_reshape, rand((1, 1)), match=["reshape", "partition dim 128"])
 
 
+def test_indexing_follows_the_nki_front_end():
+    """leanprover/KLR KLR/Trace/Term.lean toIndex' and access, KLR/Core/Indexing.lean Access.combine."""
+    q = rand((2, 3, 256, 64))  # (B, H, S, d)
+
+    def negative_integer(q):
+        return q[-1, 0]
+
+    raises(negative_integer, q, match=["-1", "index out of range of tensor dimension"])
+
+    def chained_rows(q):  # t[b, h] then a slice of its rows: read against (1, 1, 256, 64)
+        return q[1, 2][0:128, :]
+
+    raises(chained_rows, q, match=["[0:128, :]", "index out of range of tensor dimension", "(1, 1, 256, 64)"])
+
+    def chained_after_middle_integer(q):  # in range of the kept shape, but KLR pairs it with other dims
+        return q[:, 1][0:1]
+
+    raises(chained_after_middle_integer, q, match=["other dims than Python"])
+
+    def chained_with_step(q):
+        return q[0:2][:, :, 0:256:2]
+
+    raises(chained_with_step, q, match=["can't combine indecies with stride != 1"])
+
+    @jit
+    def accepted(q):
+        assert q[1, 2, 128:256, :].shape == (128, 64)  # index once, the nki-library way
+        assert q[0:2, :, -128:, :].shape == (2, 3, 128, 64)  # negative slice bounds count from the end
+        assert q[0:2, 1:3][1, 0, 0:128].shape == (128, 64)  # a chain of slices, then any index
+        assert q[:, :, :, 3][1, 0:2, 0:16].shape == (2, 16)  # an integer index of the last dim only, then any
+        tile = nl.ndarray((128, 4, 64), nl.float32, buffer=nl.sbuf)
+        assert tile[:, 1:3][:, 0].shape == (128, 64)
+        return q
+
+    accepted(q)
+
+
 # ---- the hardware rules --------------------------------------------------------------------------------
 
 def test_partition_dim_limit():
