@@ -1077,11 +1077,20 @@ def scale_pair_kernel(x, y, scale, *, bias=None, col_tile=512, store=_copy_out):
 def test_jit_accepts_kernels_in_the_style_of_nki_library():
     x, y = rand((300, 700), seed=1), rand((300, 700), seed=2)
     kernel = jit(scale_pair_kernel)
-    out_x, out_y = kernel(x, y, 0.5)
+    out_x, out_y = kernel(x, y, 0.5, bias=None, col_tile=512, store=_copy_out)
     np.testing.assert_allclose(out_x, x * 0.5, rtol=1e-6)
     np.testing.assert_allclose(out_y, y * 0.5, rtol=1e-6)
-    out_x, _ = kernel(x, y, 0.5, bias=1.0, col_tile=256)
+    out_x, _ = kernel(x, y, 0.5, bias=1.0, col_tile=256, store=_copy_out)
     np.testing.assert_allclose(out_x, x * 0.5 + 1.0, rtol=1e-6)
+
+
+def test_a_kernel_gets_every_argument_from_its_caller():
+    """KLR/NKI/Simplify.lean args: the kernel's defaults are not applied; a helper's are (bindArgs)."""
+    x, y = rand((128, 64), seed=1), rand((128, 64), seed=2)
+    with pytest.raises(NkiValidationError, match="argument bias not supplied"):
+        jit(scale_pair_kernel)(x, y, 0.5)
+    out_x, _ = jit(scale_pair_kernel)(x, y, 0.5, bias=None, col_tile=64, store=_copy_out)
+    np.testing.assert_allclose(out_x, x * 0.5, rtol=1e-6)  # _scale_into's default bias=None applied
 
 
 def test_every_kernel_in_kernels_py_is_inside_the_subset(monkeypatch):
@@ -1113,7 +1122,7 @@ def test_torch_tensors_round_trip():
     out = scale_kernel(x, factor=3.0)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
     assert torch.equal(out, (x.float() * 3.0).to(torch.bfloat16))
-    out32 = scale_kernel(torch.ones(4, 4))
+    out32 = scale_kernel(torch.ones(4, 4), 2.0)
     assert out32.dtype == torch.float32 and torch.equal(out32, torch.full((4, 4), 2.0))
 
 
