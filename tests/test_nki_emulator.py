@@ -5,6 +5,7 @@ Neuron SDK's nki is installed."""
 
 import inspect
 import math
+import os
 import sys
 
 import ml_dtypes
@@ -994,6 +995,37 @@ def refused_min_of_three(x):
     return min(x, 1, 2)  # refused: invalid arguments (min() takes one sequence or two numbers)
 
 
+_WIDE_GLOBAL = 2 ** 40
+_WIDE_IN_A_TUPLE = (1, -2 ** 33)
+_NARROW_GLOBALS = (2 ** 31 - 1, -2 ** 31, 0.5, "rows", None)
+
+
+def refused_wide_global(x):
+    return x + _WIDE_GLOBAL  # refused: integer value (1099511627776) is too large (the global _WIDE_GLOBAL)
+
+
+def refused_wide_global_in_a_tuple(x):
+    return x + _WIDE_IN_A_TUPLE[0]  # refused: integer value (-8589934592) is too small
+
+
+def refused_numpy_function(x):
+    return np.exp(x)  # refused: name numpy.exp not found
+
+
+def refused_builtin_function_of_a_module(x):
+    return sys.getrecursionlimit()  # refused: sys.getrecursionlimit is a builtin function, which the front end
+
+
+def refused_missing_module_attribute(x):
+    return math.tau + np.not_there  # refused: name numpy.not_there not found
+
+
+def refused_iterating_a_dict(x):
+    for key in {"rows": 1}:  # refused: not an iterable object (a dict
+        x = x + 1
+    return x
+
+
 REFUSED = [kernel for name, kernel in globals().items() if name.startswith("refused_")]
 
 
@@ -1016,6 +1048,22 @@ def helper_looping_over_pairs(pairs):
 
 def kernel_calling_a_helper(x):
     return x + helper_looping_over_pairs(((1, 2), (3, 4)))
+
+
+def accepted_globals_and_module_constants(x):
+    """What the front end takes (leanprover/KLR interop/klr/gather.c reference, const_expr, value): int32
+    globals, floats, strings, module constants such as np.pi and sys.maxsize... of int32 range only,
+    negative list indexes (KLR/Trace/Term.lean listAccess), and a dict's items()."""
+    largest, smallest, half, label, nothing = _NARROW_GLOBALS
+    total = 0
+    for item in {"a": 1, "b": 2}.items():
+        total = total + item[1]
+    return largest + smallest + half + np.pi + len(label) + len(os.sep) + _NARROW_GLOBALS[-2 + 1 - 2] + total
+
+
+def test_jit_accepts_what_the_front_end_takes_from_globals_and_modules():
+    kernel = jit(accepted_globals_and_module_constants)  # inside the subset
+    assert kernel(1.0) == pytest.approx(-1 + 0.5 + math.pi + 4 + 1 + 0.5 + 3)
 
 
 def test_jit_checks_the_helpers_a_kernel_calls():
