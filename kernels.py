@@ -719,6 +719,8 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
     save_up_on_scalar = activation in ("relu2", "swiglu")  # the engine with the lighter activation work
+    if program_start == program_stop:  # this program got no tokens (N <= 128 on two cores)
+        chunks = []
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
         units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
@@ -896,6 +898,13 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
     column_spans = _spans(0, dim, BANK_FP32)
+    if not blocks:  # this program got no tokens (N <= 128 on two cores): its shares are zero
+        zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        for g in range(len(grads)):
+            for j in range(hidden // TILE):
+                nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=zeros)
+        chunks = []
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
         units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
@@ -907,10 +916,6 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
         for _ in grads:
             accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
-        if not blocks:  # this program got no tokens: its shares are zero
-            for tiles_of_grad in accumulators:
-                for tile in tiles_of_grad:
-                    nisa.memset(dst=tile, value=0.0)
 
         for b in range(len(blocks)):
             block_start, block_tokens = blocks[b]
