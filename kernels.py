@@ -590,10 +590,9 @@ def _program_rows(n_rows):
     return start, min(n_rows, start + per_program * TILE)
 
 
-def _load_row_pieces(src, row_start, row_count, cols=None):
-    """src[row_start : row_start + row_count, cols] (all columns by default) into SBUF as tiles of at most
-    128 rows, one row per partition (one DMA each)."""
-    cols = slice(0, src.shape[1]) if cols is None else cols
+def _load_row_pieces(src, row_start, row_count, cols):
+    """src[row_start : row_start + row_count, cols] into SBUF as tiles of at most 128 rows, one row per
+    partition (one DMA each)."""
     pieces = []
     for span in _spans(row_start, row_start + row_count, TILE):
         start, count = span
@@ -731,7 +730,7 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
             block_start, block_tokens = span
             block = slice(block_start, block_start + block_tokens)
             x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
-            _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens))
+            _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens, slice(0, dim)))
             act_t = []  # the chunk's tiles [128 units, block_tokens] of the block's hidden activation
             for j in range(tiles):
                 start, stop = j * TILE, (j + 1) * TILE
@@ -911,8 +910,8 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
         for c in range(dim // TILE):
             w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), units))
-        w_up_rows = _load_row_pieces(w_up, units.start, tiles * TILE)  # chunk tiles [128 units, d]
-        w_gate_rows = _load_row_pieces(w_gate, units.start, tiles * TILE) if gated else None
+        w_up_rows = _load_row_pieces(w_up, units.start, tiles * TILE, slice(0, dim))  # chunk tiles [128 units, d]
+        w_gate_rows = _load_row_pieces(w_gate, units.start, tiles * TILE, slice(0, dim)) if gated else None
         accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
         for _ in grads:
             accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
@@ -920,8 +919,8 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         for b in range(len(blocks)):
             block_start, block_tokens = blocks[b]
             block = slice(block_start, block_start + block_tokens)
-            dy_pieces = _load_row_pieces(dy, block_start, block_tokens)
-            x_pieces = _load_row_pieces(x, block_start, block_tokens)
+            dy_pieces = _load_row_pieces(dy, block_start, block_tokens, slice(0, dim))
+            x_pieces = _load_row_pieces(x, block_start, block_tokens, slice(0, dim))
             dy_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
             _transpose_pieces_into(dy_t, 0, dy_pieces)
             piece_spans = _spans(0, block_tokens, TILE)
@@ -1090,21 +1089,22 @@ def rms_norm_fwd_kernel(x, weight, eps):
     """RMSNorm forward. x (N, d) bf16 or fp32; weight None or (d,) fp32. Returns y (N, d) in x's dtype.
 
     Rows go on the partitions, 128 per tile, the whole of d along the free axis, so the statistic is a
-    per-partition reduction: ScalarE squares the tile and sums each row in the same instruction (fp32),
-    then one tiny ScalarE rsqrt gives 1/rms; a single VectorE pass writes x * rstd * weight (ScalarE
-    x * rstd without a weight). The weight is broadcast to all partitions once per call with a K=1
-    matmul against a row of ones. One read of x and one write of y: the HBM traffic of a copy.
-    Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
+    per-partition reduction: ScalarE squares the tile and sums each row in the same instruction (fp32);
+    1/rms is a [128, 1] column (VectorE's mean + eps, GpSimd's rsqrt: the engines that are idle here);
+    VectorE writes x * rstd in one tensor_scalar (bf16 in SBUF: 4 elements per cycle), or with a weight
+    x * rstd * weight in one scalar_tensor_tensor. The weight is broadcast to all partitions once per
+    call with a K=1 matmul against a row of ones. One read of x and one write of y: the HBM traffic of a
+    copy. Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
 
-    SBUF per partition: x and y tiles (2 * d * itemsize) and the fp32 squares (4d), double-buffered by
-    the compiler, plus 4d for the weight: under 40 KiB at d = 2048. PSUM: only the one-off broadcast.
-    Limits: d <= 2048; any N (the last tile may be partial); programs of an LNC launch split the rows.
-    TensorE is idle (pure memory traffic); ScalarE and VectorE each make one pass per tile, which keeps
-    pace with the DMA, so the kernel runs at about HBM bandwidth.
+    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at
+    d = 2048. PSUM: only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial);
+    programs of an LNC launch split the rows.
+    Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd 256,
+    TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d
+    (d = 1024: ScalarE 0.91 us, DMA 1.78 us). With a weight VectorE makes 2d cycles, about DMA's time.
     """
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    eps_column = _constant_column(eps)
     weighted = weight is not None
     weight_rows = _broadcast_to_partitions(weight) if weighted else None
     program_start, program_stop = _program_rows(n_rows)
@@ -1112,9 +1112,9 @@ def rms_norm_fwd_kernel(x, weight, eps):
         row, rows = span
         x_tile = _load_tile(x, slice(row, row + rows), slice(0, dim))
         out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-        rstd = _reciprocal_rms(x_tile, eps_column, squares=out)
+        rstd = _reciprocal_rms(x_tile, eps, squares=out)
         if not weighted:
-            nisa.activation(dst=out, op=nl.copy, data=x_tile, scale=rstd)
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd)
         else:
             nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=weight_rows[:rows])
@@ -1127,22 +1127,25 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     with a weight, per-program partial weight gradients (programs, d) in fp32 for the caller to sum.
 
     With r = rstd and g = r * dy * weight:  dx = g - r^2 * mean(x * g) * x,  dweight = sum_rows(dy * x * r).
-    Per 128-row tile: recompute r (one ScalarE pass, as in the forward), g (VectorE with a weight,
-    else ScalarE), x * g / d (VectorE) summed per row by ScalarE's accumulator, dx (VectorE). The
-    weight gradient sums over rows, which lie on the partitions: a matmul with a column of ones does that
-    cross-partition sum on TensorE, accumulating over all of a program's tiles in PSUM (fp32 operands:
-    exact, and the matmul is only one row tall). One read of x and dy and one write of dx.
+    Per 128-row tile, r is recomputed as in the forward (one ScalarE pass). Without a weight (the model's
+    case) dx = r (dy + c x) with c = -r^2 mean(x dy): VectorE's x * dy, summed per row by ScalarE's
+    accumulator; VectorE's c x + dy; ScalarE's r * that, a free scale. In bf16 these intermediates are
+    bf16, so VectorE streams them at one element per cycle (x * c at four): dx is rounded about three
+    times instead of once, within bf16's step. With a weight, g (VectorE), x * g / d (VectorE) summed by
+    ScalarE, dx (VectorE), all fp32. The weight gradient sums over rows, which lie on the partitions: a
+    matmul with a column of ones does that cross-partition sum on TensorE, accumulating over all of a
+    program's tiles in PSUM (fp32 operands: exact, and the matmul is only one row tall). One read of x
+    and dy and one write of dx.
 
-    SBUF per partition: x, dy, dx tiles and three fp32 [128, d] intermediates, about 18 * d bytes,
-    double-buffered. PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
-    Engines per tile: without a weight (the model's case) ScalarE 3 passes, VectorE 2, about the time
-    of the tile's DMA (x, dy, dx); with a weight VectorE makes 4 (g, x g, dx, dy x r), about twice the
-    DMA time at bf16, so that variant is VectorE-bound.
+    SBUF per partition: x, dy, dx tiles and up to three [128, d] intermediates, at most about 18 * d
+    bytes. PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
+    Engines per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3
+    x 8 rows per queue x (2d + 512) bytes at 23 GB/s: d = 1024: ScalarE 2.67 us, VectorE 2.60, DMA 2.67;
+    d = 640: 1.71, 1.70, 1.87. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x DMA.
     """
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    eps_column = _constant_column(eps)
     weighted = weight is not None
     if weighted:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
@@ -1160,25 +1163,37 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         tile_rows = slice(row, row + rows)
         x_tile = _load_tile(x, tile_rows, slice(0, dim))
         dy_tile = _load_tile(dy, tile_rows, slice(0, dim))
-        scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        rstd = _reciprocal_rms(x_tile, eps_column, squares=scratch)
-        g = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        if weighted:
+        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        if not weighted:
+            product = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)  # x dy, then c x + dy
+            rstd = _reciprocal_rms(x_tile, eps, squares=product)
+            nisa.tensor_tensor(dst=product, data1=x_tile, data2=dy_tile, op=nl.multiply)
+            neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy)
+            nisa.activation_reduce(dst=product, op=nl.copy, data=product, reduce_op=nl.add, reduce_res=neg_mean,
+                                   scale=-1.0 / dim)
+            x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x dy)
+            nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                               operand1=rstd)
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef)
+            nisa.tensor_tensor(dst=product, data1=out, data2=dy_tile, op=nl.add)
+            nisa.activation(dst=out, op=nl.copy, data=product, scale=rstd)
+        else:
+            scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+            rstd = _reciprocal_rms(x_tile, eps, squares=scratch)
+            g = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=g, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=weight_rows[:rows])
-        else:
-            nisa.activation(dst=g, op=nl.copy, data=dy_tile, scale=rstd)
-        # coefficient of x in dx: -r^2 mean(x g); ScalarE's accumulator sums the rows of x g / d
-        nisa.scalar_tensor_tensor(dst=scratch, data=x_tile, op0=nl.multiply, operand0=1.0 / dim, op1=nl.multiply,
-                                  operand1=g)
-        neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean, scale=-1.0)
-        x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=rstd)
-        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add, operand1=g)
-        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
-        if weighted:
+            # coefficient of x in dx: -r^2 mean(x g); ScalarE's accumulator sums the rows of x g / d
+            nisa.scalar_tensor_tensor(dst=scratch, data=x_tile, op0=nl.multiply, operand0=1.0 / dim,
+                                      op1=nl.multiply, operand1=g)
+            neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
+                                   scale=-1.0)
+            x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                               operand1=rstd)
+            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                                      operand1=g)
             normed_dy = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=dy_tile)
@@ -1186,6 +1201,7 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
                 col, width = column_spans[c]
                 nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:rows], moving=normed_dy[:, col:col + width],
                                accumulate=row > program_start)
+        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
 
     if not weighted:
         return dx  # one output: TorchNeuron hands it back bare
@@ -1196,7 +1212,7 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         for c in range(len(column_spans)):
             col, width = column_spans[c]
             nisa.tensor_copy(dst=partial[:, col:col + width], src=dweight_acc[c])
-    nisa.dma_copy(dst=dweight[program], src=partial)
+    nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
     return dx, dweight
 
 
@@ -1207,14 +1223,17 @@ def _constant_column(value):
     return column
 
 
-def _reciprocal_rms(x_tile, eps_column, squares):
+def _reciprocal_rms(x_tile, eps, squares):
     """1 / sqrt(mean(x^2) + eps) of each row of x_tile, a fp32 (rows, 1) column. ScalarE squares and sums
-    in one instruction; `squares` (rows, d) receives the squares, which nobody reads."""
+    in one instruction (`squares` (rows, d) receives the squares, which nobody reads); the column's mean +
+    eps is VectorE's and its rsqrt GpSimd's (nl.rsqrt's engine), which leaves ScalarE the wide passes."""
     rows, dim = x_tile.shape
     sum_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     nisa.activation_reduce(dst=squares, op=nl.square, data=x_tile, reduce_op=nl.add, reduce_res=sum_sq)
+    mean_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
     rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=rstd, op=nl.rsqrt, data=sum_sq, bias=eps_column[:rows], scale=1.0 / dim)
+    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
     return rstd
 
 
