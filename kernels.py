@@ -694,16 +694,20 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
 
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
     of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
-    and y's rows. bf16 d=1024, hidden=4096 (K82s4): one chunk of 32 tiles, 176 KiB; d=1536, hidden=6144:
-    two chunks. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes' bank and up to four
-    banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward); any N.
+    and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
+    and 32 tiles; planned 94 and 190 KiB, the emulator measures 76 and 170); d=1536, hidden=6144
+    (phase2) in 3 chunks of 16. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
+    bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
+    any N.
 
     Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
     128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
     ScalarE and VectorE each at most two [128, 512] passes (the activation: relu2 relu on ScalarE and
     relu(u) * u on VectorE reading u from PSUM; leaky_relu2 a u on ScalarE's free scale, the max on
     VectorE, the square on ScalarE; the saved pre-activation's PSUM eviction on the less busy one).
-    Emulator counts (bench.py --kernels, one Trn2 core, one sequence) in docs/kernels.md.
+    The emulator's counts (bench.py --kernels: bf16, 1024 tokens, one Trn2 core, us busy per engine,
+    T/V/S/DMA) with the pre-activation saved: baseline relu2 98 / 40 / 36 / 54, K82s4 leaky_relu2
+    249 / 111 / 58 / 101: TensorE-bound, 87-88% of its time useful matmul (the rest: transposes).
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
@@ -869,10 +873,11 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
 
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
     (weights and fp32 accumulators); plus dy, dy.T and x of a block (3 B d itemsize / 128), one hidden
-    tile's elementwise and flipped tiles, dx's rows. bf16 d=1024, hidden=4096 (K82s4): 3 chunks of
-    11, 11, 10 tiles; bf16 d=1536, hidden=6144 (phase2): 5 chunks (SwiGLU: 10). PSUM: dx (<= 4 banks),
-    daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of _mlp_shape_problem
-    (d <= 2048, multiples of 128); any N.
+    tile's elementwise and flipped tiles, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk
+    of 20 tiles (planned 178 KiB, measured 159); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10
+    (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5).
+    PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
+    _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
     Engines, per hidden tile and block (B tokens): TensorE 4 matmul groups of 2 B d 128 FLOPs (6 for
     SwiGLU), 4 B d / 128 cycles, plus 2 (3) B/128 flips; VectorE the weight-gradient additions, d
@@ -880,7 +885,9 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     passes of the activation's derivative (relu2: d_up = 2 relu(u) * daT reading daT from PSUM;
     leaky_relu2: three); ScalarE the flips' evictions and the activation's scaled copies. So VectorE
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
-    TensorE sets the pace. Emulator counts in docs/kernels.md.
+    TensorE sets the pace. The emulator's counts for forward + backward (bench.py --kernels: bf16, 1024
+    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 162, K82s4
+    leaky_relu2 724 / 452 / 225 / 406: TensorE-bound, 89-91% of its time useful matmul.
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]

@@ -85,8 +85,8 @@ def test_mlp_matches_reference(n_tokens, dim, hidden, activation, dtype):
 
 
 # The widths people train: K82s4's d=1024, hidden=4096 and phase2's d=1536, hidden=6144, where the hidden
-# units go in chunks (kernels._mlp_chunk_tiles; bf16: forward 1 and 3 chunks, backward 3 and 6; fp32 more;
-# SwiGLU's backward 10 at phase2). Each activation once, both dtypes at both widths. 128 tokens leave the
+# units go in chunks (kernels._mlp_chunk_tiles; here forward 1, 4, 3 and 5 chunks, backward 3, 7, 6 and 8:
+# first, middle and last partial sums). Each activation once, both dtypes at both widths. 128 tokens leave the
 # second core of kernel[2] without any (it writes zero weight-gradient shares); 130 give it a 2-token tile.
 MLP_WIDE_CASES = [
     (128, 1024, 4096, "leaky_relu2", torch.bfloat16),
