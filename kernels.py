@@ -904,7 +904,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
     column_spans = _spans(0, dim, BANK_FP32)
-    if not blocks:  # this program got no tokens (N <= 128 on two cores): its shares are zero
+    if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for g in range(len(grads)):
@@ -1505,7 +1505,9 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
 
     activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
     approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
-    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as
+    (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without gradients
+    (_mlp_shape_problem).
     """
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
