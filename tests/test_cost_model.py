@@ -1,4 +1,4 @@
-"""The emulator's per-engine cost model (tests/nki_emulator/_cost.py): each engine's cost on hand-built
+"""The emulator's per-engine cost model (nki_emulator/_cost.py): each engine's cost on hand-built
 instructions against the numbers AWS's documents work out themselves, tiny kernels built to be bound by one
 engine reported bound by it, and costs growing with shapes as the documented formulas say. Every number
 here is a cycle count or a documented rate: nothing depends on the speed of this CPU."""

@@ -1,6 +1,8 @@
-"""Nothing lost under faults: kills during a save, SIGTERM, non-finite losses, a full disk."""
+"""Nothing lost under faults: kills during a save, SIGTERM, non-finite losses, a full disk, a failed periodic save."""
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import train
-from kit import plumbing
+from kit import checkpoint, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,13 +27,13 @@ def data_dir(tmp_path_factory):
 
 SAVE_FOREVER = """
 import sys, torch, train
-from kit import plumbing
+from kit import checkpoint
 from model import GPT, GPTConfig
 model = GPT(GPTConfig(n_layer=4, n_embd=256, sequence_len=64))
 cfg, model_cfg = train.parse_args([])
 step = 0
 while True:
-    plumbing.save_checkpoint(sys.argv[1], model, [], step, 0.0, {"epoch": 0, "position": 0}, cfg, model_cfg)
+    checkpoint.save_checkpoint(sys.argv[1], model, [], step, 0.0, {"epoch": 0, "position": 0}, cfg, model_cfg)
     step += 1
     if step == 1:
         print("saved", flush=True)
@@ -46,7 +48,7 @@ def test_a_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         time.sleep(delay)
         proc.kill()  # SIGKILL: no handler, no cleanup, possibly mid-write
         proc.wait()
-        state = plumbing.load_checkpoint(path)
+        state = checkpoint.load_checkpoint(path)
         assert state["step"] >= 0 and state["model"]["wte.weight"].shape == (384, 256)
 
 
@@ -62,8 +64,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path, data_dir):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "stopped by a signal" in output
-    [checkpoint] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
-    stopped_at = plumbing.load_checkpoint(out / checkpoint)["step"]
+    [written] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
+    stopped_at = checkpoint.load_checkpoint(out / written)["step"]
     assert stopped_at >= 1
     train.main(TINY + [f"--max_steps={stopped_at + 2}", "--resume=latest", f"--out_dir={out}", f"--data_dir={data_dir}"])
     steps = [e["step"] for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "train"]
@@ -85,13 +87,13 @@ def test_nan_at_a_known_step_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
     with pytest.raises(FloatingPointError, match=r"step 4: loss nan.*lower --matrix_lr"):
         train.main(args)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == [f"ckpt_000000{i}.pt" for i in (1, 2, 3)]
-    last_good = plumbing.load_checkpoint(tmp_path / "ckpt_0000003.pt")
+    last_good = checkpoint.load_checkpoint(tmp_path / "ckpt_0000003.pt")
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path, data_dir, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(plumbing.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(OSError, match="GiB free but checkpoints need"):
         train.main(TINY + ["--max_steps=2", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
     assert not os.path.exists(tmp_path / "log.jsonl")
@@ -103,8 +105,8 @@ def test_checkpoints_load_tensors_only(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"model": {}, "evil": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(plumbing.CheckpointError, match="holds objects other than tensors"):
-        plumbing.load_checkpoint(tmp_path / "evil.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="holds objects other than tensors"):
+        checkpoint.load_checkpoint(tmp_path / "evil.pt")
 
 
 @pytest.mark.parametrize("phase", ["preparing data", "first evaluation", "final evaluation"])
@@ -129,7 +131,7 @@ def test_a_signal_in_any_phase_leaves_a_final_pt_or_a_resumable_checkpoint(tmp_p
     monkeypatch.setattr(train.KitCorpus, "load", load)
     args = TINY + ["--max_steps=3", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
     if phase == "preparing data":
-        with pytest.raises(plumbing.Stopped, match="nothing was trained"):
+        with pytest.raises(runtime.Stopped, match="nothing was trained"):
             train.main(args)
         assert not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]
         return
@@ -157,3 +159,66 @@ def test_a_nan_on_the_last_step_between_log_lines_is_caught_before_final_pt(tmp_
     with pytest.raises(FloatingPointError, match="step 4: loss nan"):
         train.main(args)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000002.pt"]
+
+
+# A train.py run in which torch.distributed.checkpoint's first write fails on rank 1 (as a device or DTensor
+# failure would, inside the save's collective steps), launched under torchrun by the test below
+FAILING_SHARDED_SAVE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from torch.distributed.checkpoint import filesystem
+import train
+
+real_write, calls = filesystem._FileSystemWriter.write_data, []
+
+def write_data(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1 and os.environ["RANK"] == "1":
+        raise RuntimeError("injected failure of the device's write")
+    return real_write(self, *args, **kwargs)
+
+filesystem._FileSystemWriter.write_data = write_data
+train.main(sys.argv[2:])
+"""
+
+
+def test_a_failed_sharded_save_warns_and_the_run_goes_on_with_consolidated_saves(tmp_path, data_dir):
+    """2 gloo ranks, sharded: the save of step 2 fails on rank 1 only; every rank learns it, the run goes
+    on, the next periodic save is a consolidated ckpt_*.pt from rank 0 holding every parameter's whole
+    state, and final.pt is written. Nothing that looks like a checkpoint is left of the failed one."""
+    script, out = tmp_path / "failing.py", tmp_path / "out"
+    script.write_text(FAILING_SHARDED_SAVE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), ROOT, *TINY,
+           "--max_steps=4", "--checkpoint_every=2", f"--out_dir={out}", f"--data_dir={data_dir}"]
+    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["ckpt_0000004.pt", "final.pt", "log.jsonl"]
+    [warning] = [e for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "checkpoint_failed"]
+    assert warning["step"] == 2 and warning["consolidate_next"]
+    assert "rank 1: " in warning["cause"] and "injected failure of the device's write" in warning["cause"]
+    assert "ckpt_0000002.dcp" in warning["cause"] and "next checkpoints are consolidated" in result.stdout
+    saved = checkpoint.load_checkpoint(out / "ckpt_0000004.pt")  # its digests check out
+    model = torch.load(out / "final.pt", weights_only=True)["model"]
+    assert saved["step"] == 4 and set(saved["optimizers"]) == set(model)
+    # a table cut in rows over the ranks, joined again (its values: tests/test_sharding.py)
+    assert saved["optimizers"]["wte.weight"]["exp_avg"].shape == model["wte.weight"].shape
+
+
+def test_a_full_disk_at_one_periodic_save_warns_and_the_run_goes_on(tmp_path, data_dir, monkeypatch, capsys):
+    real_save = torch.save
+
+    def full_at_step_2(state, f):  # the disk is full for the save of step 2 of 4, then space is freed
+        if f.name.endswith("ckpt_0000002.pt.tmp"):
+            f.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, f)
+
+    monkeypatch.setattr(torch, "save", full_at_step_2)
+    train.main(TINY + ["--max_steps=4", "--checkpoint_every=1", "--keep_checkpoints=5", f"--out_dir={tmp_path}",
+                       f"--data_dir={data_dir}"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000003.pt", "ckpt_0000004.pt", "final.pt", "log.jsonl"]
+    [warning] = [e for e in map(json.loads, open(tmp_path / "log.jsonl")) if e["event"] == "checkpoint_failed"]
+    assert warning["step"] == 2 and not warning["consolidate_next"]
+    assert re.search(f"cannot write {tmp_path}/ckpt_0000002.pt .No space left on device", warning["cause"])
+    assert "warning: the checkpoint of step 2 was not written" in capsys.readouterr().out
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt_0000004.pt")["step"] == 4

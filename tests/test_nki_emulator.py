@@ -1,4 +1,4 @@
-"""Tests of the CPU NKI emulator (tests/nki_emulator): every instruction against numpy on random data,
+"""Tests of the CPU NKI emulator (nki_emulator/): every instruction against numpy on random data,
 every hardware rule with a kernel that breaks it, and two small kernels in the documented NKI style
 (a tiled matmul and a row softmax). These use the emulator directly, so they run whether or not the
 Neuron SDK's nki is installed."""
@@ -752,7 +752,7 @@ def test_softmax_kernel(dtype):
     assert counts.instructions == {"tensor": 0, "vector": 6, "scalar": 2, "gpsimd": 0, "dma": 4}
 
 
-# ---- the NKI subset of Python, as KLR's front end takes it (tests/nki_emulator/_subset.py) ---------------
+# ---- the NKI subset of Python, as KLR's front end takes it (nki_emulator/_subset.py) ---------------
 #
 # Each refused_* kernel holds one construct the front end refuses, marked "# refused: <its words>"; the
 # check must name that line, the function and those words.

@@ -66,6 +66,7 @@ def test_checkpoints_move_between_one_process_and_sharded_ranks(measured, recipe
     does (float64, to 1e-12): weights and optimizer state both came back."""
     exact = measured[recipe]["float64"]
     assert exact["file_resumed_sharded"] < 1e-12 and exact["folder_resumed_in_one_process"] < 1e-12
+    assert exact["consolidated_vs_one_process"] < 1e-12  # the state rank 0 gathers when a sharded save failed
 
 
 def test_each_matrix_is_orthogonalised_by_exactly_one_rank(measured):
@@ -106,7 +107,7 @@ def run_rank(out_path):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import train
-    from kit import optim, plumbing
+    from kit import checkpoint, memory, optim, runtime
     from model import GPT, GPTConfig
     from test_optimizer import OpRecorder
 
@@ -171,8 +172,8 @@ def run_rank(out_path):
         m["state_bytes_one_process"] = sum(t.nbytes for s in optim.param_states(one_opts).values() for t in s.values())
         m["exchange_bytes"] = sharding.flat.nbytes + sharding.received.nbytes
         m["matrices"] = len(optim.split_parameters(one)[2])
-        m["plan"] = plumbing.memory_plan(cfg, model_cfg, world)
-        m["plan_one_process"] = plumbing.memory_plan(cfg, model_cfg, 1)
+        m["plan"] = memory.memory_plan(cfg, model_cfg, world)
+        m["plan_one_process"] = memory.memory_plan(cfg, model_cfg, 1)
         everyone = [None] * world
         dist.all_gather_object(everyone, {"state": state, "orthogonalised": counts["sharded"],
                                           "apart": m["sharded_vs_one_process"]})
@@ -192,16 +193,24 @@ def run_rank(out_path):
         # folder read by one process (each rank here); then one more step of each against the one process's
         saved = os.path.join(os.path.dirname(out_path), f"{recipe}-{dtype}".replace("torch.", ""))
         if rank == 0:
-            plumbing.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
-        plumbing.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
-                                         plumbing.run_state(3, 0.0, None, cfg, model_cfg))
-        ranks = plumbing.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
+            checkpoint.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
+        checkpoint.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
+                                         checkpoint.run_state(3, 0.0, None, cfg, model_cfg))
+        # the fallback after a failed sharded save: every rank's pieces gathered on rank 0, as one process holds them
+        consolidated = checkpoint.consolidated_optimizer_state(sharded, opts, sharding, dist.group.WORLD)
+        m["consolidated_vs_one_process"] = None  # measured on rank 0, which writes the results
+        if rank == 0:
+            whole = checkpoint.optimizer_state(one, one_opts)
+            assert consolidated.keys() == whole.keys()
+            m["consolidated_vs_one_process"] = max(((consolidated[n][k] - v).abs().max() / v.abs().max().clamp(min=1e-30)).item()
+                                                   for n in whole for k, v in whole[n].items())
+        ranks = runtime.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
         from_file, from_folder = GPT(model_cfg).to(dtype), GPT(model_cfg).to(dtype)
         file_sharding = optim.Sharding(from_file, cfg, rank, world)
         file_opts = optim.make_optimizers(from_file, cfg, "cpu", dtype, share=file_sharding.share)
         folder_opts = optim.make_optimizers(from_folder, cfg, "cpu", dtype)
-        plumbing.restore(plumbing.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
-        plumbing.restore(plumbing.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
+        checkpoint.restore(checkpoint.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
+        checkpoint.restore(checkpoint.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
         values = train.schedule(cfg, m["steps"], m["steps"] / cfg.max_steps)
         batches = [(torch.randint(0, 70, (2, 16), generator=data), torch.randint(0, 70, (2, 16), generator=data))
                    for _ in range(2 * world)]
@@ -219,7 +228,8 @@ def run_rank(out_path):
         # entry, which differs with the order of the sums, moves its weight by a whole step either way
         exact = measure(recipe, torch.float64)
         results[recipe]["float64"] = {k: exact[k] for k in ("sharded_vs_one_process", "ddp_vs_one_process", "ranks_apart",
-                                                             "file_resumed_sharded", "folder_resumed_in_one_process")}
+                                                             "file_resumed_sharded", "folder_resumed_in_one_process",
+                                                             "consolidated_vs_one_process")}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -11,7 +11,7 @@ def not_emulated(qualname, parameters):
     the stub) and which raises NotImplementedError when called."""
 
     def unemulated(*args, **kwargs):
-        raise NotImplementedError(f"{qualname} is not emulated by the CPU NKI emulator (tests/nki_emulator)")
+        raise NotImplementedError(f"{qualname} is not emulated by the CPU NKI emulator (nki_emulator/)")
 
     unemulated.__name__ = unemulated.__qualname__ = qualname.rpartition(".")[2]
     unemulated.__doc__ = f"{qualname}: not emulated; calling it raises NotImplementedError."
