@@ -114,9 +114,9 @@ class GPTConfig:
             problems.append(f"mlp={self.mlp!r} is not one of {kernels.MLP_ACTIVATIONS}")
         if self.kernels not in kernels.KERNEL_MODES:
             problems.append(f"kernels={self.kernels!r} is not one of {kernels.KERNEL_MODES}")
-        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
-            problems.append(f"kernels='nki' needs head_dim <= 128 (NKI attention keeps it on the 128 partitions), "
-                            f"got {self.head_dim}; raise n_head or use kernels='auto'")
+        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
+            problems.append(f"kernels='nki' needs head_dim <= {kernels.ATTENTION_MAX_HEAD_DIM} (NKI attention contracts "
+                            f"it in two 128-partition pieces), got {self.head_dim}; raise n_head or use kernels='auto'")
         if self.kernels == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")

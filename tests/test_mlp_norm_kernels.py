@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import kernels
 import nki_emulator
+from bench import refuse_degenerate
 from kernels import mlp, rms_norm
 from model import GPT, GPTConfig
 from reference import mlp_reference, rms_norm_reference
@@ -25,10 +26,12 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 emulated = pytest.mark.skipif(sys.modules["nki"] is not nki_emulator, reason="counts instructions in the emulator")
 
 
-def assert_close(got, want, dtype, name):
-    """|got - want| <= tol * (|want| + max |want|) everywhere (torch.testing.assert_close's rule with
-    atol = tol * max |want|, in fewer passes: the weight gradients at d=1536, hidden=6144 are 9.4M values)."""
+def assert_close(got, want, dtype, name, inputs=()):
+    """got against the float64 reference: |got - want| <= tol * (|want| + max |want|) everywhere
+    (torch.testing.assert_close's rule with atol = tol * max |want|, in fewer passes: the weight gradients at
+    d=1536, hidden=6144 are 9.4M values); and never zeros, a constant or one of `inputs`, whatever the tolerance."""
     assert got.dtype == dtype and got.shape == want.shape, name
+    refuse_degenerate(name, got, inputs)
     tol = TOLERANCE[dtype]
     magnitude = want.abs()
     excess = ((got.double() - want).abs_() - tol * (magnitude + magnitude.max())).max().item()
@@ -54,9 +57,9 @@ def check_mlp(x, w_up, w_down, w_gate, activation, dtype):
     leaves64 = [t.detach().to(dtype).double().requires_grad_() for t in leaves]
     expected = mlp_reference(*leaves64[:3], activation, *leaves64[3:])
     expected.backward(d_out.double())
-    assert_close(out, expected, dtype, "y")
+    assert_close(out, expected, dtype, "y", leaves + [d_out])
     for name, leaf, leaf64 in zip(("dx", "dw_up", "dw_down", "dw_gate"), leaves, leaves64):
-        assert_close(leaf.grad.to(dtype), leaf64.grad, dtype, name)
+        assert_close(leaf.grad.to(dtype), leaf64.grad, dtype, name, leaves + [d_out])
 
 
 # Every listed value appears, in mixed combinations: d 128/256/384, hidden 512/1024/1536, N 128/256/640
@@ -201,10 +204,11 @@ def test_rms_norm_matches_reference(shape, weighted, dtype):
     weight64 = weight.detach().double().requires_grad_() if weighted else None
     expected = rms_norm_reference(x64, weight64)
     expected.backward(d_out.double())
-    assert_close(out, expected, dtype, "y")
-    assert_close(x.grad, x64.grad, dtype, "dx")
+    inputs = [x, weight, d_out]
+    assert_close(out, expected, dtype, "y", inputs)
+    assert_close(x.grad, x64.grad, dtype, "dx", inputs)
     if weighted:
-        assert_close(weight.grad, weight64.grad, torch.float32, "dweight")
+        assert_close(weight.grad, weight64.grad, torch.float32, "dweight", inputs)
 
 
 @emulated
