@@ -64,10 +64,13 @@ import numpy as np
 import tiktoken
 import torch
 
+from kit.checkpoint import write_atomically
+
 SHARD_MAGIC = b"GPTTOKS\0"
 SHARD_VERSION = 1
 HEADER = struct.Struct("<8sIIQ8x")  # magic, version, bytes per token, token count, reserved
 SHARD_TOKENS = 100_000_000  # per shard: 200 MB of uint16, a few seconds to write, memory-mapped when read
+PREPARE_AGAIN = "free space and prepare the data again"  # what a full disk asks of whoever prepares data
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The split pattern of the competition's tokenizer (GPT-4's, with numbers split into runs of at most two digits).
 BPE_SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -140,10 +143,10 @@ def save_tokenizer(enc, directory, **info):
     # tiktoken keeps an Encoding's parts in these attributes; they are also what it pickles
     ranks, specials = enc._mergeable_ranks, enc._special_tokens
     lines = b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda item: item[1]))
-    _write_atomic(os.path.join(directory, "tokenizer.tiktoken"), lines)
+    write_atomically(os.path.join(directory, "tokenizer.tiktoken"), lines, PREPARE_AGAIN)
     meta = {"name": enc.name, "n_vocab": enc.n_vocab, "pattern": enc._pat_str, "special_tokens": specials,
             "ranks_sha256": hashlib.sha256(lines).hexdigest(), **info}
-    _write_atomic(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode())
+    write_atomically(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode(), PREPARE_AGAIN)
 
 
 def load_tokenizer(directory):
@@ -566,25 +569,12 @@ def download_files(base_url, names, directory, sha256sums=None, workers=8, retri
                 for name, job in jobs.items():
                     done[name] = job.result()
     known.update(done)
-    _write_atomic(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode())
+    write_atomically(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode(), PREPARE_AGAIN)
     return {name: done[name] for name in names}
 
 
 # -----------------------------------------------------------------------------
 # the contest's own data preparation (its prepare.py, tokenizer and parquet shards)
-
-def load_competition(directory):
-    """Imports the contest's prepare.py from directory. It is autoresearch's descendant: ensure_tokenizer()
-    (or Tokenizer.from_directory()) gives a Tokenizer holding a tiktoken Encoding (.enc) and its BOS id,
-    and DATA_DIR holds the parquet shards it downloaded, VAL_FILENAME the one held out for validation."""
-    path = os.path.join(directory or ".", "prepare.py")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no contest prepare.py in {os.path.abspath(directory or '.')}; pass --competition_dir")
-    spec = importlib.util.spec_from_file_location("competition_prepare", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def competition_tokenizer(module, sample_docs=()):
     """The contest's tokenizer as a plain Encoding (its BOS renamed <|endoftext|>, ids unchanged), checked
@@ -625,12 +615,6 @@ def competition_files(module):
 
 def dataset_dir(dataset, tokenizer, data_dir="data_cache"):
     return os.path.join(data_dir, f"{dataset}-{tokenizer_name(tokenizer)}")
-
-
-def _write_atomic(path, payload):
-    with open(f"{path}.tmp", "wb") as f:
-        f.write(payload)
-    os.replace(f"{path}.tmp", path)
 
 
 def _sources(dataset, data_dir, files, val_files, shards, base_url, sha256sums, competition, download_workers):
@@ -774,7 +758,12 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
             return out
         print(f"{out} was prepared from {previous}; preparing it again from {options}")
     os.makedirs(out, exist_ok=True)
-    competition = load_competition(competition_dir) if "competition" in (dataset, tokenizer) else None
+    if "competition" in (dataset, tokenizer):
+        from kit import contest  # its prepare.py loader; the kit's other data paths need none of it
+
+        competition = contest.load_prepare(competition_dir or ".")
+    else:
+        competition = None
     sources = _sources(dataset, data_dir, files, val_files, shards, base_url, sha256sums, competition, download_workers)
     enc = _make_tokenizer(tokenizer, out, [s for s in sources if s["split"] == "train"], competition, tokenizer_chars, text_field)
     if os.path.exists(manifest_path):
@@ -811,7 +800,7 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
         "seconds": round(seconds, 1),
         "tokens_per_second": round(sum(s["tokens"] for s in splits.values()) / seconds),
     }
-    _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())  # last: its presence means complete
+    write_atomically(manifest_path, json.dumps(manifest, indent=1).encode(), PREPARE_AGAIN)  # last: its presence means complete
     return out
 
 

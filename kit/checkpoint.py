@@ -23,13 +23,14 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # checkpoints
 
-def write_atomically(path, payload):
-    """torch.save to a temporary file, fsync, rename over the target, fsync the folder: a crash at any
-    moment leaves the old file or the new one, never a torn one. A full disk names the file."""
+def write_atomically(path, payload, fix="free space and resume with --resume=latest (earlier checkpoints are intact too)"):
+    """`payload` (bytes as they are, anything else through torch.save) to a temporary file, fsync, rename
+    over the target, fsync the folder: a crash at any moment leaves the old file or the new one, never a
+    torn one. A full disk names the file, and `fix` says what to do then."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            f.write(payload) if isinstance(payload, bytes) else torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -42,7 +43,7 @@ def write_atomically(path, payload):
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
         raise OSError(f"cannot write {path} ({reason}; {free / 2**20:.1f} MiB free there); the previous file there "
-                      "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
+                      f"is intact: {fix}") from e
 
 
 def optimizer_state(model, optimizers, sharding=None, distributed=False):

@@ -9,6 +9,7 @@ PROCESS_START = time.monotonic()  # the contest charges start-up from the proces
 
 import ast  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -121,20 +122,31 @@ PRESETS = {
 }
 
 
+def load_prepare(folder):
+    """The contest's prepare.py in `folder`, imported as the module `prepare`, the name the contest's own code
+    imports it by, so that the run and the contest share one module (a prepare.py from another folder replaces
+    it). It is autoresearch's descendant: ensure_tokenizer() (or Tokenizer.from_directory()) gives a Tokenizer
+    holding a tiktoken Encoding (.enc) and its BOS id, and DATA_DIR holds the parquet shards it downloaded,
+    VAL_FILENAME the one held out for validation."""
+    path = os.path.realpath(os.path.join(folder, "prepare.py"))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no contest prepare.py in {os.path.dirname(path)}; pass --competition_dir=FOLDER with it")
+    loaded = sys.modules.get("prepare")
+    if loaded is not None and os.path.realpath(getattr(loaded, "__file__", "") or "") == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("prepare", path)
+    module = sys.modules["prepare"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def find_prepare(cfg):
     """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside train.py
     (KIT_ROOT), which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
     launch string takes no flags) trains on the contest's data."""
-    folder = cfg.competition_dir or KIT_ROOT
-    if not os.path.isfile(os.path.join(folder, "prepare.py")):
-        if cfg.competition_dir:
-            raise FileNotFoundError(f"--competition_dir={cfg.competition_dir} has no prepare.py")
-        return None
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import prepare
-
-    return prepare
+    if cfg.competition_dir or os.path.isfile(os.path.join(KIT_ROOT, "prepare.py")):
+        return load_prepare(cfg.competition_dir or KIT_ROOT)
+    return None
 
 
 class ContestCorpus:
