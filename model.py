@@ -227,7 +227,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
         # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
-        self.register_buffer("mtp_weights", torch.zeros(config.mtp_extra), persistent=False)
+        self.register_buffer("extra_loss_weights", torch.zeros(config.mtp_extra), persistent=False)
         cos, sin = rotary_tables(config.sequence_len, config.head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -291,7 +291,7 @@ class GPT(nn.Module):
 
     def lever_loss(self, x, targets, loss_reduction):
         """Cross-entropy for the levers: the next token, plus (training only) the tokens mtp_extra further
-        on, all scored from the same logits, the later ones weighted by the mtp_weights buffer. Shapes
+        on, all scored from the same logits, the later ones weighted by the extra_loss_weights buffer. Shapes
         are fixed: a target past the row's end is -1, never a shorter tensor."""
         c = self.config
         extra = c.mtp_extra if self.training and loss_reduction == "mean" else 0
@@ -306,7 +306,7 @@ class GPT(nn.Module):
         if loss_reduction == "none":
             return nll[..., 0]
         per_target = nll.sum(dim=(0, 1)) / (stacked >= 0).sum(dim=(0, 1)).clamp_min(1)  # mean over valid targets
-        weights = torch.cat([torch.ones(1, device=nll.device), self.mtp_weights])[: 1 + extra]
+        weights = torch.cat([torch.ones(1, device=nll.device), self.extra_loss_weights])[: 1 + extra]
         return (per_target * weights).sum()
 
     def num_params(self, matmul_only=False):

@@ -136,12 +136,12 @@ def lr_multiplier(cfg, step, progress):
 def schedule(cfg, step, progress):
     """This step's scheduled values: the lr multiplier, Muon's momentum (warmed up from
     muon_momentum_start over muon_momentum_warmup_steps, as the baseline does), Muon's weight decay
-    (linearly to zero at the end of training, nanochat's rule), the MTP weights and the batch fraction."""
+    (linearly to zero at the end of training, nanochat's rule), the extra MTP targets' weights and the batch fraction."""
     warm = min(1.0, step / cfg.muon_momentum_warmup_steps) if cfg.muon_momentum_warmup_steps else 1.0
     return {"lr_scale": lr_multiplier(cfg, step, progress),
             "momentum": cfg.muon_momentum_start + warm * (cfg.muon_momentum - cfg.muon_momentum_start),
             "weight_decay": cfg.weight_decay * (1 - progress),
-            "mtp_weights": mtp_weights(cfg, progress),
+            "extra_loss_weights": extra_loss_weights(cfg, progress),
             "batch_fraction": next((f for f, until in batch_warmup_phases(cfg) if progress < until), 1.0)}
 
 
@@ -149,10 +149,11 @@ def floats(text):
     return [float(v) for v in text.split(",") if v.strip()]
 
 
-def mtp_weights(cfg, progress):
-    """Each extra target's weight fades linearly to 0 by its mtp_fade progress, the farthest target first
-    and each fade starting where the farther one's ended (FrontierForge: t+3 over 0-20% of the run, t+2
-    over 20-45%, then plain next-token prediction; they step the fade in 4 levels per phase)."""
+def extra_loss_weights(cfg, progress):
+    """This step's loss weight of each extra MTP target: its --mtp_weights value faded linearly to 0 by its
+    mtp_fade progress, the farthest target first and each fade starting where the farther one's ended
+    (FrontierForge: t+3 over 0-20% of the run, t+2 over 20-45%, then plain next-token prediction; they step
+    the fade in 4 levels per phase)."""
     weights, ends = floats(cfg.mtp_weights), floats(cfg.mtp_fade)
     starts = ends[1:] + [0.0]
     return tuple(w * min(1.0, max(0.0, (end - progress) / (end - start))) for w, end, start in zip(weights, ends, starts))
@@ -195,9 +196,9 @@ def validate_levers(cfg, model_cfg, accum_steps):
 
 
 def apply_schedule(optimizers, values, model=None):
-    """Writes this step's values into the 0-d device tensors the optimizers read (and the model's MTP
-    weights), each by a copy from a host tensor. Nothing in the step then takes a Python number that
-    changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
+    """Writes this step's values into the 0-d device tensors the optimizers read (and the model's
+    extra_loss_weights), each by a copy from a host tensor. Nothing in the step then takes a Python number
+    that changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
     measured 408 vs 918 steps in 900 s on Trn2 until their hyperparameters became device tensors)."""
     for o in optimizers:
         for group in o.param_groups:
@@ -205,8 +206,8 @@ def apply_schedule(optimizers, values, model=None):
             if isinstance(o, optim.Muon):
                 group["momentum"].copy_(torch.tensor(values["momentum"]), non_blocking=True)
                 group["weight_decay"].copy_(torch.tensor(values["weight_decay"]), non_blocking=True)
-    if model is not None and model.mtp_weights.numel():
-        model.mtp_weights.copy_(torch.tensor(values["mtp_weights"]), non_blocking=True)
+    if model is not None and model.extra_loss_weights.numel():
+        model.extra_loss_weights.copy_(torch.tensor(values["extra_loss_weights"]), non_blocking=True)
 
 
 def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=False):

@@ -69,7 +69,7 @@ def test_frontier_is_the_baseline_plus_every_lever():
 
 def test_mtp_weights_fade_farthest_target_first():
     cfg, _ = resolved("frontier")
-    fade = {p: train.schedule(cfg, 0, p)["mtp_weights"] for p in (0.0, 0.1, 0.2, 0.325, 0.45, 0.9)}
+    fade = {p: train.schedule(cfg, 0, p)["extra_loss_weights"] for p in (0.0, 0.1, 0.2, 0.325, 0.45, 0.9)}
     expected = {0.0: (0.5, 0.25), 0.1: (0.5, 0.125), 0.2: (0.5, 0.0), 0.325: (0.25, 0.0), 0.45: (0.0, 0.0), 0.9: (0.0, 0.0)}
     for p, weights in expected.items():
         assert fade[p] == pytest.approx(weights)
@@ -88,7 +88,7 @@ def test_chunked_softcap_loss_matches_plain_loss_and_gradients():
         torch.manual_seed(1)
         model = GPT(tiny(mtp_extra=2, loss_chunks=chunks))
         torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # logits big enough for the softcap to bend
-        model.mtp_weights.copy_(torch.tensor([0.5, 0.25]))
+        model.extra_loss_weights.copy_(torch.tensor([0.5, 0.25]))
         idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(2))
         loss = model(idx, targets)
         loss.backward()
@@ -109,7 +109,7 @@ def test_mtp_adds_later_targets_in_training_only():
     idx = torch.randint(0, 50, (2, 16))
     targets = torch.roll(idx, -1, dims=1)
     assert torch.allclose(model(idx, targets), plain(idx, targets))  # weights 0: the plain next-token loss
-    model.mtp_weights.copy_(torch.tensor([0.5, 0.25]))
+    model.extra_loss_weights.copy_(torch.tensor([0.5, 0.25]))
     assert model(idx, targets) > plain(idx, targets) + 0.5  # t+2 and t+3 are much harder to guess
     model.eval(), plain.eval()
     torch.testing.assert_close(model(idx, targets, loss_reduction="none"), plain(idx, targets, loss_reduction="none"))
@@ -222,7 +222,7 @@ def test_model_levers_compile_to_one_graph_that_the_mtp_fade_does_not_recompile(
     idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(-1, 50, (2, 16))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for weights in ([0.5, 0.25], [0.3, 0.0]):
-        model.mtp_weights.copy_(torch.tensor(weights))
+        model.extra_loss_weights.copy_(torch.tensor(weights))
         torch.testing.assert_close(compiled(idx, targets), model(idx, targets))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
