@@ -19,7 +19,6 @@ import difflib  # noqa: E402
 import errno  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model import TYPE_NAMES  # noqa: E402
+from model import field_problems  # noqa: E402
 
 
 # -----------------------------------------------------------------------------
@@ -102,17 +101,7 @@ def validate_config(cfg, model_cfg):
     """Every field's type, and its range or choices as its `opt` declares them, all problems in one message
     with the fix. Needs no data, model or device, so train.py's main calls it first. (The tokenizer is
     checked when it is loaded.)"""
-    problems = []
-    for f in dataclasses.fields(cfg):
-        value, kind = getattr(cfg, f.name), type(f.default)
-        low, high = f.metadata.get("bounds", (None, None))
-        choices = f.metadata.get("choices")
-        if not isinstance(value, (int, float) if kind is float else kind) or (kind is not bool and isinstance(value, bool)):
-            problems.append(f"--{f.name}={value!r} must be {TYPE_NAMES[kind]}")
-        elif low is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
-            problems.append(f"--{f.name}={value} must be " + (f"between {low} and {high}" if high is not None else f">= {low}"))
-        elif choices and value not in choices:
-            problems.append(f"--{f.name}={value!r}: use {' or '.join(choices)}")
+    problems = field_problems(cfg, "--")
     if not problems:
         if not (cfg.max_steps or cfg.time_budget_s):
             problems.append("set --max_steps or --time_budget_s (or both), otherwise training never stops")
