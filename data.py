@@ -63,6 +63,7 @@ import urllib.request
 import numpy as np
 import tiktoken
 import torch
+import torch.distributed as dist
 
 from kit.checkpoint import write_atomically
 
@@ -913,6 +914,45 @@ def eval_batches(paths, batch_size, sequence_len, max_tokens, rank=0, world_size
     loader = TokenLoader(paths, batch_size, sequence_len, rank, world_size, vocab_size=vocab_size, shuffle=False)
     n_batches = max(1, max_tokens // (batch_size * sequence_len * world_size))
     return [next(loader) for _ in range(min(n_batches, loader.per_rank // batch_size))]
+
+
+class KitCorpus:
+    """The kit's own corpora and tokenizers for train.py: shards prepared once by rank 0, then read by every
+    rank, and a held-out split for val_bpb (kit/contest.py's ContestCorpus is the contest's counterpart)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.enc = get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
+        self.vocab_size, self.decode, self.bos_id = self.enc.n_vocab, self.enc.decode, self.enc.eot_token
+
+    def load(self, batch_size, sequence_len, rank, world_size, device, master):
+        cfg = self.cfg
+        if not master and dist.is_initialized():
+            dist.barrier()  # released below, once rank 0 has the shards
+        path = prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+        if master and dist.is_initialized():
+            dist.barrier()
+        self.loader = TokenLoader(shard_paths(path, "train"), batch_size, sequence_len, rank, world_size,
+                                  cfg.seed, self.vocab_size, shuffle=cfg.data_order == "shuffled",
+                                  row_pool=cfg.row_pool, ignore_target=self.bos_id if cfg.mask_bos_targets else None)
+        self.val_batches = eval_batches(shard_paths(path, "val"), batch_size, sequence_len,
+                                        cfg.eval_tokens, rank, world_size, self.vocab_size)
+        self.token_bytes = token_bytes(self.enc).to(device)
+
+    def tokens_per_epoch(self):
+        return self.loader.tokens_per_epoch()
+
+    def next_batch(self):
+        return next(self.loader)
+
+    def record_step(self, step):  # the contest's prepare.py keeps a record of the steps; the kit needs none
+        pass
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
 
 
 # -----------------------------------------------------------------------------

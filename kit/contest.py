@@ -1,21 +1,17 @@
 """
-The contest's contract (AWS Trainium Frontier): its prepare.py as the data source and the rule book, its
-clock, the presets with their sources, and the exporter that writes this kit as the one train.py the
-contest takes.
+The contest's contract (AWS Trainium Frontier): its prepare.py as the data source and the rule book, the
+presets with their sources, and the exporter that writes this kit as the one train.py the contest takes
+(the contest's clock is train.py's ChargedClock, beside the loop it times).
 """
-import time
+import ast
+import dataclasses
+import importlib.util
+import os
+import sys
 
-PROCESS_START = time.monotonic()  # the contest charges start-up from the process's start; train.py imports this first
+import torch
 
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-
-import torch  # noqa: E402
-
-from model import GPT  # noqa: E402
+from model import GPT
 
 
 # One-flag configurations, applied before any other --field=value.
@@ -140,6 +136,14 @@ def load_prepare(folder):
     return module
 
 
+def competition_mode(cfg):
+    """The contest's prepare.py (find_prepare) with its rules applied to cfg over any flag, or None."""
+    prepare = find_prepare(cfg)
+    if prepare is not None:
+        apply_contest_rules(cfg, prepare)
+    return prepare
+
+
 def find_prepare(cfg):
     """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside train.py
     (KIT_ROOT), which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
@@ -175,6 +179,9 @@ class ContestCorpus:
             y = y.masked_fill(y == self.bos_id, -1)
         return x, y
 
+    def record_step(self, step):  # the contest's own record of the step just finished (0-based, as the baseline's)
+        self.prepare.record_step_boundary(step - 1)
+
     def state_dict(self):  # the organiser's loader has no position to save: a resumed run starts it anew
         return None
 
@@ -199,48 +206,13 @@ def announce(cfg, prepare):
               f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
 
 
-class ChargedClock:
-    """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
-    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them):
-    wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
-    start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
-    is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
-    `already` carries the charged time of the run a checkpoint resumes."""
-
-    def __init__(self, budget_s, excluded_steps, startup_cap_s, already=0.0, process_start=PROCESS_START,
-                 now=time.monotonic):
-        self.budget_s, self.excluded_steps, self.startup_cap_s = budget_s, excluded_steps, startup_cap_s
-        self.already, self.process_start, self.now = already, process_start, now
-        self.started = None
-        self.startup_s = self.excluded_s = 0.0
-
-    def steps_done(self, steps_this_run):
-        """Called after each synchronised step (and with 0 before the first)."""
-        if self.started is None and steps_this_run >= self.excluded_steps:
-            now = self.now()
-            self.startup_s = now - self.process_start
-            self.started = now - max(0.0, self.startup_s - self.startup_cap_s)
-
-    def exclude(self, seconds):
-        self.excluded_s += seconds
-
-    def charged(self):
-        running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
-        return self.already + running
-
-    def out_of_time(self, charged, next_step_s, reserve_s):
-        """True when one more step and the final save would not fit in the budget (`charged`: the value the
-        ranks agreed on)."""
-        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
-
-
 # The kit's root, where train.py and prepare.py's usual place are; in the one-file submission, that file's folder.
 KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
 # What the one-file submission leaves out: the kit's own data path (and with it data.py and its downloads)
 # and the exporter, each replaced by a stand-in that says why ("" = nothing left refers to it).
 KIT_ONLY = {
-    "KitCorpus": "def KitCorpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
+    "kit_corpus": "def kit_corpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
                  "trains on the contest's data only\")\n",
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
@@ -256,9 +228,9 @@ KIT_ONLY = {
     "module_text": "",
     "KIT_ONLY": "",
 }
-# The files the submission is made of, in the order they are inlined: each before its first importer.
-# contest first, so its PROCESS_START is taken before the others import torch; a module's names are used at
-# its import only by the modules after it (model.py's kernels.KERNEL_MODES ...)
+# The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
+# its clock's start): each before its first importer, as a module's names are used at its import only by the
+# modules after it (model.py's kernels.KERNEL_MODES ...)
 BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "optim": "kit/optim.py",
            "runtime": "kit/runtime.py", "memory": "kit/memory.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 

@@ -1,7 +1,7 @@
 """
 What every entry point (train.py, bench.py, evaluate.py) needs first: the Neuron compiler's flags, flags and
-config checks, the device, its dtype and peak, distributed start-up and ranks, the run's log, speed and stop
-signals. (cf. nanochat's nanochat/common.py)
+config checks, the device, its dtype and peak, distributed start-up and ranks, the run's log and stop signals.
+(cf. nanochat's nanochat/common.py)
 """
 import os
 
@@ -292,7 +292,7 @@ def say(text):
 
 
 # -----------------------------------------------------------------------------
-# the run's log, its speed and stop signals
+# the run's log and stop signals
 
 class Logger:
     """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl. Each line goes out
@@ -335,30 +335,6 @@ class Logger:
         if self.file:
             print(text, flush=True)
             self._write({"event": event, **fields})
-
-
-class SpeedMeter:
-    """Tokens per second and MFU over the timed steps since the last read (start-up steps are not timed).
-    The peak is measured (on a CPU) when the meter is made, before the clock starts."""
-
-    def __init__(self, raw_model, cfg, ranks):
-        peak = peak_flops(ranks.device_type, compute_dtype(cfg), cfg.peak_tflops) * ranks.world_size
-        self.flops_per_peak = raw_model.flops_per_token() / peak
-        self.seconds, self.tokens, self.last = 0.0, 0, {"tokens_per_s": 0.0, "mfu": 0.0}
-
-    def add(self, seconds, tokens):
-        self.seconds, self.tokens = self.seconds + seconds, self.tokens + tokens
-
-    def read(self):
-        """The interval's speed as text, starting the next interval; fields() then gives its numbers."""
-        timed = self.seconds > 0
-        tokens_per_s = self.tokens / self.seconds if timed else 0.0
-        self.last = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_peak}
-        self.seconds, self.tokens = 0.0, 0
-        return f"{tokens_per_s:,.0f} tok/s | MFU {100 * self.last['mfu']:.1f}%" if timed else "start-up step"
-
-    def fields(self):
-        return self.last
 
 
 class StopSignal:
