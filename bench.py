@@ -65,7 +65,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate"} & set(sys.argv[1:]):
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
-from kit import contest, memory, optim, runtime  # noqa: E402
+from kit import contest, flags, memory, optim, runtime  # noqa: E402
 from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -1037,7 +1037,7 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
-    runtime.validate_config(cfg, model_cfg)
+    flags.validate_config(cfg, model_cfg)
     if args.memory:
         return print_memory(cfg, model_cfg, args.world_size)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab

@@ -17,8 +17,7 @@ steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluatio
 final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
 The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
 This file is the trainer; the model is model.py (kernels: kernels.py), the data data.py, and what a learner
-need not read is kit/: the contest (contest.py), flags, devices and the log (runtime.py), the memory plan
-(memory.py), checkpoints and resume (checkpoint.py) and the optimizers (optim.py).
+need not read is kit/, one file per concern (kit/__init__.py lists them).
 """
 import time
 
@@ -38,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from kernels import preview_fallbacks  # noqa: E402
-from kit import checkpoint, contest, memory, optim, runtime  # noqa: E402
+from kit import checkpoint, contest, flags, memory, optim, runtime  # noqa: E402
 from model import GPT, GPTConfig, opt  # noqa: E402
 
 
@@ -119,13 +118,12 @@ load_for_eval = checkpoint.load_for_eval
 def parse_args(argv):
     """(TrainConfig, GPTConfig) from --field=value or --field value for any of their fields, after the fields
     of --preset=NAME (kit/contest.py's PRESETS) if given; --help lists every field."""
-    configs = runtime.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
+    configs = flags.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
     return configs["training"], configs["model"]
 
 
 # -----------------------------------------------------------------------------
 # the schedule
-
 
 def lr_multiplier(cfg, step, progress):
     """Linear warmup over warmup_steps, constant, then linear warmdown over the last warmdown_frac of
@@ -146,11 +144,7 @@ def schedule(cfg, step, progress):
             "momentum": cfg.muon_momentum_start + warm * (cfg.muon_momentum - cfg.muon_momentum_start),
             "weight_decay": cfg.weight_decay * (1 - progress),
             "extra_loss_weights": extra_loss_weights(cfg, progress),
-            "batch_fraction": next((f for f, until in batch_warmup_phases(cfg) if progress < until), 1.0)}
-
-
-def floats(text):
-    return [float(v) for v in text.split(",") if v.strip()]
+            "batch_fraction": next((f for f, until in flags.batch_warmup_phases(cfg) if progress < until), 1.0)}
 
 
 def extra_loss_weights(cfg, progress):
@@ -158,45 +152,9 @@ def extra_loss_weights(cfg, progress):
     mtp_fade progress, the farthest target first and each fade starting where the farther one's ended
     (FrontierForge: t+3 over 0-20% of the run, t+2 over 20-45%, then plain next-token prediction; they step
     the fade in 4 levels per phase)."""
-    weights, ends = floats(cfg.mtp_weights), floats(cfg.mtp_fade)
+    weights, ends = flags.floats(cfg.mtp_weights), flags.floats(cfg.mtp_fade)
     starts = ends[1:] + [0.0]
     return tuple(w * min(1.0, max(0.0, (end - progress) / (end - start))) for w, end, start in zip(weights, ends, starts))
-
-
-def batch_warmup_phases(cfg):
-    """[(fraction of total_batch_tokens, progress until which it holds), ...] from FRACTION@PROGRESS,..."""
-    phases = []
-    for part in filter(None, cfg.batch_warmup.split(",")):
-        fraction, _, until = part.partition("@")
-        phases.append((float(fraction), float(until)))
-    return phases
-
-
-def validate_levers(cfg, model_cfg, accum_steps):
-    """The recipe levers' settings, checked before any data or model is built."""
-    problems = []
-    if cfg.row_pool < 0 or (cfg.row_pool and cfg.data_order != "stream"):
-        problems.append(f"--row_pool={cfg.row_pool} needs --data_order=stream (shuffled data is already fully mixed) and >= 0")
-    try:
-        weights, ends, phases = floats(cfg.mtp_weights), floats(cfg.mtp_fade), batch_warmup_phases(cfg)
-    except ValueError as e:
-        raise ValueError(f"--mtp_weights, --mtp_fade and --batch_warmup are numbers like 0.5,0.25 / 0.45,0.2 / 0.25@0.06 ({e})")
-    if len(weights) != model_cfg.mtp_extra or len(ends) != model_cfg.mtp_extra:
-        problems.append(f"--mtp_weights and --mtp_fade need one value per extra target (--mtp_extra={model_cfg.mtp_extra}), "
-                        f"got {len(weights)} and {len(ends)}")
-    if any(not 0 < e <= 1 for e in ends) or ends != sorted(ends, reverse=True) or len(set(ends)) != len(ends):
-        problems.append(f"--mtp_fade={cfg.mtp_fade!r}: progress points in (0, 1], decreasing (the farthest target fades first)")
-    for fraction, until in phases:
-        micro = fraction * accum_steps
-        if not (0 < until < 1 and 0 < fraction < 1 and abs(micro - round(micro)) < 1e-9 and round(micro) >= 1):
-            problems.append(f"--batch_warmup phase {fraction}@{until}: the fraction of the step's {accum_steps} micro-batch(es) "
-                            f"must be a whole number >= 1 and 0 < progress < 1; lower --batch_size for more micro-batches per step")
-    if [u for _, u in phases] != sorted(u for _, u in phases):
-        problems.append(f"--batch_warmup={cfg.batch_warmup!r}: phases in order of progress")
-    if not (0 <= cfg.ema_decay < 1 and cfg.ema_every >= 1 and 0 <= cfg.ema_blend <= 1):
-        problems.append("--ema_decay in [0, 1), --ema_every >= 1, --ema_blend in [0, 1]")
-    if problems:
-        raise ValueError("invalid recipe: " + "; ".join(problems))
 
 
 def apply_schedule(optimizers, values, model=None):
@@ -291,8 +249,7 @@ def evaluate(model, batches, token_bytes, device, autocast, stop=None, group=Non
 
 
 # -----------------------------------------------------------------------------
-# the data and the batch
-
+# the data
 
 def kit_corpus(cfg):
     """The kit's own corpora and tokenizers (data.KitCorpus); a submission reads the contest's data only."""
@@ -307,52 +264,6 @@ def open_corpus(cfg, model_cfg, prepare):
     corpus = contest.ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else kit_corpus(cfg)
     model_cfg.vocab_size = corpus.vocab_size
     return corpus
-
-
-# One optimizer step's batch: its tokens over all ranks, and the micro-batches each rank runs for it (a batch
-# warm-up runs a fraction of them).
-Batch = collections.namedtuple("Batch", "tokens micro_steps")
-
-
-def check_batch(cfg, model_cfg, world_size, prepare):
-    """The Batch, refused unless whole, and the recipe levers checked, before any data or model is built."""
-    micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
-    total_tokens = cfg.total_batch_tokens or micro_tokens
-    if total_tokens % micro_tokens:
-        raise ValueError(
-            f"total_batch_tokens={total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
-            f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
-        )
-    validate_levers(cfg, model_cfg, total_tokens // micro_tokens)
-    if prepare is not None and cfg.row_pool:
-        raise ValueError("--row_pool reorders the kit's loader; the contest's make_dataloader streams its own rows. "
-                         "Pass --row_pool=0 in competition mode")
-    return Batch(total_tokens, total_tokens // micro_tokens)
-
-
-def log_config(log, cfg, raw_model, ranks, batch, dtype_reason):
-    sharded = " (optimizer sharded)" if memory.shards_optimizer(cfg, ranks.world_size) else ""
-    log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
-        f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {batch.micro_steps} micro-step(s) of {batch.tokens // batch.micro_steps:,} "
-        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
-        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
-
-
-def epoch_plan(cfg, train_tokens, total_tokens):
-    """(line, log fields), before training: the epochs --max_steps plans, else the step the data repeats from."""
-    if train_tokens is None:
-        return ("training data: the token count is not known (the contest's make_dataloader streams its shards and exposes "
-                "none); the organiser's loader may repeat its shards", dict(train_tokens=None, epoch_steps=None, planned_epochs=None))
-    epoch_steps, epochs = train_tokens / total_tokens, cfg.max_steps * total_tokens / train_tokens if cfg.max_steps else None
-    text = f"training data: {train_tokens:,} tokens, one epoch is {epoch_steps:,.1f} steps of {total_tokens:,} tokens; "
-    if epochs is None:
-        text += f"the data starts repeating in step {train_tokens // total_tokens + 1:,}"
-    else:
-        order = "a new order" if cfg.data_order == "shuffled" or cfg.row_pool else "the same order"
-        text += f"{cfg.max_steps:,} steps are {epochs:.2f} epochs: " + (
-            f"the data is read {math.ceil(epochs)} times, each epoch in {order}" if epochs > 1 else "no window is read twice")
-    text += " (at full steps; --batch_warmup's smaller early steps read less)" if cfg.batch_warmup else ""
-    return text, dict(train_tokens=train_tokens, epoch_steps=epoch_steps, planned_epochs=epochs)
 
 
 # -----------------------------------------------------------------------------
@@ -516,11 +427,9 @@ def make_trainee(cfg, model_cfg, ranks, corpus, resume_from):
     sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
     optimizers = optim.make_optimizers(raw_model, cfg, ranks.device_type, runtime.compute_dtype(cfg),
                                        share=sharding.share if sharded else None)
-    step, charged = 0, 0.0
-    if resume_from:  # its tensors then live in the model and optimizers only
-        state = checkpoint.load_checkpoint(resume_from)
-        step, charged = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks)
-        del state
+    # read here and not kept: the checkpoint's tensors then live in the model and optimizers only
+    step, charged = (checkpoint.restore(checkpoint.load_checkpoint(resume_from), raw_model, optimizers, sharding, corpus, ranks)
+                     if resume_from else (0, 0.0))
     ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=ranks.device)
     model = wrap_for_training(raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens), sharded)
@@ -557,7 +466,7 @@ def main(argv):
         try:
             # checks that need no data, model or device, cheapest first, on the config the contest's rules made
             prepare = contest.competition_mode(cfg)
-            runtime.validate_config(cfg, model_cfg)
+            flags.validate_config(cfg, model_cfg)
             runtime.configure_determinism(cfg)
             corpus = open_corpus(cfg, model_cfg, prepare)
             device_type = runtime.device_type(cfg.device)
@@ -571,7 +480,7 @@ def main(argv):
             dtype_reason = runtime.choose_dtype(cfg, device_type, ranks.control)
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
-            batch = check_batch(cfg, model_cfg, ranks.world_size, prepare)
+            batch = flags.check_batch(cfg, model_cfg, ranks.world_size, prepare)
             resume_from = checkpoint.resolve_resume(cfg, model_cfg) if cfg.resume else None
             memory.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
@@ -586,8 +495,8 @@ def main(argv):
             trainee, step, charged_before = make_trainee(cfg, model_cfg, ranks, corpus, resume_from)
             raw_model, autocast = trainee.raw_model, runtime.autocast_context(cfg, device_type)
             log = runtime.Logger(cfg.out_dir, master, append=bool(cfg.resume))
-            log_config(log, cfg, raw_model, ranks, batch, dtype_reason)
-            plan, plan_fields = epoch_plan(cfg, corpus.tokens_per_epoch(), batch.tokens)
+            runtime.log_config(log, cfg, trainee, ranks, batch, dtype_reason)
+            plan, plan_fields = runtime.epoch_plan(cfg, corpus.tokens_per_epoch(), batch.tokens)
             log("data", plan, **plan_fields)
 
             # the loop, on the contest's clock
@@ -619,7 +528,7 @@ def main(argv):
             final_eval = evaluate_now(step) if evaluating and not stop.received else None
             if stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
                 final_eval = None
-            log("done", summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
+            log("done", runtime.summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
                 train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
             if master and cfg.sample_tokens and corpus.decode and not stop.received:
                 sample(cfg, raw_model, corpus, device, autocast)
@@ -627,14 +536,6 @@ def main(argv):
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval):
-    text = (f"{step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; "
-            f"start-up {clock.startup_s:.1f}s, reserve kept {reserve_s:.1f}s)")
-    if final_eval and first_eval:
-        text += f"; val_bpb {first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
-    return text
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 
 import data
 import train
-from kit import contest, optim
+from kit import contest, flags, optim
 from model import GPT, GPTConfig
 
 
@@ -64,7 +64,7 @@ def test_frontier_is_the_baseline_plus_every_lever():
     for name in ("total_batch_tokens", "matrix_lr", "head_lr", "embedding_lr", "weight_decay", "warmdown_frac"):
         assert getattr(cfg, name) == getattr(base_cfg, name)
     for ranks in (1, 4, 8):  # the batch warm-up's quarter steps are whole micro-batches at 1, 4 or 8 ranks
-        train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * 1024 * ranks))
+        flags.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * 1024 * ranks))
 
 
 def test_mtp_weights_fade_farthest_target_first():
@@ -178,7 +178,7 @@ def test_bos_targets_are_masked_in_training_batches(shard):
 def test_bad_lever_settings_name_the_fix(overrides, message):
     cfg, model_cfg = train.parse_args(overrides)
     with pytest.raises(ValueError, match=message):
-        train.validate_levers(cfg, model_cfg, accum_steps=4)
+        flags.validate_levers(cfg, model_cfg, accum_steps=4)
 
 
 def test_weight_ema_blends_the_average_into_the_model():
@@ -205,7 +205,7 @@ def test_every_ablation_row_is_a_valid_run():
     assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in contest.FRONTIER_LEVERS}
     for name, args in rows.items():
         cfg, model_cfg = train.parse_args([*args, *bench.ABLATION_SHAPE, "--max_steps=80"])
-        train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
+        flags.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
         assert cfg.muon_momentum_warmup_steps == 10 and (cfg.ema_every, cfg.ema_decay) in ((1, 0.0), (1, 0.7397))
     frontier_cfg, frontier_model = train.parse_args(rows["frontier"])
     assert (frontier_cfg, frontier_model) == train.parse_args(["--preset=frontier", "--compile=false", "--batch_size=8",
