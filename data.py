@@ -65,13 +65,12 @@ import tiktoken
 import torch
 import torch.distributed as dist
 
-from kit.checkpoint import write_atomically
+from kit.checkpoint import replace_atomically
 
 SHARD_MAGIC = b"GPTTOKS\0"
 SHARD_VERSION = 1
 HEADER = struct.Struct("<8sIIQ8x")  # magic, version, bytes per token, token count, reserved
 SHARD_TOKENS = 100_000_000  # per shard: 200 MB of uint16, a few seconds to write, memory-mapped when read
-PREPARE_AGAIN = "free space and prepare the data again"  # what a full disk asks of whoever prepares data
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The split pattern of the competition's tokenizer (GPT-4's, with numbers split into runs of at most two digits).
 BPE_SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -144,10 +143,10 @@ def save_tokenizer(enc, directory, **info):
     # tiktoken keeps an Encoding's parts in these attributes; they are also what it pickles
     ranks, specials = enc._mergeable_ranks, enc._special_tokens
     lines = b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda item: item[1]))
-    write_atomically(os.path.join(directory, "tokenizer.tiktoken"), lines, PREPARE_AGAIN)
+    write_file(os.path.join(directory, "tokenizer.tiktoken"), lines)
     meta = {"name": enc.name, "n_vocab": enc.n_vocab, "pattern": enc._pat_str, "special_tokens": specials,
             "ranks_sha256": hashlib.sha256(lines).hexdigest(), **info}
-    write_atomically(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode(), PREPARE_AGAIN)
+    write_file(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode())
 
 
 def load_tokenizer(directory):
@@ -570,7 +569,7 @@ def download_files(base_url, names, directory, sha256sums=None, workers=8, retri
                 for name, job in jobs.items():
                     done[name] = job.result()
     known.update(done)
-    write_atomically(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode(), PREPARE_AGAIN)
+    write_file(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode())
     return {name: done[name] for name in names}
 
 
@@ -613,6 +612,11 @@ def competition_files(module):
 
 # -----------------------------------------------------------------------------
 # preparation: sources -> tokenizer -> parallel tokenisation -> shards + manifest
+
+def write_file(path, payload):
+    """`payload` (bytes) written atomically, fsync included (kit/checkpoint.py's replace_atomically)."""
+    replace_atomically(path, lambda f: f.write(payload), kept="the previous file there is intact", then="prepare the data again")
+
 
 def dataset_dir(dataset, tokenizer, data_dir="data_cache"):
     return os.path.join(data_dir, f"{dataset}-{tokenizer_name(tokenizer)}")
@@ -801,7 +805,7 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
         "seconds": round(seconds, 1),
         "tokens_per_second": round(sum(s["tokens"] for s in splits.values()) / seconds),
     }
-    write_atomically(manifest_path, json.dumps(manifest, indent=1).encode(), PREPARE_AGAIN)  # last: its presence means complete
+    write_file(manifest_path, json.dumps(manifest, indent=1).encode())  # last: its presence means complete
     return out
 
 

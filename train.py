@@ -418,18 +418,16 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
 Trainee = collections.namedtuple("Trainee", "model raw_model optimizers sharding ema")
 
 
-def make_trainee(cfg, model_cfg, ranks, corpus, resume_from):
+def make_trainee(cfg, model_cfg, ranks, corpus, state):
     """(Trainee, step, charged time so far): the model and its optimizers (sharded over the ranks or not),
-    the checkpoint `resume_from`'s state put back (the data position too), the EMA started from those
-    weights, and the module the step calls."""
+    a checkpoint's `state` put back (the data position too), the EMA started from those weights, and the
+    module the step calls."""
     raw_model = GPT(model_cfg).to(ranks.device)
     sharded = memory.shards_optimizer(cfg, ranks.world_size)
     sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
     optimizers = optim.make_optimizers(raw_model, cfg, ranks.device_type, runtime.compute_dtype(cfg),
                                        share=sharding.share if sharded else None)
-    # read here and not kept: the checkpoint's tensors then live in the model and optimizers only
-    step, charged = (checkpoint.restore(checkpoint.load_checkpoint(resume_from), raw_model, optimizers, sharding, corpus, ranks)
-                     if resume_from else (0, 0.0))
+    step, charged = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
     ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=ranks.device)
     model = wrap_for_training(raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens), sharded)
@@ -481,7 +479,7 @@ def main(argv):
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
             batch = flags.check_batch(cfg, model_cfg, ranks.world_size, prepare)
-            resume_from = checkpoint.resolve_resume(cfg, model_cfg) if cfg.resume else None
+            state = checkpoint.resume_state(cfg, model_cfg) if cfg.resume else None
             memory.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
             if master:
@@ -492,7 +490,8 @@ def main(argv):
                 raise runtime.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
 
             # the model, its optimizers, the step
-            trainee, step, charged_before = make_trainee(cfg, model_cfg, ranks, corpus, resume_from)
+            trainee, step, charged_before = make_trainee(cfg, model_cfg, ranks, corpus, state)
+            del state  # its tensors now live in the model and optimizers
             raw_model, autocast = trainee.raw_model, runtime.autocast_context(cfg, device_type)
             log = runtime.Logger(cfg.out_dir, master, append=bool(cfg.resume))
             runtime.log_config(log, cfg, trainee, ranks, batch, dtype_reason)
@@ -505,14 +504,13 @@ def main(argv):
             evaluating = corpus.val_batches is not None
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
             first_eval = evaluate_now(step) if evaluating else None
-            save_checkpoint = functools.partial(checkpoint.write_checkpoint, cfg, raw_model, trainee.optimizers,
-                                                trainee.sharding, corpus, ranks)
+            checkpoints = checkpoint.Checkpoints(cfg, raw_model, trainee.optimizers, trainee.sharding, corpus, ranks, log)
 
             def side_work(step):
                 if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
                     evaluate_now(step)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    save_checkpoint(step, clock.charged())
+                    checkpoints.periodic(step, clock.charged())  # a failure is a warning: training goes on
 
             ended_by = "signal"
             if not stop.received:
@@ -521,7 +519,7 @@ def main(argv):
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":
-                path = save_checkpoint(step, clock.charged())
+                path = checkpoints.write(step, clock.charged())
                 log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
             charged = final_save(cfg, step, raw_model, trainee.ema, ranks, clock)
