@@ -192,13 +192,7 @@ def write_shard(path, tokens):
     dtype = np.uint16 if tokens.max(initial=0) < 2**16 else np.uint32
     tokens = np.ascontiguousarray(tokens, dtype=dtype)
     header = HEADER.pack(SHARD_MAGIC, SHARD_VERSION, tokens.itemsize, tokens.size)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(tokens.data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file(path, header, tokens.data)
     digest = hashlib.sha256(header)
     digest.update(tokens)  # hashlib reads the array's buffer in place: no copy of a large shard
     return digest.hexdigest()
@@ -613,9 +607,10 @@ def competition_files(module):
 # -----------------------------------------------------------------------------
 # preparation: sources -> tokenizer -> parallel tokenisation -> shards + manifest
 
-def write_file(path, payload):
-    """`payload` (bytes) written atomically, fsync included (kit/checkpoint.py's replace_atomically)."""
-    replace_atomically(path, lambda f: f.write(payload), kept="the previous file there is intact", then="prepare the data again")
+def write_file(path, *parts):
+    """The byte buffers `parts`, one after another (a shard's header and its tokens, not copied together),
+    written atomically with fsync by kit/checkpoint.py's replace_atomically."""
+    replace_atomically(path, lambda f: f.writelines(parts), kept="the previous file there is intact", then="prepare the data again")
 
 
 def dataset_dir(dataset, tokenizer, data_dir="data_cache"):
