@@ -116,9 +116,9 @@ class GPTConfig:
             problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head, or 0 for n_head)")
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
-            problems.append(f"kernels='nki' needs head_dim <= 128 (NKI attention keeps it on the 128 partitions), "
-                            f"got {self.head_dim}; raise n_head or use kernels='auto'")
+        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
+            problems.append(f"kernels='nki' needs head_dim <= {kernels.ATTENTION_MAX_HEAD_DIM} (NKI attention contracts "
+                            f"it in two 128-partition pieces), got {self.head_dim}; raise n_head or use kernels='auto'")
         if self.kernels == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")

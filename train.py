@@ -528,6 +528,9 @@ def main(argv):
                 final_eval = None
             log("done", runtime.summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
                 train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
+            fallbacks = runtime.cpu_fallbacks(device_type)  # on neuron: which ops TorchNeuron ran on the CPU
+            if fallbacks:
+                log("cpu_fallbacks", fallbacks)
             if master and cfg.sample_tokens and corpus.decode and not stop.received:
                 sample(cfg, raw_model, corpus, device, autocast)
             return {"first_eval": first_eval, "final_eval": final_eval, "step": step}
