@@ -524,12 +524,10 @@ def main(argv):
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
             charged = final_save(cfg, step, raw_model, trainee.ema, ranks, clock)
             final_eval = evaluate_now(step) if evaluating and not stop.received else None
-            if stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
-                final_eval = None
+            final_eval = None if stop.received else final_eval  # a signal during it: final.pt is safe, the numbers partial
             log("done", runtime.summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
                 train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
-            fallbacks = runtime.cpu_fallbacks(device_type)  # on neuron: which ops TorchNeuron ran on the CPU
-            if fallbacks:
+            if fallbacks := runtime.cpu_fallbacks(device_type):  # on neuron: which ops TorchNeuron ran on the CPU
                 log("cpu_fallbacks", fallbacks)
             if master and cfg.sample_tokens and corpus.decode and not stop.received:
                 sample(cfg, raw_model, corpus, device, autocast)
