@@ -272,7 +272,7 @@ def test_unknown_mode_is_refused():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"kernels": "fast"}, "kernels='fast' is not one of"),
+    ({"kernels": "fast"}, "kernels='fast': use auto or nki or torch"),
     ({"kernels": "nki", "sequence_len": 200}, "sequence_len to be a multiple of 128"),
     ({"kernels": "nki", "n_embd": 1536, "n_head": 4, "n_kv_head": 4}, "head_dim <= 256"),
 ])
