@@ -206,6 +206,7 @@ def injected(fault):
 def _kernel_test_cases():
     """(name, run) for one small bf16 case of each kernel test, through the tests' own functions."""
     import test_attention_kernels as attention_tests
+    import test_cross_entropy_kernel as cross_entropy_tests
     import test_mlp_norm_kernels as mlp_norm_tests
 
     return [
@@ -214,12 +215,16 @@ def _kernel_test_cases():
          lambda: mlp_norm_tests.test_mlp_matches_reference(200, 128, 256, "leaky_relu2", torch.bfloat16)),
         ("mlp gelu test", lambda: mlp_norm_tests.test_mlp_matches_reference(200, 128, 256, "gelu", torch.bfloat16)),
         ("rms_norm test", lambda: mlp_norm_tests.test_rms_norm_matches_reference((3, 67, 128), True, torch.bfloat16)),
+        ("add_rms_norm test", lambda: mlp_norm_tests.test_add_rms_norm_matches_reference(
+            (2, 100, 128), torch.float32, torch.bfloat16, True)),
+        ("softcap_cross_entropy test", lambda: cross_entropy_tests.test_softcap_cross_entropy_matches_reference(
+            (200,), 300, torch.bfloat16, "none")),
     ]
 
 
 def _check_cases():
     """(name, run) for bench.py --check's kernel checks (forward+backward) that the faults reach."""
-    wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted")
+    wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted", "add_rms_norm", "softcap_cross_entropy")
     return [(f"--check {name}", lambda call=call, inputs=inputs: bench._check_kernel(call, inputs(), grad=True))
             for name, inputs, call in bench._kernel_checks(torch.bfloat16, "cpu", seed=7) if name in wanted]
 
