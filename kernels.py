@@ -1418,7 +1418,7 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
     backward beyond s itself (an output), from which it recomputes rstd.
 
     HBM traffic: read x and branch, write s and y, once each (fp32 stream, bf16 branch: 12 bytes a value;
-    apart: 16). SBUF per partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the
+    apart: 18, the norm's output fp32, and 6 more where autocast casts it for the next matmul). SBUF per partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the
     compiler: under 64 KiB at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
     pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
