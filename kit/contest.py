@@ -217,6 +217,8 @@ KIT_ONLY = {
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
     "bundle_source": "",
+    "without_inner_docstrings": "",
+    "_bundle": "",
     "check_submission": "",
     "check_causality": "",
     "SUBMISSION_LIMIT_BYTES": "",
@@ -269,8 +271,30 @@ def bundle_source(root, argv):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
     names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
     downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments and docstrings are
-    kept, so it reads as the kit does. Raises ValueError where two modules define one name."""
+    kept, so it reads as the kit does, unless the file would then be over SUBMISSION_LIMIT_BYTES: then the
+    functions' and classes' docstrings are left out (the code and its comments stay). Raises ValueError
+    where two modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
+    source = _bundle(texts, argv)
+    if len(source.encode()) > SUBMISSION_LIMIT_BYTES:
+        source = _bundle({name: without_inner_docstrings(text) for name, text in texts.items()}, argv)
+    check_submission(source)
+    return source
+
+
+def without_inner_docstrings(text):
+    """`text` without the docstrings of its functions and classes (their whole lines; a body that is only a
+    docstring keeps it, as it would be empty without). The module's own docstring stays: --help prints it."""
+    drop = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and len(node.body) > 1:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                drop.update(range(first.lineno - 1, first.end_lineno))
+    return "".join(line for i, line in enumerate(text.splitlines(keepends=True)) if i not in drop)
+
+
+def _bundle(texts, argv):
     defined = {}
     for name, text in texts.items():
         for node in ast.parse(text).body:
@@ -279,9 +303,7 @@ def bundle_source(root, argv):
                     raise ValueError(f"{n} is defined in both {BUNDLED[defined[n]]} and {BUNDLED[name]}")
                 defined[n] = name
     modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(texts[name], argv)}" for name in BUNDLED if name != "train")
-    source = module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
-    check_submission(source)
-    return source
+    return module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
 
 
 def module_text(text, argv, inline=None):
