@@ -426,12 +426,50 @@ def _linear(tokens, fan_in, fan_out):
             "backward": _gemm(tokens, fan_out, fan_in) + _gemm(fan_out, tokens, fan_in)}
 
 
-def _op_seconds(op):
-    """An op's time: its busiest engine, over (count, instruction) pairs."""
+def _engine_seconds(op):
+    """{engine: busy seconds} of an op, over (count, instruction) pairs."""
     engines = dict.fromkeys(ENGINE_LETTERS, 0.0)
     for count, instruction in op:
         engines[instruction.engine] += count * nki_emulator.instruction_seconds(instruction, "trn2")
-    return max(engines.values())
+    return engines
+
+
+def _op_seconds(op):
+    """An op's time: its busiest engine."""
+    return max(_engine_seconds(op).values())
+
+
+def compiled_ops(name, c, sequences, norm_elements=None):
+    """{"forward": ops, "backward": ops} of kernel op `name` ("attention", "mlp", "rms_norm") compiled as plain
+    ops instead (STEP_ASSUMPTIONS), for one layer and `sequences` sequences; each op a list of (count,
+    instruction). RMSNorm is priced over `norm_elements` values (default: the sequences' residual stream)."""
+    T, C, H, D = c.sequence_len, c.n_embd, c.n_head, c.head_dim
+    N, hidden, n_up = sequences * T, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    if name == "attention":  # full T x T scores: q k^T and p v forward; dP (a qk), dV, dQ, dK (pv's) backward
+        scores = sequences * H * T * T
+        qk, pv = _gemm(T, D, T, sequences * H), _gemm(T, T, D, sequences * H)
+        return {"forward": [qk, pv, _passes(scores, one_input=3, two_input=1, scalar=1)],  # mask, max, exp, normalise, cast
+                "backward": [qk, pv, pv, pv, _passes(scores, one_input=1, two_input=1)]}
+    if name == "mlp":  # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
+        up, down = _linear(N, C, hidden), _linear(N, hidden, C)
+        return {"forward": [up["forward"]] * n_up + [down["forward"], _passes(N * hidden, one_input=2, dtype="bfloat16")],
+                "backward": [up["backward"]] * n_up + [down["backward"],
+                                                        _passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16")]}
+    if name == "rms_norm":  # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
+        elements = N * C if norm_elements is None else norm_elements
+        return {"forward": [_passes(elements, one_input=3)], "backward": [_passes(elements, one_input=4, two_input=1)]}
+    raise ValueError(f"no compiled pricing for kernel op {name!r}")
+
+
+def compiled_estimate(ops):
+    """A sequence of ops run one after another: estimate_s (the sum of each op's busiest engine), the engines'
+    busy seconds summed over the ops, and the bottleneck (the busiest engine overall)."""
+    engines = dict.fromkeys(ENGINE_LETTERS, 0.0)
+    for op in ops:
+        for engine, seconds in _engine_seconds(op).items():
+            engines[engine] += seconds
+    return {"estimate_s": sum(_op_seconds(op) for op in ops), "engines": engines,
+            "bottleneck": max(engines, key=engines.get)}
 
 
 def kernel_step_costs(model_cfg):
@@ -456,8 +494,8 @@ def kernel_step_costs(model_cfg):
 
 def _layer_ops(c, sequences, kernel_costs):
     """{component: seconds} of one micro-step of `sequences` sequences through all blocks, forward + backward."""
-    T, C, H, D, L = c.sequence_len, c.n_embd, c.n_head, c.head_dim, c.n_layer
-    N, kv, hidden, n_up = sequences * T, c.n_kv_head * c.head_dim, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    T, C, L = c.sequence_len, c.n_embd, c.n_layer
+    N, kv = sequences * T, c.n_kv_head * c.head_dim
     seconds = {}
 
     def add(component, op, times=L):
@@ -471,27 +509,15 @@ def _layer_ops(c, sequences, kernel_costs):
         add("elementwise", _passes(2 * N * (C + kv), one_input=1, dtype="bfloat16"))
         add("elementwise", _passes(N * C, two_input=2))
     norm_elements = L * (3 * N * C + N * kv) + 2 * N * C  # x twice per block, q, k; the embedding and the final norm
-    if kernel_costs["rms_norm"] is not None:
-        seconds["kernels: rms_norm"] = kernel_costs["rms_norm"] * norm_elements / (T * C)
-    else:
-        # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
-        add("rms_norm (compiled)", _passes(norm_elements, one_input=3) + _passes(norm_elements, one_input=4, two_input=1), 1)
-    if kernel_costs["attention"] is not None:
-        seconds["kernels: attention"] = L * sequences * kernel_costs["attention"]
-    else:  # full T x T scores: q k^T and p v forward; dV, dP, dQ, dK backward
-        scores = sequences * H * T * T
-        qk, pv = _gemm(T, D, T, sequences * H), _gemm(T, T, D, sequences * H)  # dP is a qk, dV, dQ, dK are pv's
-        for op in [qk, pv, qk, pv, pv, pv, _passes(scores, one_input=3, two_input=1, scalar=1),
-                   _passes(scores, one_input=1, two_input=1)]:
-            add("attention (compiled)", op)
-    if kernel_costs["mlp"] is not None:
-        seconds["kernels: mlp"] = L * sequences * kernel_costs["mlp"]
-    else:
-        for op in [*_linear(N, C, hidden).values()] * n_up + [*_linear(N, hidden, C).values()]:
-            add("mlp (compiled)", op)
-        # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
-        add("mlp (compiled)", _passes(N * hidden, one_input=2, dtype="bfloat16")
-            + _passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16"))
+    for name in ("rms_norm", "attention", "mlp"):
+        if kernel_costs[name] is None:
+            ops = compiled_ops(name, c, sequences, norm_elements)
+            for op in ops["forward"] + ops["backward"]:
+                add(f"{name} (compiled)", op, 1 if name == "rms_norm" else L)
+        elif name == "rms_norm":
+            seconds["kernels: rms_norm"] = kernel_costs["rms_norm"] * norm_elements / (T * C)
+        else:
+            seconds[f"kernels: {name}"] = L * sequences * kernel_costs[name]
     return seconds
 
 
@@ -1016,7 +1042,10 @@ def main(argv):
     parser.add_argument("--bench_warmup", type=int, default=3, help="untimed steps first (compilation)")
     parser.add_argument("--check", action="store_true", help="first-hour check: kernels, compiled Block, training "
                         "and causality, NKI against PyTorch; exit code 1 if anything fails")
-    parser.add_argument("--kernels", action="store_true", help="time each kernel against its PyTorch fallback")
+    parser.add_argument("--kernels", nargs="?", const=True, default=False, help="alone: each kernel against its "
+                        "compiled PyTorch fallback at the run's shapes, and the --kernels=... choice that implies; "
+                        "with a value (--kernels=auto, torch, nki or per op, attention:nki,mlp:torch): the model's "
+                        "kernels setting, as train.py takes it")
     parser.add_argument("--sweep", action="store_true", help="measure MFU over a grid of shape choices (off "
                         "Trainium also ranked by estimated Trn2 tokens/s)")
     parser.add_argument("--step_estimate", action="store_true", help="estimate one training step on Trn2 from the "
@@ -1034,6 +1063,8 @@ def main(argv):
     parser.add_argument("--ablation_seeds", type=int, default=3)
     parser.add_argument("--ablation_steps", type=int, default=80)
     args, rest = parser.parse_known_args(argv)
+    if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
+        rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
