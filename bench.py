@@ -293,7 +293,21 @@ def emulate(call, inputs, backward):
     return counts
 
 
+def _compiled_fallback(model_cfg, name, batch_size, backward):
+    """The compiled plain ops of one call of kernel op `name` at these shapes, priced as the step estimate prices
+    them (compiled_ops): estimate_s, serial_s, engines, bottleneck."""
+    ops = compiled_ops(name, model_cfg, batch_size)
+    estimate = compiled_estimate(ops["forward"] + (ops["backward"] if backward else []))
+    return {**estimate, "serial_s": sum(estimate["engines"].values())}
+
+
 def measure_kernels(cfg, model_cfg, device_type, device):
+    """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
+    the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
+    PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
+    (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
+    compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
+    fallback's where the kernel cannot run. `choice` is the faster of the two, "nki" or "torch"."""
     dtype = plumbing.compute_dtype(cfg)
     peak = plumbing.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
@@ -301,28 +315,45 @@ def measure_kernels(cfg, model_cfg, device_type, device):
     for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
-            row = {"kernel": name, "direction": direction, "flops": flops}
+            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops}
             inputs = make_inputs()
-            seconds = time_call(lambda *a: call(*a, "torch"), inputs, backward, device_type)
+            torch_call = lambda *a: call(*a, "torch")  # noqa: E731
+            if on_trainium:  # the fallback as training runs it: one compiled graph
+                torch_call = torch.compile(torch_call, backend="neuron", fullgraph=True)
+            seconds = time_call(torch_call, inputs, backward, device_type)
             row.update(torch_s=seconds, torch_flops_per_s=flops / seconds, torch_fraction_of_peak=flops / seconds / peak)
             if not flops:  # RMSNorm does no matmul work: its figure of merit is bandwidth
                 x = inputs[0]
                 row["torch_bytes_per_s"] = (5 if backward else 2) * x.numel() * x.element_size() / seconds
             if on_trainium:
-                seconds = time_call(lambda *a: call(*a, "nki"), make_inputs(), backward, device_type)
-                row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak)
+                try:
+                    nki_call = torch.compile(lambda *a: call(*a, "nki"), backend="neuron", fullgraph=True)
+                    seconds = time_call(nki_call, make_inputs(), backward, device_type)
+                except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
+                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch")
+                else:
+                    row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak,
+                               choice="nki" if seconds < row["torch_s"] else "torch")
             else:
                 # estimated for Trn2 as training runs there: bf16 inputs, whatever this CPU computes in
+                row["compiled"] = _compiled_fallback(model_cfg, row["op"], cfg.batch_size, backward)
                 cpu_inputs = [t.detach().cpu().to(torch.bfloat16).requires_grad_() if t is not None else None
                               for t in make_inputs()]
                 try:
                     counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
                 except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
-                    row["nki_unavailable"] = str(e).splitlines()[0]
+                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch",
+                               **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
                 else:
                     row.update(kernel_estimate(counts))
+                    row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
             rows.append(row)
     return rows
+
+
+def kernels_choice(rows):
+    """The --kernels=... value the rows imply: per op, the faster path forward + backward, as training runs."""
+    return ",".join(f"{r['op']}:{r['choice']}" for r in rows if r["direction"] == "fwd+bwd")
 
 
 ENGINE_LETTERS = {"tensor": "T", "vector": "V", "scalar": "S", "gpsimd": "G", "dma": "D"}
@@ -330,28 +361,34 @@ ENGINE_LETTERS = {"tensor": "T", "vector": "V", "scalar": "S", "gpsimd": "G", "d
 
 def print_kernels(rows, on_trainium):
     if not on_trainium:
-        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py): "
-              "us busy per engine (T TensorE, V VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap "
-              "bound (busiest engine) and the serial bound (sum)")
+        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py), and "
+              "the compiled PyTorch fallback priced as plain ops (compiled_ops): us busy per engine (T TensorE, V "
+              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (busiest engine) and the "
+              "serial bound (sum); 'torch ms' is this machine's PyTorch path")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
-          + ("NKI ms  TFLOP/s  of peak" if on_trainium else
+          + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
              f"{'est us':>7} {'serial':>7}  {'bound':<7}" + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
-             + "  TensorE use"))
+             + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
         if r["flops"]:
             rate = f"{r['torch_flops_per_s'] / 1e12:>8.3f} {100 * r['torch_fraction_of_peak']:>7.1f}%"
         else:  # x read and y written forward; x, dy read and dx written again backward
             rate = f"{r['torch_bytes_per_s'] / 1e9:>5.1f} GB/s        "
         line = f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {rate}   "
-        if on_trainium:
-            line += f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
-        elif "nki_unavailable" in r:
+        if "nki_unavailable" in r:
             line += f"n/a: {r['nki_unavailable']}"
+        elif on_trainium:
+            line += (f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
+                     f"  {r['choice']}")
         else:
             line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
                      + "".join(f"{1e6 * r['engines'][e]:>8.1f}" for e in ENGINE_LETTERS)
-                     + f"  {100 * r['tensore_utilisation']:.0f}%")
+                     + f"  {100 * r['tensore_utilisation']:>10.0f}%")
+        if not on_trainium:
+            line += f"   {1e6 * r['compiled']['estimate_s']:>11.1f}  {r['compiled']['bottleneck']:<7} {r['choice']}"
         print(line)
+    how = "measured here" if on_trainium else "by the cost model's estimates, not measured"
+    print(f"\nfaster at these shapes ({how}): --kernels={kernels_choice(rows)}")
 
 
 # -----------------------------------------------------------------------------
@@ -472,16 +509,18 @@ def compiled_estimate(ops):
             "bottleneck": max(engines, key=engines.get)}
 
 
-def kernel_step_costs(model_cfg):
+def kernel_step_costs(model_cfg, tokens_per_call):
     """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s), or None where
-    the kernel does not run (kernels=torch, or shapes it refuses): the kernel part of step_estimate."""
+    the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
+    cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
         raise ValueError("the Trn2 estimates run the kernels under the NKI emulator, which stands in for nki only "
                          "where the Neuron SDK is not installed; run them on a machine without it")
-    costs = {}
+    modes, costs = kernels.parse_kernels(model_cfg.kernels), {}
     for name, _, _, make_inputs, call in kernel_cases(model_cfg, 1, "cpu", torch.bfloat16):
         name = name.split()[0]
-        if model_cfg.kernels == "torch":
+        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd, True) is not None
+        if modes[name] == "torch" or (modes[name] == "auto" and declined):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
@@ -525,7 +564,7 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     """One optimizer step of train.py on `ranks` LNC=1 Trn2 NeuronCores, estimated (STEP_ASSUMPTIONS):
     {component: seconds per step}, step_s, tokens_per_s (the job's), params."""
     c = model_cfg
-    kernel_costs = kernel_step_costs(c) if kernel_costs is None else kernel_costs
+    kernel_costs = kernel_step_costs(c, cfg.batch_size * c.sequence_len) if kernel_costs is None else kernel_costs
     with torch.device("meta"):  # shapes only
         model = GPT(dataclasses.replace(c))
     shapes = [tuple(p.shape) for p in model.parameters()]

@@ -52,7 +52,9 @@ class GPTConfig:
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)")
     rope_base: float = opt(10000.0, "RoPE base frequency")
     logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables")
-    kernels: str = opt("auto", "auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)")
+    kernels: str = opt("auto", "auto (NKI on Trainium where the shapes fit and the cost model expects it faster) | nki "
+                       "(NKI or an error) | torch (never NKI) | prefer (NKI wherever it fits); or per op, e.g. "
+                       "attention:nki,mlp:torch (ops: " + ", ".join(kernels.KERNEL_OPS) + ")")
     # initialisation
     wte_init_std: float = opt(1.0, "std of the token embedding's normal init")
     matrix_init_scale: float = opt(1.0, "multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices")
@@ -112,12 +114,15 @@ class GPTConfig:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         if self.mlp not in kernels.MLP_ACTIVATIONS:
             problems.append(f"mlp={self.mlp!r} is not one of {kernels.MLP_ACTIVATIONS}")
-        if self.kernels not in kernels.KERNEL_MODES:
-            problems.append(f"kernels={self.kernels!r} is not one of {kernels.KERNEL_MODES}")
-        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
+        try:
+            attention_mode = kernels.parse_kernels(self.kernels)["attention"]
+        except ValueError as e:
+            problems.append(str(e))
+            attention_mode = None
+        if attention_mode == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
             problems.append(f"kernels='nki' needs head_dim <= 128 (NKI attention keeps it on the 128 partitions), "
                             f"got {self.head_dim}; raise n_head or use kernels='auto'")
-        if self.kernels == "nki" and self.sequence_len % 128:
+        if attention_mode == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")
         if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
