@@ -21,7 +21,7 @@ and reports the median and spread of --bench_windows timed windows.
 MFU = model FLOPs per token x tokens/s / peak FLOP/s of the ranks used. Model FLOPs per token is
 GPT.flops_per_token(): 6 x matmul parameters + 12 x n_layer x n_head x head_dim x sequence_len (PaLM
 appendix B; attention at full, non-causal length). Peaks: dense bf16 datasheet numbers per rank
-(plumbing.PEAK_FLOPS; a Trn2 rank at NEURON_LOGICAL_NC_CONFIG=2 is two physical cores), a measured matmul
+(runtime.PEAK_FLOPS; a Trn2 rank at NEURON_LOGICAL_NC_CONFIG=2 is two physical cores), a measured matmul
 on CPU, or --peak_tflops.
 
 Estimates for Trn2 without a Trn2 (--kernels, --step_estimate, --sweep off Trainium): the NKI kernels run
@@ -65,7 +65,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate"} & set(sys.argv[1:]):
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
-from kit import contest, optim, plumbing  # noqa: E402
+from kit import contest, memory, optim, runtime  # noqa: E402
 from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -97,14 +97,14 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
     model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
-    optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
-    autocast = plumbing.autocast_context(cfg, device_type)
+    optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
+    autocast = runtime.autocast_context(cfg, device_type)
 
     def step():
         train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
 
     t0 = time.perf_counter()
-    seconds = timed_windows(step, steps, windows, warmup, lambda: plumbing.synchronize(device_type))
+    seconds = timed_windows(step, steps, windows, warmup, lambda: runtime.synchronize(device_type))
     tokens = steps * cfg.batch_size * model_cfg.sequence_len
     rates = [tokens / s for s in seconds]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -115,7 +115,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     else:
         gathered = [per_rank]
     flops_per_token = raw_model.flops_per_token()
-    peak = plumbing.peak_flops(device_type, plumbing.compute_dtype(cfg), cfg.peak_tflops)
+    peak = runtime.peak_flops(device_type, runtime.compute_dtype(cfg), cfg.peak_tflops)
     job_tokens_per_s = sum(gathered)
     return {
         "device": device_type,
@@ -182,7 +182,7 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
     config = nanogpt.GPTConfig(block_size=model_cfg.sequence_len, vocab_size=model_cfg.padded_vocab_size,
                                n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
                                dropout=0.0, bias=False)
-    autocast = plumbing.autocast_context(cfg, device_type)
+    autocast = runtime.autocast_context(cfg, device_type)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     x, y = (torch.randint(0, model_cfg.vocab_size, shape, device=device) for _ in range(2))
 
@@ -204,9 +204,9 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
     model = train.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
-    optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg))
+    optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
     runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
-    sync = functools.partial(plumbing.synchronize, device_type)
+    sync = functools.partial(runtime.synchronize, device_type)
     seconds = {name: [] for name in runs}
     for run in runs.values():
         timed_windows(run, 0, 0, warmup, sync)
@@ -280,7 +280,7 @@ def time_call(call, inputs, backward, device_type, steps=5, windows=3):
         if backward:
             out.float().square().mean().backward()
 
-    return statistics.median(timed_windows(run, steps, windows, 2, lambda: plumbing.synchronize(device_type))) / steps
+    return statistics.median(timed_windows(run, steps, windows, 2, lambda: runtime.synchronize(device_type))) / steps
 
 
 def emulate(call, inputs, backward):
@@ -308,8 +308,8 @@ def measure_kernels(cfg, model_cfg, device_type, device):
     (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
     fallback's where the kernel cannot run. `choice` is the faster of the two, "nki" or "torch"."""
-    dtype = plumbing.compute_dtype(cfg)
-    peak = plumbing.peak_flops(device_type, dtype, cfg.peak_tflops)
+    dtype = runtime.compute_dtype(cfg)
+    peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
     for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
@@ -583,7 +583,7 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     seconds["embedding lookup"] = micro_steps * 2 * _op_seconds(_passes(N * c.n_embd, one_input=1))
     muon = {id(p) for p in optim.split_parameters(model)[2]} if cfg.matrix_optimizer == "muon" else set()
     # each rank's pieces (optim.shard_layout): the shapes of its Muon matrices, and its AdamW elements
-    sharded = plumbing.shards_optimizer(cfg, ranks)
+    sharded = memory.shards_optimizer(cfg, ranks)
     layout = optim.shard_layout(shapes, optim.whole_tensors(model, cfg), ranks if sharded else 1)
     shares = [([], 0) for _ in range(ranks if sharded else 1)]
     for p, pieces in zip(model.parameters(), layout):
@@ -715,7 +715,7 @@ def run_sweep(cfg, model_cfg, args, device_type, device, ranks=1):
 
 def sweep_title(cfg, model_cfg, device_type):
     """What a plot read on its own needs: the device, the dtype and the shape every point varies from."""
-    name = torch.cuda.get_device_name() if device_type == "cuda" else plumbing.trainium_generation() if device_type == "neuron" else "CPU"
+    name = torch.cuda.get_device_name() if device_type == "cuda" else runtime.trainium_generation() if device_type == "neuron" else "CPU"
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {model_cfg.n_layer} layers, n_embd "
             f"{model_cfg.n_embd}, {model_cfg.n_head}/{model_cfg.n_kv_head} heads, seq {model_cfg.sequence_len}, batch {cfg.batch_size}")
@@ -924,11 +924,11 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
         cos, sin = (t.to(where, dtype) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
         x = torch.randn(2, config.sequence_len, config.n_embd, generator=torch.Generator().manual_seed(1)).to(where, dtype)
         run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
-        with plumbing.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
+        with runtime.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
             out = run(x, cos, sin)
         out.float().square().mean().backward()
         results.append([out] + [p.grad for p in block.parameters()])
-    dtype = plumbing.compute_dtype(cfg)
+    dtype = runtime.compute_dtype(cfg)
     for i, (got, want, exact) in enumerate(zip(*results)):
         _close("output" if i == 0 else f"gradient of parameter {i - 1}", got, want,
                _tolerance(_error(want.cpu(), exact), dtype))
@@ -960,8 +960,8 @@ def _training_losses(cfg, model_cfg, mode, device_type, device, exact=False):
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
         optimizers = optim.make_optimizers(raw_model, cfg, device_type,
-                                           torch.float64 if exact else plumbing.compute_dtype(cfg))
-        autocast = plumbing.autocast_context(cfg, device_type)
+                                           torch.float64 if exact else runtime.compute_dtype(cfg))
+        autocast = runtime.autocast_context(cfg, device_type)
         losses = []
         for _ in range(CHECK_STEPS):
             loss, _ = train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
@@ -977,7 +977,7 @@ def _check_training(cfg, model_cfg, device_type, device):
     # varies from step to step (a per-step bound failed a sound fp32 run at 5.9x): every step is held to the
     # largest difference PyTorch itself shows against float64 over the run
     tolerance = _tolerance(((torch_losses - exact_losses).abs() / exact_losses.abs()).max().item(),
-                           plumbing.compute_dtype(cfg))
+                           runtime.compute_dtype(cfg))
     for step in range(CHECK_STEPS):
         _close(f"loss of step {step + 1} (NKI {nki_losses[step]:.4f}, PyTorch {torch_losses[step]:.4f})",
                nki_losses[step], torch_losses[step], tolerance)
@@ -995,14 +995,14 @@ def _check_causality(cfg, model_cfg, device_type, device):
     for block in model.blocks:  # nonzero output projections, so that attention reaches the logits
         for linear in (block.attn.c_proj, block.mlp.c_proj):
             torch.nn.init.normal_(linear.weight, std=0.02)
-    with plumbing.autocast_context(cfg, device_type):
+    with runtime.autocast_context(cfg, device_type):
         contest.check_causality(model, CHECK_MODEL["vocab_size"], CHECK_MODEL["sequence_len"], device)
 
 
 def run_checks(cfg, model_cfg, device_type, device):
     """Every check, each caught on its own so that one failure does not hide the others; returns rows of
     (check, passed, seconds, first line of the error), and prints each failure's traceback."""
-    dtype = plumbing.compute_dtype(cfg)
+    dtype = runtime.compute_dtype(cfg)
     checks = []
     for name, inputs, call in _kernel_checks(dtype, device):
         for grad in (False, True):
@@ -1044,27 +1044,27 @@ def print_checks(rows, device_type):
 # the memory plan (--memory)
 
 def print_memory(cfg, model_cfg, world_size):
-    """plumbing.memory_plan's table for one rank, against the memory of a Trn2 rank at LNC=1 and 2 and of this
+    """memory.memory_plan's table for one rank, against the memory of a Trn2 rank at LNC=1 and 2 and of this
     machine's device; exits 1 (SystemExit) if it fits none. dtype auto plans bf16, the Trainium choice."""
     cfg.dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-    plan = plumbing.memory_plan(cfg, model_cfg, world_size)
+    plan = memory.memory_plan(cfg, model_cfg, world_size)
     total = sum(plan.values())
     with torch.device("meta"):
         n_params = GPT(model_cfg).num_params()
-    how = ("optimizer sharded: each rank keeps the state of its share" if plumbing.shards_optimizer(cfg, world_size)
+    how = ("optimizer sharded: each rank keeps the state of its share" if memory.shards_optimizer(cfg, world_size)
            else "optimizer not sharded: every rank keeps all of its state")
     print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; {how}")
     for part, size in plan.items():
-        print(f"  {part:<40} {size / plumbing.GiB:8.2f} GiB")
-    print(f"  {'total':<40} {total / plumbing.GiB:8.2f} GiB")
-    here = plumbing.detect_device()
-    devices = {"Trn2 rank, LNC=2": 24 * plumbing.GiB, "Trn2 rank, LNC=1": 12 * plumbing.GiB,
-               f"this machine's {here}": cfg.device_memory_gb * plumbing.GiB or plumbing.device_memory(here)}
+        print(f"  {part:<40} {size / memory.GiB:8.2f} GiB")
+    print(f"  {'total':<40} {total / memory.GiB:8.2f} GiB")
+    here = runtime.detect_device()
+    devices = {"Trn2 rank, LNC=2": 24 * memory.GiB, "Trn2 rank, LNC=1": 12 * memory.GiB,
+               f"this machine's {here}": cfg.device_memory_gb * memory.GiB or memory.device_memory(here)}
     fits = {}
-    for name, memory in devices.items():
-        fits[name] = memory is not None and total <= plumbing.FIT_FRACTION * memory
-        room = f"{memory / plumbing.GiB:.1f} GiB, {'fits' if fits[name] else 'does NOT fit'}" if memory else "unknown"
-        print(f"  {name:<40} {room} (the plan may use {plumbing.FIT_FRACTION:.0%})")
+    for name, capacity in devices.items():
+        fits[name] = capacity is not None and total <= memory.FIT_FRACTION * capacity
+        room = f"{capacity / memory.GiB:.1f} GiB, {'fits' if fits[name] else 'does NOT fit'}" if capacity else "unknown"
+        print(f"  {name:<40} {room} (the plan may use {memory.FIT_FRACTION:.0%})")
     if not any(fits.values()):
         sys.exit("error: the plan fits no device listed; use a smaller --batch_size, more ranks with "
                  "--shard_optimizer=true, or a smaller model")
@@ -1107,13 +1107,13 @@ def main(argv):
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
-    plumbing.validate_config(cfg, model_cfg)
+    runtime.validate_config(cfg, model_cfg)
     if args.memory:
         return print_memory(cfg, model_cfg, args.world_size)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
     model_cfg.validate()
-    rank, world_size, device, device_type, control = plumbing.start_ranks(plumbing.device_type(cfg.device))
-    dtype_reason = plumbing.choose_dtype(cfg, device_type, control)
+    rank, world_size, device, device_type, control = runtime.start_ranks(runtime.device_type(cfg.device))
+    dtype_reason = runtime.choose_dtype(cfg, device_type, control)
     if rank == 0:
         print(f"computing in {cfg.dtype} because {dtype_reason}")
     ranks = args.ranks or world_size

@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 import data
 import train
-from kit import contest, plumbing
+from kit import checkpoint, contest, runtime
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's EVAL_BUNDLE_URL
 # nanochat publishes no checksum; this sha256 is the one several independent public projects recorded for
@@ -341,12 +341,12 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
     try:  # memory-mapped: reading the config costs no second copy of the weights
-        train_config = plumbing.load_checkpoint(path, keys=("train_config",), mmap=True)["train_config"]
-    except plumbing.CheckpointError as e:
+        train_config = checkpoint.load_checkpoint(path, keys=("train_config",), mmap=True)["train_config"]
+    except checkpoint.CheckpointError as e:
         raise ValueError(f"{path} is not a checkpoint written by train.py ({e}); pass the final.pt or ckpt_*.pt "
                          "of a training run") from None
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
-    model = plumbing.load_for_eval(path, device)
+    model = checkpoint.load_for_eval(path, device)
     if model.config.vocab_size != enc.n_vocab:
         raise ValueError(f"{path} has a {model.config.vocab_size}-token vocabulary but its tokenizer "
                          f"{train_config['tokenizer']} has {enc.n_vocab}; pass the --data_dir it was trained with")
@@ -354,7 +354,7 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
 
 
 def run_core(args):
-    rank, world_size, device, device_type, _ = plumbing.start_ranks(plumbing.device_type(args.device))
+    rank, world_size, device, device_type, _ = runtime.start_ranks(runtime.device_type(args.device))
     dtype = args.dtype if args.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
     model, enc = load_checkpoint_and_tokenizer(args.checkpoint, device, args.data_dir)
     if rank == 0:
@@ -368,7 +368,7 @@ def run_core(args):
         print(f"CORE: {len(tasks)} tasks, {sum(len(t['examples']) for t in tasks):,} examples; {args.checkpoint} "
               f"({model.num_params():,} parameters, context {model.config.sequence_len}, prompts "
               f"{'cut to it' if max_len else 'whole'}) on {world_size} x {device_type}, {dtype}")
-        peak = world_size * plumbing.peak_flops(device_type, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        peak = world_size * runtime.peak_flops(device_type, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         tokens, estimate = core_estimate(model, enc, tasks, max_len, peak)
         print(f"CORE: ~{tokens:,} tokens, ~{estimate / 60:.1f} min at {100 * ASSUMED_MFU:.0f}% of {peak / 1e12:,.1f} "
               "TFLOP/s (estimate)")
@@ -397,17 +397,17 @@ def run_bpb(args):
     own evaluate_bpb, the scorer's function, on the public validation shard, called as the baseline-derived
     train.py files call it (FrontierForge recipes/K82s4/train.py), so the number is computed as the
     leaderboard's is; otherwise the kit's evaluation on the held-out split of the data it was trained on."""
-    device_type = plumbing.device_type(args.device)
+    device_type = runtime.device_type(args.device)
     device = "cuda" if device_type == "cuda" else device_type
     prepare = contest.find_prepare(train.TrainConfig(competition_dir=args.competition_dir))
-    model = plumbing.load_for_eval(args.checkpoint, device)
+    model = checkpoint.load_for_eval(args.checkpoint, device)
     if prepare is not None:
         tokenizer = prepare.ensure_tokenizer(build_if_missing=False)
         val_bpb = prepare.evaluate_bpb(model, tokenizer, args.batch_size, args.sequence_len, device, split="public_val",
                                        max_tokens=args.tokens)["val_bpb"]
         source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
     else:
-        saved = plumbing.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
+        saved = checkpoint.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size

@@ -17,7 +17,8 @@ steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluatio
 final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
 The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
 This file is the trainer; the model is model.py (kernels: kernels.py), the data data.py, and what a learner
-need not read is kit/: the contest (contest.py), plumbing.py and the optimizers (optim.py).
+need not read is kit/: the contest (contest.py), flags, devices and the log (runtime.py), the memory plan
+(memory.py), checkpoints and resume (checkpoint.py) and the optimizers (optim.py).
 """
 import functools
 import logging
@@ -28,7 +29,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
-from kit import contest, optim, plumbing  # contest first: the contest's clock counts from the process's start
+from kit import contest, checkpoint, memory, optim, runtime  # contest first: the contest's clock counts from the process's start
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -108,13 +109,13 @@ class TrainConfig:
 
 
 # the contest's scoring hook, which the scorer looks up in train.py
-load_for_eval = plumbing.load_for_eval
+load_for_eval = checkpoint.load_for_eval
 
 
 def parse_args(argv):
     """(TrainConfig, GPTConfig) from --field=value or --field value for any of their fields, after the fields
     of --preset=NAME (kit/contest.py's PRESETS) if given; --help lists every field."""
-    configs = plumbing.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
+    configs = runtime.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
     return configs["training"], configs["model"]
 
 
@@ -215,7 +216,7 @@ def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=Fals
     logged on them before compilation, as they cannot be from inside the compiled graph)."""
     model = raw_model
     if cfg.compile:
-        with plumbing.autocast_context(cfg, device_type):
+        with runtime.autocast_context(cfg, device_type):
             preview_fallbacks(raw_model, *example)
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
@@ -360,7 +361,7 @@ def check_batch(cfg, model_cfg, world_size, prepare):
 
 
 def log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason):
-    sharded = " (optimizer sharded)" if plumbing.shards_optimizer(cfg, ranks.world_size) else ""
+    sharded = " (optimizer sharded)" if memory.shards_optimizer(cfg, ranks.world_size) else ""
     log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
         f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
         f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
@@ -416,7 +417,7 @@ def train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, a
     """Steps from `step` until the step limit, the budget (keeping the final save's reserve) or a stop
     signal; returns (step, why it ended). Each step is synchronised with the device before the clock is
     read, as the contest's clock is. `run_side_work(step)`: the periodic evaluation and checkpoint."""
-    steps_this_run, step_times, charged, meter = 0, [], clock.charged(), plumbing.SpeedMeter(raw_model, cfg, ranks)
+    steps_this_run, step_times, charged, meter = 0, [], clock.charged(), runtime.SpeedMeter(raw_model, cfg, ranks)
     clock.steps_done(0)
     while not (cfg.max_steps and step >= cfg.max_steps):
         t0 = time.monotonic()
@@ -425,7 +426,7 @@ def train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, a
         apply_schedule(optimizers, scheduled, raw_model)
         micro_batches = [corpus.next_batch() for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
         loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, ranks.device, autocast, cfg.grad_clip, sharding)
-        plumbing.synchronize(ranks.device_type)
+        runtime.synchronize(ranks.device_type)
         step, steps_this_run = step + 1, steps_this_run + 1
         if ema and step % cfg.ema_every == 0:
             ema.update()
@@ -467,7 +468,7 @@ def final_save(cfg, step, raw_model, ema, ranks, clock):
     if ema:  # the final model is the blend of the live weights and their average
         ema.finish()
     if ranks.rank == 0:
-        plumbing.save_final(os.path.join(cfg.out_dir, "final.pt"), raw_model, raw_model.config, cfg, step, clock.charged())
+        checkpoint.save_final(os.path.join(cfg.out_dir, "final.pt"), raw_model, raw_model.config, cfg, step, clock.charged())
     if ranks.control is not None:
         dist.barrier()
     return clock.charged()
@@ -476,7 +477,7 @@ def final_save(cfg, step, raw_model, ema, ranks, clock):
 def sample(cfg, raw_model, corpus, device, autocast):
     """Prints cfg.sample_tokens of text from the trained model, from a document's start."""
     prompt = torch.tensor([[corpus.bos_id]], device=device)
-    sampler = plumbing.inference_model(raw_model.state_dict(), asdict(raw_model.config), device)
+    sampler = checkpoint.inference_model(raw_model.state_dict(), asdict(raw_model.config), device)
     with autocast:
         out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator().manual_seed(cfg.seed))
     print("-" * 40 + "\n" + corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)
@@ -487,53 +488,53 @@ def main(argv):
     Returns {"first_eval", "final_eval", "step"} (None after --export_submission, which trains nothing)."""
     cfg, model_cfg = parse_args(contest.SUBMISSION_ARGS + list(argv))
     logging.basicConfig(format="%(name)s: %(message)s")
-    with plumbing.StopSignal() as stop:
+    with runtime.StopSignal() as stop:
         try:
             # checks that need no data, model or device, cheapest first
-            plumbing.validate_config(cfg, model_cfg)
-            plumbing.configure_determinism(cfg)
+            runtime.validate_config(cfg, model_cfg)
+            runtime.configure_determinism(cfg)
             prepare, corpus = find_data(cfg, model_cfg)
-            device_type = plumbing.device_type(cfg.device)
+            device_type = runtime.device_type(cfg.device)
             if cfg.export_submission:
                 return contest.export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
-            plumbing.check_out_dir(cfg)  # after the other checks: with --start_over it moves files
+            checkpoint.check_out_dir(cfg)  # after the other checks: with --start_over it moves files
 
             # the ranks, the batch, the data
-            ranks = plumbing.start_ranks(device_type)
+            ranks = runtime.start_ranks(device_type)
             master, device = ranks.rank == 0, ranks.device
-            dtype_reason = plumbing.choose_dtype(cfg, device_type, ranks.control)
+            dtype_reason = runtime.choose_dtype(cfg, device_type, ranks.control)
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
             total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
-            state = plumbing.load_checkpoint(plumbing.resolve_resume(cfg, model_cfg)) if cfg.resume else None
-            plumbing.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
+            state = checkpoint.load_checkpoint(checkpoint.resolve_resume(cfg, model_cfg)) if cfg.resume else None
+            memory.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
             if master:
-                plumbing.make_out_dir(cfg, model_cfg)
+                checkpoint.make_out_dir(cfg, model_cfg)
                 contest.announce(cfg, prepare)
             corpus.load(cfg.batch_size, model_cfg.sequence_len, ranks.rank, ranks.world_size, device, master)
             if stop.received:
-                raise plumbing.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
+                raise runtime.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
 
             # the model, its optimizers, the step
             raw_model = GPT(model_cfg).to(device)
-            sharded = plumbing.shards_optimizer(cfg, ranks.world_size)
+            sharded = memory.shards_optimizer(cfg, ranks.world_size)
             sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
-            optimizers = optim.make_optimizers(raw_model, cfg, device_type, plumbing.compute_dtype(cfg),
+            optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg),
                                                share=sharding.share if sharded else None)
-            step, charged_before = plumbing.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
+            step, charged_before = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
             del state  # its tensors now live in the model and optimizers
             ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
             tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
             model = wrap_for_training(raw_model, cfg, device_type, device, (tokens, tokens), sharded)
-            autocast = plumbing.autocast_context(cfg, device_type)
-            log = plumbing.Logger(cfg.out_dir, master, append=bool(cfg.resume))
+            autocast = runtime.autocast_context(cfg, device_type)
+            log = runtime.Logger(cfg.out_dir, master, append=bool(cfg.resume))
             log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason)
             plan, plan_fields = epoch_plan(cfg, corpus.tokens_per_epoch(), total_tokens)
             log("data", plan, **plan_fields)
 
             # the loop, on the contest's clock
-            reserve_s = plumbing.measure_final_save(cfg, raw_model, ranks)
+            reserve_s = checkpoint.measure_final_save(cfg, raw_model, ranks)
             clock = contest.ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, charged_before)
             evaluating = corpus.val_batches is not None
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
@@ -543,7 +544,7 @@ def main(argv):
                 if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
                     evaluate_now(step)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    plumbing.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
+                    checkpoint.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
 
             ended_by = "signal"
             if not stop.received:
@@ -552,7 +553,7 @@ def main(argv):
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":
-                path = plumbing.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
+                path = checkpoint.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
                 log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
             charged = final_save(cfg, step, raw_model, ema, ranks, clock)
@@ -580,7 +581,7 @@ def summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except plumbing.Stopped as e:  # a requested stop, not a failure
+    except runtime.Stopped as e:  # a requested stop, not a failure
         print(e, file=sys.stderr)
     # the foreseeable failures (bad flags, files, devices, data, a full disk, a diverged run) carry their
     # fix in one line; anything else is a bug and keeps its traceback

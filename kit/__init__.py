@@ -1,3 +1,4 @@
-"""The parts of the kit a learner need not read to follow a training step: the contest's contract and the
-one-file exporter (contest.py), flags, devices, checkpoints and fault handling (plumbing.py), and the
-optimizers (optim.py). train.py imports them as `from kit import contest, optim, plumbing`."""
+"""The parts of the kit a learner need not read to follow a training step, one room per concern: the contest's
+contract and the one-file exporter (contest.py); flags, devices, ranks, dtypes, peaks, the log and stop signals
+(runtime.py); the memory plan (memory.py); checkpoints, resume and the output folder (checkpoint.py); and the
+optimizers (optim.py)."""

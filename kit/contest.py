@@ -248,7 +248,7 @@ KIT_ONLY = {
 # contest first, so its PROCESS_START is taken before the others import torch; a module's names are used at
 # its import only by the modules after it (model.py's kernels.KERNEL_MODES ...)
 BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "optim": "kit/optim.py",
-           "plumbing": "kit/plumbing.py", "train": "train.py"}
+           "runtime": "kit/runtime.py", "memory": "kit/memory.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 
 def defined_names(node):

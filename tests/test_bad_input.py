@@ -17,7 +17,7 @@ import torch
 import data
 import kernels
 import train
-from kit import plumbing
+from kit import checkpoint, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,13 +109,13 @@ def log_events(out_dir):
 def test_bad_values_are_refused_with_the_fix_before_any_work(argv, message):
     cfg, model_cfg = train.parse_args(argv)
     with pytest.raises(ValueError, match=re.escape(message)):
-        plumbing.validate_config(cfg, model_cfg)
+        runtime.validate_config(cfg, model_cfg)
 
 
 def test_wrong_types_from_code_are_refused():
     cfg, model_cfg = train.TrainConfig(batch_size="8", compile="yes"), train.GPTConfig(n_layer=2.5)
     with pytest.raises(ValueError, match="--batch_size='8' must be an integer; --compile='yes' must be true or false"):
-        plumbing.validate_config(cfg, model_cfg)
+        runtime.validate_config(cfg, model_cfg)
     with pytest.raises(ValueError, match="n_layer=2.5 must be an integer"):
         model_cfg.validate()
 
@@ -124,7 +124,7 @@ def test_both_flag_conventions_and_n_kv_head_following_n_head():
     cfg, model_cfg = train.parse_args(["--n_layer", "3", "--dtype=float32", "--seed", "7", "--n_head", "8", "--n_embd=256"])
     assert (model_cfg.n_layer, cfg.dtype, cfg.seed) == (3, "float32", 7)
     assert model_cfg.n_kv_head == 8  # the default 0 means "same as n_head"
-    plumbing.validate_config(cfg, model_cfg)
+    runtime.validate_config(cfg, model_cfg)
     assert train.parse_args(["--n_kv_head=2", "--n_head=8"])[1].n_kv_head == 2
     with pytest.raises(SystemExit, match="--max_steps needs a value"):
         train.parse_args(["--max_steps"])
@@ -134,7 +134,7 @@ def test_help_describes_every_field_in_aligned_columns(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
-    names = {f.name for cls in (train.TrainConfig, train.GPTConfig) for f in plumbing.dataclasses.fields(cls)}
+    names = {f.name for cls in (train.TrainConfig, train.GPTConfig) for f in runtime.dataclasses.fields(cls)}
     assert {row.split()[0].split("=")[0][2:] for row in rows} == names | {"preset"}
     starts = [re.match(r"  \S+\s+", row).end() for row in rows]  # where each description starts
     assert len(set(starts)) == 1 and all(len(row[start:]) > 10 for row, start in zip(rows, starts))
@@ -182,7 +182,7 @@ def test_resume_latest_takes_the_newest_checkpoint_of_this_run_config(tmp_path, 
     # every checkpoint is where it was; with the override, the seed-99 checkpoint is accepted
     assert {"ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"} <= set(os.listdir(tmp_path))
     os.remove(tmp_path / "ckpt_0000004.pt")
-    with pytest.raises(plumbing.CheckpointError, match="matrix_optimizer \\(checkpoint 'muon', now 'adamw'\\)"):
+    with pytest.raises(checkpoint.CheckpointError, match="matrix_optimizer \\(checkpoint 'muon', now 'adamw'\\)"):
         run(tmp_path, data_dir, "--max_steps=4", f"--resume={tmp_path / 'ckpt_0000003.pt'}", "--matrix_optimizer=adamw")
     run(tmp_path, data_dir, "--max_steps=4", "--resume=latest", "--seed=5", "--resume_any_config=true")
     assert "resuming from" in capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_resume_latest_takes_the_newest_checkpoint_of_this_run_config(tmp_path, 
 
 def test_resume_latest_with_only_other_runs_checkpoints_is_refused(tmp_path, data_dir):
     run(tmp_path, data_dir, "--max_steps=1", "--checkpoint_every=1")
-    with pytest.raises(plumbing.CheckpointError, match=r"no checkpoint .* fits this run.*--resume_any_config=true.*seed "
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .* fits this run.*--resume_any_config=true.*seed "
                                                     r"\(checkpoint 1337, now 3\)"):
         run(tmp_path, data_dir, "--max_steps=2", "--resume=latest", "--seed=3")
 
@@ -227,24 +227,24 @@ def bad_checkpoints(directory, good):
 
 def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkpoint):
     for kind, (path, message) in bad_checkpoints(tmp_path, good_checkpoint).items():
-        with pytest.raises(plumbing.CheckpointError, match=f"checkpoint {path} .*{message}"):
-            plumbing.load_checkpoint(path)
+        with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {path} .*{message}"):
+            checkpoint.load_checkpoint(path)
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
-        plumbing.load_checkpoint(tmp_path / "nowhere.pt")
-    with pytest.raises(plumbing.CheckpointError, match="final.pt .*weights only.*ckpt_"):
-        plumbing.load_checkpoint(good_checkpoint.parent / "final.pt")
-    assert plumbing.load_checkpoint(good_checkpoint)["step"] == 1
+        checkpoint.load_checkpoint(tmp_path / "nowhere.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="final.pt .*weights only.*ckpt_"):
+        checkpoint.load_checkpoint(good_checkpoint.parent / "final.pt")
+    assert checkpoint.load_checkpoint(good_checkpoint)["step"] == 1
 
 
 def test_an_unfinished_sharded_checkpoint_and_an_old_format_are_named(tmp_path, data_dir, good_checkpoint):
     unfinished = tmp_path / "ckpt_0000001.dcp"  # a folder whose ranks did not all finish: no .metadata
     unfinished.mkdir()
-    with pytest.raises(plumbing.CheckpointError, match=f"sharded checkpoint {unfinished} lacks its .metadata"):
-        plumbing.load_checkpoint(str(unfinished))
+    with pytest.raises(checkpoint.CheckpointError, match=f"sharded checkpoint {unfinished} lacks its .metadata"):
+        checkpoint.load_checkpoint(str(unfinished))
     old = torch.load(good_checkpoint, weights_only=True)
     old["optimizers"] = [{"state": {}, "param_groups": []}]  # by position, as the kit wrote it before
     torch.save(old, tmp_path / "old.pt")
-    with pytest.raises(plumbing.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
+    with pytest.raises(checkpoint.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
         run(tmp_path / "out", data_dir, "--max_steps=2", f"--resume={tmp_path / 'old.pt'}")
 
 
@@ -296,7 +296,7 @@ def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, 
             return Full()
         return f
 
-    monkeypatch.setattr(plumbing, "open", open_on_a_full_disk, raising=False)
+    monkeypatch.setattr(runtime, "open", open_on_a_full_disk, raising=False)
     with pytest.raises(OSError, match=f"cannot write {tmp_path}/log.jsonl: No space left on device; free space"):
         run(tmp_path, data_dir, "--max_steps=3", "--resume=latest")
     monkeypatch.undo()
@@ -378,7 +378,7 @@ def test_deterministic_turns_on_torch_and_inductor_determinism(monkeypatch):
 
     monkeypatch.setattr(inductor_config, "deterministic", False)
     try:
-        plumbing.configure_determinism(train.TrainConfig(deterministic=True))
+        runtime.configure_determinism(train.TrainConfig(deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and inductor_config.deterministic
     finally:
         torch.use_deterministic_algorithms(False)

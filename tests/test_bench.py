@@ -8,7 +8,7 @@ import torch
 import bench
 import kernels
 import train
-from kit import plumbing
+from kit import runtime
 
 
 def test_training_numbers_are_consistent_with_the_stated_formula(tmp_path):
@@ -29,12 +29,12 @@ def test_training_numbers_are_consistent_with_the_stated_formula(tmp_path):
 
 
 def test_peak_per_rank_follows_the_logical_core_config(monkeypatch):
-    monkeypatch.setattr(plumbing, "trainium_generation", lambda: "trn2")
+    monkeypatch.setattr(runtime, "trainium_generation", lambda: "trn2")
     for lnc, expected in (("1", 83.4e12), ("2", 166.8e12)):
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", lnc)
-        plumbing.peak_flops.cache_clear()
-        assert plumbing.peak_flops("neuron") == pytest.approx(expected)
-    plumbing.peak_flops.cache_clear()
+        runtime.peak_flops.cache_clear()
+        assert runtime.peak_flops("neuron") == pytest.approx(expected)
+    runtime.peak_flops.cache_clear()
 
 
 def test_sweep_on_a_tiny_grid_writes_table_json_and_plot(tmp_path):

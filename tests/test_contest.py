@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from kit import contest, plumbing
+from kit import checkpoint, contest
 from tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,7 +194,7 @@ def test_load_for_eval_gives_a_frozen_model_for_contexts_beyond_training(tmp_pat
     model = GPT(config)
     for block in model.blocks:
         torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
-    plumbing.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), step=3, train_time=1.0)
+    checkpoint.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), step=3, train_time=1.0)
     loaded = train.load_for_eval(str(tmp_path / "final.pt"), torch.device("cpu"))
     assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
     idx = torch.randint(0, 100, (1, 300))  # ~10x the training context
@@ -211,7 +211,7 @@ def test_a_model_with_non_finite_weights_is_never_saved_as_final(tmp_path):
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="lm_head.weight"):
-        plumbing.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
+        checkpoint.save_final(str(tmp_path / "final.pt"), model, config, train.TrainConfig(), 1, 1.0)
     assert not os.path.exists(tmp_path / "final.pt")
 
 

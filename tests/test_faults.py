@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from kit import plumbing
+from kit import checkpoint, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,13 +25,13 @@ def data_dir(tmp_path_factory):
 
 SAVE_FOREVER = """
 import sys, torch, train
-from kit import plumbing
+from kit import checkpoint
 from model import GPT, GPTConfig
 model = GPT(GPTConfig(n_layer=4, n_embd=256, sequence_len=64))
 cfg, model_cfg = train.parse_args([])
 step = 0
 while True:
-    plumbing.save_checkpoint(sys.argv[1], model, [], step, 0.0, {"epoch": 0, "position": 0}, cfg, model_cfg)
+    checkpoint.save_checkpoint(sys.argv[1], model, [], step, 0.0, {"epoch": 0, "position": 0}, cfg, model_cfg)
     step += 1
     if step == 1:
         print("saved", flush=True)
@@ -46,7 +46,7 @@ def test_a_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         time.sleep(delay)
         proc.kill()  # SIGKILL: no handler, no cleanup, possibly mid-write
         proc.wait()
-        state = plumbing.load_checkpoint(path)
+        state = checkpoint.load_checkpoint(path)
         assert state["step"] >= 0 and state["model"]["wte.weight"].shape == (384, 256)
 
 
@@ -62,8 +62,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path, data_dir):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "stopped by a signal" in output
-    [checkpoint] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
-    stopped_at = plumbing.load_checkpoint(out / checkpoint)["step"]
+    [written] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
+    stopped_at = checkpoint.load_checkpoint(out / written)["step"]
     assert stopped_at >= 1
     train.main(TINY + [f"--max_steps={stopped_at + 2}", "--resume=latest", f"--out_dir={out}", f"--data_dir={data_dir}"])
     steps = [e["step"] for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "train"]
@@ -85,13 +85,13 @@ def test_nan_at_a_known_step_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
     with pytest.raises(FloatingPointError, match=r"step 4: loss nan.*lower --matrix_lr"):
         train.main(args)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == [f"ckpt_000000{i}.pt" for i in (1, 2, 3)]
-    last_good = plumbing.load_checkpoint(tmp_path / "ckpt_0000003.pt")
+    last_good = checkpoint.load_checkpoint(tmp_path / "ckpt_0000003.pt")
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path, data_dir, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(plumbing.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(OSError, match="GiB free but checkpoints need"):
         train.main(TINY + ["--max_steps=2", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
     assert not os.path.exists(tmp_path / "log.jsonl")
@@ -103,8 +103,8 @@ def test_checkpoints_load_tensors_only(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"model": {}, "evil": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(plumbing.CheckpointError, match="holds objects other than tensors"):
-        plumbing.load_checkpoint(tmp_path / "evil.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="holds objects other than tensors"):
+        checkpoint.load_checkpoint(tmp_path / "evil.pt")
 
 
 @pytest.mark.parametrize("phase", ["preparing data", "first evaluation", "final evaluation"])
@@ -129,7 +129,7 @@ def test_a_signal_in_any_phase_leaves_a_final_pt_or_a_resumable_checkpoint(tmp_p
     monkeypatch.setattr(train.KitCorpus, "load", load)
     args = TINY + ["--max_steps=3", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
     if phase == "preparing data":
-        with pytest.raises(plumbing.Stopped, match="nothing was trained"):
+        with pytest.raises(runtime.Stopped, match="nothing was trained"):
             train.main(args)
         assert not [f for f in os.listdir(tmp_path) if f.endswith(".pt")]
         return

@@ -1,11 +1,11 @@
-"""The memory plan (kit/plumbing.py memory_plan) against the tensors a real step holds, and train.py's refusal."""
+"""The memory plan (kit/memory.py memory_plan) against the tensors a real step holds, and train.py's refusal."""
 
 import pytest
 import torch
 
 import kernels
 import train
-from kit import optim, plumbing
+from kit import memory, optim, runtime
 from model import GPT, GPTConfig
 
 # each MLP, MHA and GQA, and the chunked loss over 3 targets
@@ -36,7 +36,7 @@ def test_planned_activations_equal_the_bytes_autograd_saves(monkeypatch, shape, 
     monkeypatch.setattr(kernels, "CPU_BLOCK_ATTENTION_MAX_LEN", 0)
     c = GPTConfig(vocab_size=300, n_layer=2, n_embd=128, n_head=4, sequence_len=24, kernels="torch", **shape)
     idx = torch.randint(0, c.vocab_size, (3, c.sequence_len), generator=torch.Generator().manual_seed(0))
-    assert saved_bytes(GPT(c), idx, dtype == "bfloat16") == plumbing.activation_bytes(c, 3, dtype)
+    assert saved_bytes(GPT(c), idx, dtype == "bfloat16") == memory.activation_bytes(c, 3, dtype)
 
 
 @pytest.mark.parametrize("matrix_optimizer", ["muon", "adamw"])
@@ -54,23 +54,23 @@ def test_planned_weights_gradients_and_state_equal_the_tensors_after_a_step(matr
     for o in optimizers:
         o.step()
     state = sum(t.nbytes for o in optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t))
-    plan = plumbing.memory_plan(cfg, c, world_size=1)
+    plan = memory.memory_plan(cfg, c, world_size=1)
     assert plan["parameters"] == sum(p.nbytes for p in model.parameters())
     assert plan["gradients"] == grads
     assert plan["optimizer state"] == state
     assert plan["EMA weights"] == sum(t.nbytes for t in ema.average)
     assert "DDP gradient buckets" not in plan
     cfg.shard_optimizer = "false"
-    assert "DDP gradient buckets" in plumbing.memory_plan(cfg, c, world_size=2)
+    assert "DDP gradient buckets" in memory.memory_plan(cfg, c, world_size=2)
 
 
 def test_a_config_four_times_too_large_is_refused_before_the_model_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "GPT", None)  # building the model would fail differently
     # as rank 0 of 64 (the plan is made before any collective)
-    monkeypatch.setattr(plumbing, "start_ranks", lambda device_type: plumbing.Ranks(0, 64, "cpu", "cpu", None))
+    monkeypatch.setattr(runtime, "start_ranks", lambda device_type: runtime.Ranks(0, 64, "cpu", "cpu", None))
     fits = ["--preset=phase2", "--device=cpu", "--dtype=bfloat16", "--device_memory_gb=24", f"--out_dir={tmp_path}"]
     cfg, c = train.parse_args(fits)
-    assert sum(plumbing.memory_plan(cfg, c, 64).values()) <= plumbing.FIT_FRACTION * 24 * plumbing.GiB
+    assert sum(memory.memory_plan(cfg, c, 64).values()) <= memory.FIT_FRACTION * 24 * memory.GiB
     larger = ["--n_embd=3072", "--n_head=24"]  # 4x the parameters (head_dim 128 kept)
     with pytest.raises(ValueError, match=r"smaller --batch_size.*--shard_optimizer=true with more than one rank.*smaller model"):
         train.main(fits + larger + ["--shard_optimizer=false"])

@@ -106,7 +106,7 @@ def run_rank(out_path):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import train
-    from kit import optim, plumbing
+    from kit import checkpoint, memory, optim, runtime
     from model import GPT, GPTConfig
     from test_optimizer import OpRecorder
 
@@ -171,8 +171,8 @@ def run_rank(out_path):
         m["state_bytes_one_process"] = sum(t.nbytes for s in optim.param_states(one_opts).values() for t in s.values())
         m["exchange_bytes"] = sharding.flat.nbytes + sharding.received.nbytes
         m["matrices"] = len(optim.split_parameters(one)[2])
-        m["plan"] = plumbing.memory_plan(cfg, model_cfg, world)
-        m["plan_one_process"] = plumbing.memory_plan(cfg, model_cfg, 1)
+        m["plan"] = memory.memory_plan(cfg, model_cfg, world)
+        m["plan_one_process"] = memory.memory_plan(cfg, model_cfg, 1)
         everyone = [None] * world
         dist.all_gather_object(everyone, {"state": state, "orthogonalised": counts["sharded"],
                                           "apart": m["sharded_vs_one_process"]})
@@ -192,16 +192,16 @@ def run_rank(out_path):
         # folder read by one process (each rank here); then one more step of each against the one process's
         saved = os.path.join(os.path.dirname(out_path), f"{recipe}-{dtype}".replace("torch.", ""))
         if rank == 0:
-            plumbing.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
-        plumbing.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
-                                         plumbing.run_state(3, 0.0, None, cfg, model_cfg))
-        ranks = plumbing.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
+            checkpoint.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
+        checkpoint.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
+                                         checkpoint.run_state(3, 0.0, None, cfg, model_cfg))
+        ranks = runtime.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
         from_file, from_folder = GPT(model_cfg).to(dtype), GPT(model_cfg).to(dtype)
         file_sharding = optim.Sharding(from_file, cfg, rank, world)
         file_opts = optim.make_optimizers(from_file, cfg, "cpu", dtype, share=file_sharding.share)
         folder_opts = optim.make_optimizers(from_folder, cfg, "cpu", dtype)
-        plumbing.restore(plumbing.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
-        plumbing.restore(plumbing.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
+        checkpoint.restore(checkpoint.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
+        checkpoint.restore(checkpoint.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
         values = train.schedule(cfg, m["steps"], m["steps"] / cfg.max_steps)
         batches = [(torch.randint(0, 70, (2, 16), generator=data), torch.randint(0, 70, (2, 16), generator=data))
                    for _ in range(2 * world)]

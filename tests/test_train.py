@@ -8,7 +8,7 @@ import torch
 
 import data
 import train
-from kit import plumbing
+from kit import checkpoint, runtime
 from model import GPTConfig, opt
 from tiny import TINY_RUN
 
@@ -64,7 +64,7 @@ def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, dat
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
     # a run on NKI is scored on "auto": NKI where the kernels take the shapes, PyTorch (logged) elsewhere
-    trained_on_nki = plumbing.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
+    trained_on_nki = checkpoint.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
     assert trained_on_nki.config.kernels == "auto"
     reference = train.GPT(train.GPTConfig(**state["model_config"]))
     reference.load_state_dict(state["model"])
@@ -145,16 +145,16 @@ def test_a_config_field_is_declared_once_on_its_line(capsys):
         return {"model": GPTConfig, "training": extended}
 
     configs = config_with(opt(0, "tokens of a new warm-up", bounds=(0, None)))
-    cfg = plumbing.parse_flags(["--warmup_tokens=5"], configs, {}, "")["training"]
+    cfg = runtime.parse_flags(["--warmup_tokens=5"], configs, {}, "")["training"]
     assert cfg.warmup_tokens == 5
-    plumbing.validate_config(cfg, GPTConfig())
+    runtime.validate_config(cfg, GPTConfig())
     with pytest.raises(ValueError, match="--warmup_tokens=-1 must be >= 0"):
-        plumbing.validate_config(plumbing.parse_flags(["--warmup_tokens=-1"], configs, {}, "")["training"], GPTConfig())
+        runtime.validate_config(runtime.parse_flags(["--warmup_tokens=-1"], configs, {}, "")["training"], GPTConfig())
     with pytest.raises(SystemExit):
-        plumbing.parse_flags(["--help"], configs, {}, "")
+        runtime.parse_flags(["--help"], configs, {}, "")
     assert "--warmup_tokens=0" in capsys.readouterr().out
     saved = {"train_config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(GPTConfig())}
     changed = dataclasses.replace(cfg, warmup_tokens=6)
-    assert plumbing.config_differences(saved, changed, GPTConfig()) == ([], ["warmup_tokens (checkpoint 5, now 6)"])
+    assert checkpoint.config_differences(saved, changed, GPTConfig()) == ([], ["warmup_tokens (checkpoint 5, now 6)"])
     resumable = config_with(opt(0, "tokens of a new warm-up", resumable=True))["training"]
-    assert plumbing.config_differences(saved, resumable(warmup_tokens=6), GPTConfig()) == ([], [])
+    assert checkpoint.config_differences(saved, resumable(warmup_tokens=6), GPTConfig()) == ([], [])

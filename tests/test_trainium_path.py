@@ -22,7 +22,7 @@ import torch
 
 import kernels
 import train
-from kit import optim, plumbing
+from kit import optim, runtime
 from model import GPT, Block, GPTConfig, rotary_tables
 
 BF16_TOLERANCE = 2e-2
@@ -95,7 +95,7 @@ def test_training_steps_on_nki_compiled_in_bf16_match_pytorch(model):
         nonzero_projections(raw_model)
         run = compile_for_trainium(raw_model, *batch[0]) if mode == "nki" else raw_model
         optimizers = optim.make_optimizers(raw_model, cfg, "cpu", torch.bfloat16)
-        autocast = plumbing.autocast_context(cfg, "cpu")
+        autocast = runtime.autocast_context(cfg, "cpu")
         losses[mode] = torch.stack([train.train_step(run, raw_model, optimizers, batch, "cpu", autocast, 1.0)[0]
                                     for _ in range(3)])
     assert losses["nki"].isfinite().all() and losses["nki"][-1] < losses["nki"][0]
