@@ -301,18 +301,21 @@ def _compiled_fallback(model_cfg, name, batch_size, backward):
     return {**estimate, "serial_s": sum(estimate["engines"].values())}
 
 
-def measure_kernels(cfg, model_cfg, device_type, device):
+def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS):
     """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
     the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
     PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
     (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
-    fallback's where the kernel cannot run. `choice` is the faster of the two, "nki" or "torch"."""
+    fallback's where the kernel cannot run. `choice` is the faster of the two, "nki" or "torch"; `auto`, what
+    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure."""
     dtype = runtime.compute_dtype(cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
     for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
+        if name.split()[0] not in ops:
+            continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
             row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops}
@@ -347,8 +350,16 @@ def measure_kernels(cfg, model_cfg, device_type, device):
                 else:
                     row.update(kernel_estimate(counts))
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
+            row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len, backward)
             rows.append(row)
     return rows
+
+
+def auto_choice(row, model_cfg, tokens, backward):
+    """What kernels=auto runs on a Trn2 at the row's shapes: the kernel where it takes them, unless its cost
+    rule (kernels._mlp_cost_problem, the only op that has one) declines them."""
+    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, backward) is not None
+    return "torch" if "nki_unavailable" in row or declined else "nki"
 
 
 def kernels_choice(rows):
@@ -389,6 +400,9 @@ def print_kernels(rows, on_trainium):
         print(line)
     how = "measured here" if on_trainium else "by the cost model's estimates, not measured"
     print(f"\nfaster at these shapes ({how}): --kernels={kernels_choice(rows)}")
+    differ = [r["op"] for r in rows if r["direction"] == "fwd+bwd" and r["auto"] != r["choice"]]
+    print(f"kernels=auto runs {'the same' if not differ else 'otherwise for ' + ', '.join(differ)} on a Trn2 at "
+          "these shapes (its rules: kernels.py, _mlp_cost_problem; docs/results.md)")
 
 
 # -----------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def scoring_kernels(record):
     """The kernels setting that runs each op as the per-op `record` (preview_fallbacks) says training did:
     "prefer" for an op that ran NKI (PyTorch only where the scorer's shapes are refused), "torch" for one
     that did not; ops the record does not name (a checkpoint from before it was kept) take "auto"."""
-    modes = [f"{op}:{'prefer' if 'nki' in entry['ran'] else 'torch'}" for op, entry in record.items() if op in KERNEL_OPS]
+    modes = [f"{op}:{'prefer' if 'nki' in record[op]['ran'] else 'torch'}" for op in KERNEL_OPS if op in record]
     return ",".join(["auto"] + modes)
 
 
