@@ -72,6 +72,7 @@ logger = logging.getLogger("kernels")  # by name: the one-file submission runs t
 
 KERNEL_MODES = ("auto", "nki", "torch", "prefer")
 KERNEL_OPS = ("attention", "mlp", "rms_norm")  # what a per-op kernels setting may name; a new kernel adds its op
+AUTO_NKI_DEVICES = ("neuron",)  # where kernels=auto runs NKI kernels (the tests add "cpu" to run auto emulated)
 MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 
 # -----------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
             raise ValueError(f"{op_name}: kernels='nki' cannot run the NKI kernel: {shape_problem}; or use "
                              "kernels='auto' to fall back to PyTorch for such shapes")
         reason = shape_problem
-    elif mode == "auto" and device_type != "neuron":
+    elif mode == "auto" and device_type not in AUTO_NKI_DEVICES:
         reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
     elif mode == "auto" and cost_problem is not None:
         reason = cost_problem
@@ -187,8 +188,10 @@ def scoring_kernels(record):
     """The kernels setting that runs each op as the per-op `record` (preview_fallbacks) says training did:
     "prefer" for an op that ran NKI (PyTorch only where the scorer's shapes are refused), "torch" for one
     that did not; ops the record does not name (a checkpoint from before it was kept) take "auto"."""
-    modes = [f"{op}:{'prefer' if 'nki' in record[op]['ran'] else 'torch'}" for op in KERNEL_OPS if op in record]
-    return ",".join(["auto"] + modes)
+    modes = {op: "prefer" if "nki" in record[op]["ran"] else "torch" for op in KERNEL_OPS if op in record}
+    if len(modes) == len(KERNEL_OPS) and len(set(modes.values())) == 1:
+        return modes[KERNEL_OPS[0]]
+    return ",".join(["auto"] + [f"{op}:{mode}" for op, mode in modes.items()])
 
 
 def _logical_core_degree():
