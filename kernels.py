@@ -155,7 +155,7 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
 def _chose(op_name, use_nki, reason):
     """Returns use_nki, noting the choice while preview_fallbacks collects them (never inside a compiled
     region: a write to a global there would be guarded on)."""
-    if _choices is not None and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _choices is not None:  # in that order: no guard on the global
         reasons = _choices.setdefault(op_name, {}).setdefault("nki" if use_nki else "torch", [])
         if reason not in reasons:
             reasons.append(reason)
