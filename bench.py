@@ -307,7 +307,7 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS)
     PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
     (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
-    fallback's where the kernel cannot run. `choice` is the faster of the two, "nki" or "torch"; `auto`, what
+    fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
     kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure."""
     dtype = runtime.compute_dtype(cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
@@ -345,10 +345,10 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS)
                 try:
                     counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
                 except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
-                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch",
+                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch", priced="compiled",
                                **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
                 else:
-                    row.update(kernel_estimate(counts))
+                    row.update(kernel_estimate(counts), priced="nki")
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
             row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len, backward)
             rows.append(row)

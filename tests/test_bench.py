@@ -90,7 +90,7 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
         assert r["bottleneck"] in r["engines"] and 0 < r["estimate_s"] <= r["serial_s"]
         compiled = r["compiled"]  # the fallback, priced as the step estimate prices it
         assert compiled["bottleneck"] in compiled["engines"] and 0 < compiled["estimate_s"] <= compiled["serial_s"]
-        assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch")
+        assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"
 
 
 @pytest.mark.parametrize("tokens, faster", [(128, "torch"), (512, "nki")])
