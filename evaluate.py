@@ -340,13 +340,13 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
     trained with, resolved from the checkpoint's training config as train.py resolves it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
-    try:  # memory-mapped: reading the config costs no second copy of the weights
-        train_config = checkpoint.load_checkpoint(path, keys=("train_config",), mmap=True)["train_config"]
+    try:  # memory-mapped: reading the config costs no second copy of the weights (load_for_eval checks the digests)
+        train_config = checkpoint.load_checkpoint(path, keys=("train_config",), mmap=True, verify=False)["train_config"]
     except checkpoint.CheckpointError as e:
         raise ValueError(f"{path} is not a checkpoint written by train.py ({e}); pass the final.pt or ckpt_*.pt "
                          "of a training run") from None
+    model = checkpoint.load_for_eval(path, device)  # before the config is used: damaged bytes are named first
     enc = data.get_tokenizer(train_config["tokenizer"], train_config["dataset"], data_dir or train_config["data_dir"])
-    model = checkpoint.load_for_eval(path, device)
     if model.config.vocab_size != enc.n_vocab:
         raise ValueError(f"{path} has a {model.config.vocab_size}-token vocabulary but its tokenizer "
                          f"{train_config['tokenizer']} has {enc.n_vocab}; pass the --data_dir it was trained with")
@@ -407,7 +407,7 @@ def run_bpb(args):
                                        max_tokens=args.tokens)["val_bpb"]
         source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
     else:
-        saved = checkpoint.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True)["train_config"]
+        saved = checkpoint.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True, verify=False)["train_config"]
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size

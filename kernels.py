@@ -252,13 +252,28 @@ def _register_kernel_ops(name, forward, forward_fake, backward, backward_fake, s
 #
 # Notation: S sequence length, d head dim, G = n_head / n_kv_head query heads per kv head. A "tile" is
 # 128 rows (queries or keys, one per partition); a "block" is up to 512 keys, the widest matmul moving
-# operand and one PSUM bank of fp32 scores. Tiles named *_cols hold a head as (d, S) (head dim on the
-# partitions, as TensorE contracts over partitions), *_rows as (128, S/128, d) (tile t, partition p =
-# position t*128 + p).
+# operand and one PSUM bank of fp32 scores; a "group" is up to 4 blocks (2048 keys) whose scores sit in
+# PSUM together and share one row max. Every HBM tensor is (B, heads, S, d), as PyTorch holds it. On chip
+# a head is kept two ways: *_rows (128, S/128, d), tile t on partition p = position t*128 + p (rows
+# straight from HBM, 128 per DMA), and *_cols, one (d_piece, S) tile per piece of the head dim (d on the
+# partitions, as TensorE contracts over partitions; made from the rows by TensorE transposes).
 
 TILE = 128  # queries per query tile, keys per key chunk: the partition count
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
+KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
+ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
 _MASKED_SCORE = -1e30  # added to scores above the diagonal; exp() of it scaled is exactly 0
+
+
+def _head_dim_pieces(head_dim):
+    """(start, size) of the pieces the head dim is cut into for contractions over it: as few as fit
+    the 128 partitions, of equal size (nki-library's attention_bwd.py tiles d the same way)."""
+    count = (head_dim + TILE - 1) // TILE
+    size = head_dim // count
+    pieces = []
+    for piece in range(count):
+        pieces.append((piece * size, size))
+    return tuple(pieces)
 
 
 def _causal_mask_operands(dtype):
@@ -274,137 +289,230 @@ def _causal_mask_operands(dtype):
     return identity, bias
 
 
-def _load_rows(src, dtype):
-    """HBM (S, d) -> SBUF rows (128, S/128, d), one 128-row DMA per tile."""
-    seq_len, head_dim = src.shape
+def _load_rows(src, b, h, dtype):
+    """HBM src[b, h] (S, d) -> SBUF rows (128, S/128, d), one 128-row DMA per tile, each indexing the
+    kernel argument once (nki-library style: no view of a view of an HBM tensor)."""
+    seq_len, head_dim = src.shape[2], src.shape[3]
     rows = nl.ndarray((TILE, seq_len // TILE, head_dim), dtype=dtype)
     for t in range(seq_len // TILE):
-        nisa.dma_copy(rows[:, t, :], src[t * TILE:(t + 1) * TILE, :])
+        nisa.dma_copy(rows[:, t, :], src[b, h, t * TILE:(t + 1) * TILE, :])
     return rows
 
 
-def _store_rows(dst, rows):
+def _store_rows(dst, b, h, rows):
     for t in range(rows.shape[1]):
-        nisa.dma_copy(dst[t * TILE:(t + 1) * TILE, :], rows[:, t, :])
+        nisa.dma_copy(dst[b, h, t * TILE:(t + 1) * TILE, :], rows[:, t, :])
 
 
-def _transpose_to_rows(rows, cols):
-    """cols (P, n*128) -> rows (128, n, P): rows[:, t, :] = cols[:, t*128:(t+1)*128].T. TensorE
-    transposes up to 4 tiles into one PSUM bank; ScalarE copies them out (VectorE has more to do)."""
-    n_tiles, width = rows.shape[1], rows.shape[2]
-    for first in range(0, n_tiles, 4):
-        count = min(4, n_tiles - first)
-        transposed = nl.ndarray((TILE, count, width), dtype=rows.dtype, buffer=nl.psum)
-        for t in range(count):
-            nisa.nc_transpose(transposed[:, t, :], cols[:, (first + t) * TILE:(first + t + 1) * TILE])
-        nisa.activation(rows[:, first:first + count, :], nl.copy, transposed)
+def _evict(dst, src, on_scalar):
+    """PSUM -> SBUF copy on ScalarE or VectorE: callers alternate to keep the two balanced."""
+    if on_scalar:
+        nisa.activation(dst, nl.copy, src)
+    else:
+        nisa.tensor_copy(dst, src)
 
 
-def _transpose_to_cols(cols, rows):
-    """rows (128, n, P) -> cols (P, n*128), the inverse of _transpose_to_rows."""
-    n_tiles, width = rows.shape[1], rows.shape[2]
-    for first in range(0, n_tiles, 4):
-        count = min(4, n_tiles - first)
-        transposed = nl.ndarray((width, count * TILE), dtype=cols.dtype, buffer=nl.psum)
-        for t in range(count):
-            nisa.nc_transpose(transposed[:, t * TILE:(t + 1) * TILE], rows[:, first + t, :])
-        nisa.activation(cols[:, first * TILE:(first + count) * TILE], nl.copy, transposed)
+def _rows_to_cols(rows, on_scalar):
+    """rows (128, n, d) -> one (d_piece, n*128) cols tile per head-dim piece: TensorE transposes 4 tiles
+    into a PSUM bank, one copy takes them out."""
+    n_tiles, head_dim = rows.shape[1], rows.shape[2]
+    pieces = []
+    for piece in _head_dim_pieces(head_dim):
+        start, size = piece
+        cols = nl.ndarray((size, n_tiles * TILE), dtype=rows.dtype)
+        for first in range(0, n_tiles, 4):
+            count = min(4, n_tiles - first)
+            transposed = nl.ndarray((size, count * TILE), dtype=rows.dtype, buffer=nl.psum)
+            for t in range(count):
+                nisa.nc_transpose(transposed[:, t * TILE:(t + 1) * TILE], rows[:, first + t, start:start + size])
+            _evict(cols[:, first * TILE:(first + count) * TILE], transposed, on_scalar)
+        pieces.append(cols)
+    return tuple(pieces)
 
 
-def _causal_scores(scores, q_tile, k_block, diagonal, mask):
-    """scores (128 queries, width keys, PSUM fp32) = q_tile.T @ k_block, unscaled; on the block that holds
-    the diagonal (always its last 128 keys) the causal bias is accumulated onto those keys. Both say
-    `accumulate=`: the mask adds into a slice of a tile the first matmul wrote, which accumulate=None
-    would detect per location by the ISA doc but per bank by the architecture guide."""
-    nisa.nc_matmul(scores, q_tile, k_block, accumulate=False)
-    if diagonal:
+def _load_cols(src, b, h, dtype, on_scalar):
+    """HBM src[b, h] (S, d) -> one (d_piece, S) cols tile per head-dim piece, for a head only ever
+    contracted over d. 512 positions per DMA, row-major into (128, 4, d): partition p gets the 4
+    consecutive positions 4p..4p+3, one contiguous 4d-element run on both sides (a quarter of the
+    descriptors of 128-row DMAs). TensorE transposes slot j into every 4th column of a PSUM bank
+    (positions 4p + j), so one copy out of the bank gives the columns in position order."""
+    seq_len, head_dim = src.shape[2], src.shape[3]
+    pieces = []
+    for piece in _head_dim_pieces(head_dim):
+        pieces.append(nl.ndarray((piece[1], seq_len), dtype=dtype))
+    for start in range(0, seq_len, KEY_BLOCK):
+        width = min(KEY_BLOCK, seq_len - start)
+        per_partition = width // TILE
+        rows = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype)
+        nisa.dma_copy(rows, src[b, h, start:start + width, :])
+        for p in range(len(pieces)):
+            first, size = _head_dim_pieces(head_dim)[p]
+            transposed = nl.ndarray((size, TILE, per_partition), dtype=dtype, buffer=nl.psum)
+            for j in range(per_partition):
+                nisa.nc_transpose(transposed[:, :, j], rows[:, j, first:first + size])
+            _evict(pieces[p][:, start:start + width], transposed, on_scalar)
+    return tuple(pieces)
+
+
+def _transpose_chunks(dst, src):
+    """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
+    transposes into one PSUM bank, VectorE copies them out in one instruction (bf16 from PSUM at twice
+    ScalarE's rate, [TRN2] performance mode; ScalarE has the exps)."""
+    count = dst.shape[1]
+    transposed = nl.ndarray((TILE, count, TILE), dtype=dst.dtype, buffer=nl.psum)
+    for c in range(count):
+        nisa.nc_transpose(transposed[:, c, :], src[:, c * TILE:(c + 1) * TILE])
+    nisa.tensor_copy(dst, transposed)
+
+
+def _scores(scores, q_cols, k_cols, query_tile, start, mask):
+    """scores (128 queries, width keys, PSUM fp32) = q.T @ k over the head-dim pieces, unscaled, for
+    query tile `query_tile` and the keys from `start`; on the block that holds the diagonal (always its
+    last 128 keys) the causal bias is accumulated onto those keys. Every matmul says `accumulate=`: the
+    mask adds into a slice of a tile the first matmul wrote, which accumulate=None would detect per
+    location by the ISA doc but per bank by the architecture guide."""
+    width = scores.shape[1]
+    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
+    for piece in range(len(q_cols)):
+        nisa.nc_matmul(scores, q_cols[piece][:, queries], k_cols[piece][:, start:start + width],
+                       accumulate=piece > 0)
+    if start + width == (query_tile + 1) * TILE:
         identity, bias = mask
-        width = scores.shape[1]
         nisa.nc_matmul(scores[:, width - TILE:width], identity, bias, accumulate=True)
 
 
-def _attention_fwd_query_tile(out_rows, lse_col, q_tile, k_cols, v_rows, mask, scale, query_tile):
-    """One tile of 128 queries against every key block it can see, with an online softmax; writes its
-    128 output rows to HBM and its logsumexp to lse_col (128, 1)."""
+def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, query_tile):
+    """One tile of 128 queries against every key it can see: writes its 128 output rows to out[b, h]
+    and its row statistics into column `query_tile` of stats = (neg_max, row_sum), both (128, S/128)
+    fp32: -scale * max of the scores and the sum of exp(scale * score - scale * max).
+
+    Keys go in groups of up to 2048 (4 PSUM banks of scores): the row max of a group is one VectorE
+    reduce per 512-key block plus one combine, exp and the row sum are one ScalarE activation per block
+    (the sum accumulates across a group's blocks in ScalarE's reduce registers), and P @ V accumulates
+    in one PSUM tile over the whole group. Only a query tile past 2048 keys (S > 2048) needs the online
+    softmax's rescale, once per group instead of once per block."""
     head_dim, dtype = v_rows.shape[2], v_rows.dtype
+    neg_max_all, sum_all = stats
     n_keys = (query_tile + 1) * TILE  # causal: blocks wholly above the diagonal are never computed
-    for start in range(0, n_keys, KEY_BLOCK):
-        width = min(KEY_BLOCK, n_keys - start)
-        scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-        _causal_scores(scores, q_tile, k_cols[:, start:start + width], start + width == n_keys, mask)
+    single_group = n_keys <= KEY_GROUP
+    for group_start in range(0, n_keys, KEY_GROUP):
+        group_stop = min(group_start + KEY_GROUP, n_keys)
+        last_group = group_stop == n_keys
+        starts = []
+        for start in range(group_start, group_stop, KEY_BLOCK):
+            starts.append(start)
+        n_blocks = len(starts)
+        scores = []
+        block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32)
+        for j in range(n_blocks):
+            width = min(KEY_BLOCK, group_stop - starts[j])
+            block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+            _scores(block, q_cols, k_cols, query_tile, starts[j], mask)
+            if j % 2:  # ScalarE's reduce registers take the max too: they share VectorE's load
+                ignored = nl.ndarray((TILE, width), dtype=dtype)
+                nisa.activation_reduce(ignored, nl.copy, block, reduce_op=nl.maximum, reduce_res=block_max[:, j:j + 1])
+            else:
+                nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
+            scores.append(block)
 
-        block_max = nl.ndarray((TILE, 1), dtype=nl.float32)
-        nisa.tensor_reduce(block_max, nl.maximum, scores, axis=1)
-        if start == 0:
-            new_max = block_max
+        group_neg_max = neg_max_all[:, query_tile:query_tile + 1] if single_group else \
+            nl.ndarray((TILE, 1), dtype=nl.float32)
+        if n_blocks == 1:
+            nisa.tensor_scalar(group_neg_max, block_max, nl.multiply, -scale)
         else:
-            new_max = nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.tensor_tensor(new_max, running_max, block_max, nl.maximum)
-        neg_scaled_max = nl.ndarray((TILE, 1), dtype=nl.float32)
-        nisa.tensor_scalar(neg_scaled_max, new_max, nl.multiply, -scale)
-
-        # p = exp(scale * s - scale * max), its row sums fused in (ScalarE reads the scores from PSUM)
-        probs = nl.ndarray((TILE, width), dtype=dtype)
-        block_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
-        nisa.activation_reduce(probs, nl.exp, scores, reduce_op=nl.add, reduce_res=block_sum,
-                               bias=neg_scaled_max, scale=scale)
-
-        # p @ v contracts over keys, which must sit on the partitions: transpose p chunk by chunk
-        probs_t = nl.ndarray((TILE, width // TILE, TILE), dtype=dtype)
-        _transpose_to_rows(probs_t, probs)
-        block_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-        for c in range(width // TILE):
-            nisa.nc_matmul(block_out, probs_t[:, c, :], v_rows[:, start // TILE + c, :], accumulate=c > 0)
-
-        if start == 0:
-            running_sum = block_sum
-            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32)
-            nisa.tensor_copy(out_acc, block_out)
-        else:  # rescale what the earlier blocks summed to the new max: alpha = exp(scale * (old - new))
+            group_max = nl.ndarray((TILE, 1), dtype=nl.float32)
+            nisa.tensor_reduce(group_max, nl.maximum, block_max, axis=1)
+            nisa.tensor_scalar(group_neg_max, group_max, nl.multiply, -scale)
+        if group_start == 0:
+            neg_max = group_neg_max
+        else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
+            new_neg_max = neg_max_all[:, query_tile:query_tile + 1] if last_group else \
+                nl.ndarray((TILE, 1), dtype=nl.float32)
+            nisa.tensor_tensor(new_neg_max, neg_max, group_neg_max, nl.minimum)
             alpha = nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.activation(alpha, nl.exp, running_max, bias=neg_scaled_max, scale=scale)
-            nisa.scalar_tensor_tensor(running_sum, running_sum, nl.multiply, alpha, nl.add, block_sum)
-            nisa.scalar_tensor_tensor(out_acc, out_acc, nl.multiply, alpha, nl.add, block_out)
-        running_max = new_max
+            nisa.activation(alpha, nl.exp, neg_max, bias=new_neg_max, scale=-1.0)
+            neg_max = new_neg_max
 
-    inv_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
-    nisa.reciprocal(inv_sum, running_sum)
+        # p = exp(scale * s - scale * max) on ScalarE, reading PSUM; the row sum over the group's blocks
+        # builds up in ScalarE's reduce registers and is read once, with the last block
+        group_sum = sum_all[:, query_tile:query_tile + 1] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32)
+        probs = []
+        for j in range(n_blocks):
+            block_probs = nl.ndarray(scores[j].shape, dtype=dtype)
+            nisa.activation(block_probs, nl.exp, scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
+                            reduce_res=group_sum if j == n_blocks - 1 else None,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
+            probs.append(block_probs)
+
+        # p @ v contracts over keys, which must sit on the partitions: p transposed chunk by chunk
+        group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
+        for j in range(n_blocks):
+            n_chunks = probs[j].shape[1] // TILE
+            probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)
+            _transpose_chunks(probs_t, probs[j])
+            for c in range(n_chunks):
+                nisa.nc_matmul(group_out, probs_t[:, c, :], v_rows[:, starts[j] // TILE + c, :],
+                               accumulate=j > 0 or c > 0)
+
+        if single_group:
+            out_acc, row_sum = group_out, group_sum
+        elif group_start == 0:
+            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32)
+            nisa.tensor_copy(out_acc, group_out)
+            row_sum = group_sum
+        else:  # rescale what the earlier groups summed to the new max
+            new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32)
+            nisa.scalar_tensor_tensor(new_sum, row_sum, nl.multiply, alpha, nl.add, group_sum)
+            row_sum = new_sum
+            nisa.scalar_tensor_tensor(out_acc, out_acc, nl.multiply, alpha, nl.add, group_out)
+
     out_tile = nl.ndarray((TILE, head_dim), dtype=dtype)
-    nisa.tensor_scalar(out_tile, out_acc, nl.multiply, inv_sum)
-    nisa.dma_copy(out_rows, out_tile)
-    log_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
-    nisa.activation(log_sum, nl.log, running_sum)  # running_sum >= 1: the max itself contributes exp(0)
-    nisa.scalar_tensor_tensor(lse_col, running_max, nl.multiply, scale, nl.add, log_sum)
+    nisa.tensor_scalar(out_tile, out_acc, nl.divide, row_sum)
+    nisa.dma_copy(out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], out_tile)
 
 
 def flash_attention_fwd_kernel(q, k, v, scale):
     """Causal flash attention forward, grouped-query heads.
 
-    Inputs (HBM): q (B, H, d, S) and k (B, Hkv, d, S) with the head dim d <= 128 on the partition axis;
-    v (B, Hkv, S, d); all bf16 (or all fp32: then every matmul runs in fp32, 4x slower, for testing).
-    S is a multiple of 128, Hkv divides H, query head h uses kv head h // (H / Hkv); scale is the softmax
-    scale. Returns out (B, H, S, d) in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of
-    the scaled scores of query t*128 + p at [b, h, p, t], which the backward needs.
+    Inputs (HBM), as the model holds them: q (B, H, S, d), k and v (B, Hkv, S, d); all bf16 (or all fp32:
+    then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
+    pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
+    h // (H / Hkv); scale is the softmax scale. Returns out (B, H, S, d) in the input dtype and lse
+    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
+    the backward needs. S is limited by the backward's SBUF plan (flash_attention_bwd_kernel).
+
+    Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
+    (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
+    contracts over d), ScalarE copying them out of PSUM; v comes in rows of 128 positions, as P @ V
+    wants it (keys on the partitions).
 
     Work: (batch, kv head) pairs are split over the programs of an LNC launch (kernel[2] on Trn2); K and V
     of a pair are loaded once and serve its G query heads. For each 128-query tile i, keys [0, 128(i+1))
-    go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul into a PSUM bank), the
-    causal bias accumulated by TensorE onto the last 128 keys of the diagonal block only (blocks wholly
-    above the diagonal are skipped), online softmax with fp32 row max and sum (exp and row sum fused on
-    ScalarE, reading PSUM), P cast to the input dtype and transposed in 128x128 chunks on TensorE, then
-    P @ V as 128x128xd matmuls accumulating in PSUM; out = acc / sum, lse = scale * max + log(sum).
+    go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece,
+    accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
+    diagonal block only (blocks wholly above the diagonal are skipped). Per group of up to 4 blocks
+    (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
+    registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
+    reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
+    on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
+    matmuls accumulating in one PSUM tile over the group; out = acc / sum (one VectorE divide from
+    PSUM). Groups after the first (S > 2048) rescale the running sum and output once each (online
+    softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
+    one ScalarE and one VectorE instruction per head.
 
-    SBUF per partition (bf16, d = 128): K cols 2S + V rows 2S + Q cols 2S bytes (12 KiB at S = 2048) plus
-    ~3 KiB of per-block tiles. PSUM: scores 2 KiB, P^T 1 KiB, P @ V 0.5 KiB: 3 banks of 8.
+    SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
+    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB). PSUM: a group's scores
+    4 banks, P^T 1 KiB, the output tile d*4 bytes, the layout transposes 1 KiB: at most 6 of the 8 banks.
 
-    TensorE: a full block (d = 128) costs 512 cycles of scores, 4 x 128 of P transposes and 4 x 128 of
-    P @ V, so 2/3 of TensorE time is useful matmul, every matmul with a full 128-wide stationary tile
-    (counted by the emulator at S = 2048, diagonal blocks and masks included: 68%). ScalarE is the
-    busiest engine (exp and the P^T copy: 2 x 512 elements per block at half TensorE's clock), so
-    TensorE is expected busy ~75% of the time, ~50% of its peak as useful matmul. At d = 64 the score
-    matmul fills half the PE rows: 43% of TensorE time is useful.
+    Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
+    TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
+    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz) or 576 on ScalarE (480 ns), the exp 576
+    ScalarE cycles, the P^T copy 256 VectorE cycles: split as above, VectorE and ScalarE each land near
+    TensorE. Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 39.2
+    (1.11x), ScalarE 36.5, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound,
+    44.4 us against VectorE 35.7, ScalarE 30.9, DMA 23.9.
     """
-    batch, n_heads, head_dim, seq_len = q.shape
+    batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
@@ -414,53 +522,60 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     mask = _causal_mask_operands(dtype)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
-        k_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-        nisa.dma_copy(k_cols, k[b, kv_head])
-        v_rows = _load_rows(v[b, kv_head], dtype)
+        k_cols = _load_cols(k, b, kv_head, dtype, True)
+        v_rows = _load_rows(v, b, kv_head, dtype)
         for h in range(kv_head * group, (kv_head + 1) * group):
-            q_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-            nisa.dma_copy(q_cols, q[b, h])
-            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+            q_cols = _load_cols(q, b, h, dtype, True)
+            stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32), nl.ndarray((TILE, n_tiles), dtype=nl.float32))
             for i in range(n_tiles):
-                _attention_fwd_query_tile(out[b, h, i * TILE:(i + 1) * TILE, :], lse_tile[:, i:i + 1],
-                                          q_cols[:, i * TILE:(i + 1) * TILE], k_cols, v_rows, mask, scale, i)
-            nisa.dma_copy(lse[b, h], lse_tile)
+                _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, i)
+            neg_max_all, sum_all = stats
+            log_sum = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+            nisa.activation(log_sum, nl.log, sum_all)  # sum >= 1: the max itself contributes exp(0)
+            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+            nisa.tensor_tensor(lse_tile, log_sum, neg_max_all, nl.subtract)
+            nisa.dma_copy(lse[b, h, :, :], lse_tile)
     return out, lse
 
 
 def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
     """Query tile i against the key block starting at `start`: adds dV and dK of the block's keys into
-    the PSUM accumulators dk_block, dv_block (128 keys, chunk, d) and dQ of the tile into the SBUF
-    accumulator dq_acc[:, i, :]. head and kv are the tuples built by _load_head_for_bwd and the kernel."""
-    q_cols, q_rows, do_cols, do_rows, neg_lse, delta = head
+    the PSUM accumulators dk_block, dv_block (one (128 keys, d) tile per 128-key chunk) and dQ of the tile
+    into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the kernel builds."""
+    q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta = head
     k_cols, k_rows, v_cols = kv
     dtype, head_dim = k_rows.dtype, k_rows.shape[2]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
-    n_keys = (query_tile + 1) * TILE
-    width = min(KEY_BLOCK, n_keys - start)
-    keys = slice(start, start + width)
+    width = min(KEY_BLOCK, (query_tile + 1) * TILE - start)
+    n_chunks = width // TILE
 
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _causal_scores(scores, q_cols[:, queries], k_cols[:, keys], start + width == n_keys, mask)
+    _scores(scores, q_cols, k_cols, query_tile, start, mask)
     probs = nl.ndarray((TILE, width), dtype=dtype)  # P recomputed from lse: exp(scale * s - lse)
     nisa.activation(probs, nl.exp, scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
-    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T
-    nisa.nc_matmul(dprobs, do_cols[:, queries], v_cols[:, keys], accumulate=False)
-    dscores = nl.ndarray((TILE, width), dtype=dtype)  # dS = P * (dP - D); the scale is applied at the end
-    nisa.scalar_tensor_tensor(dscores, dprobs, nl.subtract, delta[:, query_tile:query_tile + 1], nl.multiply, probs)
+    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T over the d pieces
+    for piece in range(len(do_cols)):
+        nisa.nc_matmul(dprobs, do_cols[piece][:, queries], v_cols[piece][:, start:start + width],
+                       accumulate=piece > 0)
+    # dS = P * (dP - D), the scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's
+    # product has both inputs in SBUF in the input dtype (its fast case, N cycles, not 2N)
+    shifted = nl.ndarray((TILE, width), dtype=dtype)
+    nisa.activation(shifted, nl.copy, dprobs, bias=neg_delta[:, query_tile:query_tile + 1])
+    dscores = nl.ndarray((TILE, width), dtype=dtype)
+    nisa.tensor_tensor(dscores, shifted, probs, nl.multiply)
 
-    # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions. The chunks share PSUM banks;
-    # the sum of chunk c starts at the query tile on its diagonal, the first one that sees its keys.
-    for c in range(width // TILE):
+    # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions. The sum of chunk c starts
+    # at the query tile on its diagonal, the first one that sees its keys.
+    for c in range(n_chunks):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > start // TILE + c
-        nisa.nc_matmul(dv_block[:, c, :], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dk_block[:, c, :], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dv_block[c], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dk_block[c], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
 
-    dscores_t = nl.ndarray((TILE, width // TILE, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
-    _transpose_to_rows(dscores_t, dscores)
+    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
+    _transpose_chunks(dscores_t, dscores)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-    for c in range(width // TILE):
+    for c in range(n_chunks):
         nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :], accumulate=c > 0)
     if start == 0:
         nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
@@ -468,28 +583,37 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
         nisa.tensor_tensor(dq_acc[:, query_tile, :], dq_acc[:, query_tile, :], dq_block, nl.add)
 
 
-def _load_head_for_bwd(q_cols_hbm, out_hbm, d_out_hbm, lse_hbm, dtype):
+def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
     """What the backward needs of one query head, in SBUF: (Q cols, Q rows, dO cols, dO rows, -lse,
-    D = rowsum(dO * O)), the last two (128, S/128) fp32."""
-    head_dim, seq_len = q_cols_hbm.shape
+    -D), D = rowsum(dO * O); the last two (128, S/128) fp32."""
+    seq_len = q.shape[2]
     n_tiles = seq_len // TILE
-    q_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-    nisa.dma_copy(q_cols, q_cols_hbm)
-    q_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-    _transpose_to_rows(q_rows, q_cols)
-    do_rows = _load_rows(d_out_hbm, dtype)
-    do_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-    _transpose_to_cols(do_cols, do_rows)
+    q_rows = _load_rows(q, b, h, dtype)
+    q_cols = _rows_to_cols(q_rows, True)
+    do_rows = _load_rows(d_out, b, h, dtype)
+    do_cols = _rows_to_cols(do_rows, False)
 
-    lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.dma_copy(lse, lse_hbm)
+    lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+    nisa.dma_copy(lse_tile, lse[b, h, :, :])
     neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.tensor_scalar(neg_lse, lse, nl.multiply, -1.0)
-    products = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
-    nisa.tensor_tensor(products, do_rows, _load_rows(out_hbm, dtype), nl.multiply)
-    delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.tensor_reduce(delta, nl.add, products, axis=2)
-    return q_cols, q_rows, do_cols, do_rows, neg_lse, delta
+    nisa.tensor_scalar(neg_lse, lse_tile, nl.multiply, -1.0)
+    # the product on GpSimd (idle otherwise), its sum over d on VectorE
+    products = nl.ndarray(do_rows.shape, dtype=nl.float32)
+    nisa.tensor_tensor(products, do_rows, _load_rows(out, b, h, dtype), nl.multiply, engine=nisa.engine.gpsimd)
+    neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
+    nisa.tensor_reduce(neg_delta, nl.add, products, axis=2, negate=True)
+    return q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta
+
+
+def _add_kv_grad(dst, acc, block, scale, first, last):
+    """One query head's dK or dV of a key block (PSUM chunks) onto the group's: dst (the output rows,
+    input dtype) on the last head of the group, else acc (fp32 SBUF); both (128, chunks, d), scaled."""
+    target = dst if last else acc
+    for c in range(len(block)):
+        if first:
+            nisa.activation(target[:, c, :], nl.copy, block[c], scale=scale)
+        else:
+            nisa.scalar_tensor_tensor(target[:, c, :], block[c], nl.multiply, scale, nl.add, acc[:, c, :])
 
 
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
@@ -497,32 +621,39 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
 
     Inputs (HBM): q, k, v, scale as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d), the gradient of out, in the input dtype. Returns dq
-    (B, H, S, d), dk and dv (B, Hkv, S, d) in the input dtype; dk and dv summed over the G query heads
-    that share each kv head. Same limits as the forward, and S <= 4096 in bf16 (2048 in fp32) for SBUF.
+    (B, H, S, d), dk and dv (B, Hkv, S, d) in the input dtype, laid out as the inputs; dk and dv summed
+    over the G query heads that share each kv head. Same limits as the forward, and an SBUF limit:
+    ~32 S*d/128 bytes per partition in bf16 (48 in fp32) must fit, so S*d <= 4096*128 in bf16 (S 4096 at
+    d = 128, 2048 at d = 256) and 2048*128 in fp32 (`_attention_sbuf_bytes`).
 
-    Work: (batch, kv head) pairs split over the LNC programs. Per pair: K as cols (for scores) and rows
-    (for dQ, transposed on TensorE), V as cols (for dP), fp32 SBUF accumulators for dK and dV. Per query
-    head: Q cols and rows, dO rows and cols, -lse, D = rowsum(dO * O), an fp32 dQ accumulator. Then key
-    blocks of up to 512 keys outside, the 128-query tiles that see them inside: recompute
-    P = exp(scale * q.T k - lse) (causal bias on the diagonal chunk only, blocks above the diagonal
-    skipped), dP = dO V^T, dS = P * (dP - D); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the
-    query tiles (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed
-    (4 TensorE transposes per block) and is added into SBUF. The softmax scale is applied once, when dQ
-    and dK are written.
+    Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
+    scores), V cols (for dP), the cols made on chip by TensorE transposes (V's loaded 512 positions per
+    DMA, `_load_cols`); rows in 128-row DMAs. Per query head: Q rows and cols,
+    dO rows and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ
+    accumulator. Then key blocks of up to 512 keys outside, the 128-query tiles that see them inside:
+    recompute P = exp(scale * q.T k - lse) (ScalarE from PSUM; causal bias on the diagonal chunk only,
+    blocks above the diagonal skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM,
+    VectorE multiplies in SBUF); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles
+    (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed (4 TensorE
+    transposes per block, copied out by VectorE) and is added into SBUF. The
+    softmax scale is applied once, when dQ and dK are written; a pair's first query head writes dK and
+    dV (scaled) from PSUM, later ones add onto them, the last writes the input dtype.
 
-    SBUF per partition (bf16, d = 128): per pair K cols + K rows + V cols 6S bytes, dK and dV fp32 8S;
-    per head Q cols + rows, dO rows + cols 8S, O rows 2S (until D is made), dQ fp32 4S: ~26S bytes
-    (104 KiB at S = 4096) plus ~5 KiB of per-block tiles. PSUM: scores 2 KiB, dP 2 KiB, dS^T 1 KiB,
-    dQ 0.5 KiB, dK and dV accumulators 2 x 4*d*4 bytes (2 KiB each at d = 128): 6 banks.
+    SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
+    O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
+    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles. PSUM: scores 2 KiB, dP 2 KiB, dS^T 1 KiB,
+    dQ d*4 bytes, dK and dV accumulators 4 chunks x d*4 bytes each (2 KiB each at d = 128, 4 at d = 256):
+    at most 7 of the 8 banks.
 
-    TensorE: a full block (d = 128) costs 512 cycles each for scores and dP, 4 x 128 each for dV, dK,
-    dQ and the dS transposes: 5/6 of TensorE time is useful matmul, every matmul with a full 128-wide
-    stationary tile (counted by the emulator at S = 2048, with diagonal blocks, masks and the layout
-    transposes: 78%). Per block ScalarE (exp, dS^T copy: 2 x 512 elements) and VectorE (dS 512, dQ add
-    128) need ~2/3 and ~1/2 of TensorE's 3072 cycles at their clocks, so TensorE is the bottleneck and
-    ~78% useful is the expected ceiling. At d = 64: 53%.
+    Per full block (d = 128) TensorE spends 512 cycles each on scores and dP and 4 x 128 each on dV, dK,
+    dQ and the dS transposes (1280 ns); ScalarE 2 x 512 cycles (exp, the dP shift; 853 ns), VectorE the
+    dS product 512, the dS^T copy 256 and the dQ add 128 (933 ns). Counted (nki_emulator/_cost.py, one
+    Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 68.3 us, DMA 81.1 (1.19x:
+    eight (S, d) tensors cross HBM per head in 128-row DMAs), ScalarE 59.7, VectorE 55.2; at K82s4's
+    (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 94.7 us against VectorE 81.5, DMA 56.7,
+    ScalarE 49.5.
     """
-    batch, n_heads, head_dim, seq_len = q.shape
+    batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
@@ -533,47 +664,47 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     mask = _causal_mask_operands(dtype)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
-        k_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-        nisa.dma_copy(k_cols, k[b, kv_head])
-        k_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-        _transpose_to_rows(k_rows, k_cols)
-        v_cols = nl.ndarray((head_dim, seq_len), dtype=dtype)
-        _transpose_to_cols(v_cols, _load_rows(v[b, kv_head], dtype))
-        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
-        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+        k_rows = _load_rows(k, b, kv_head, dtype)
+        kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
+        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
+        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32) if group > 1 else None
+        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32) if group > 1 else None
 
         for h in range(kv_head * group, (kv_head + 1) * group):
-            head = _load_head_for_bwd(q[b, h], out[b, h], d_out[b, h], lse[b, h], dtype)
+            first, last = h == kv_head * group, h == (kv_head + 1) * group - 1
+            head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
             dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                n_chunks = chunks.stop - chunks.start
-                dk_block = nl.ndarray((TILE, n_chunks, head_dim), dtype=nl.float32, buffer=nl.psum)
-                dv_block = nl.ndarray((TILE, n_chunks, head_dim), dtype=nl.float32, buffer=nl.psum)
+                dk_block, dv_block = [], []
+                for c in range(chunks.stop - chunks.start):
+                    dk_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
+                    dv_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
                 for i in range(start // TILE, n_tiles):  # only query tiles at or below the block see it
-                    _attention_bwd_block(dq_acc, dk_block, dv_block, head, (k_cols, k_rows, v_cols), mask,
-                                         scale, i, start)
-                for pair in ((dk_acc, dk_block), (dv_acc, dv_block)):
-                    acc, block = pair
-                    if h == kv_head * group:
-                        nisa.tensor_copy(acc[:, chunks, :], block)
-                    else:  # later query heads of the group add onto the first one's dK, dV
-                        nisa.tensor_tensor(acc[:, chunks, :], acc[:, chunks, :], block, nl.add)
+                    _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, i, start)
+                _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
+                             scale, first, last)
+                _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
+                             1.0, first, last)
             dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-            nisa.tensor_scalar(dq_rows, dq_acc, nl.multiply, scale)
-            _store_rows(dq[b, h], dq_rows)
-
-        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-        nisa.tensor_scalar(dk_rows, dk_acc, nl.multiply, scale)
-        _store_rows(dk[b, kv_head], dk_rows)
-        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-        nisa.tensor_copy(dv_rows, dv_acc)
-        _store_rows(dv[b, kv_head], dv_rows)
+            nisa.activation(dq_rows, nl.copy, dq_acc, scale=scale)
+            _store_rows(dq, b, h, dq_rows)
+        _store_rows(dk, b, kv_head, dk_rows)
+        _store_rows(dv, b, kv_head, dv_rows)
     return dq, dk, dv
 
 
 # -----------------------------------------------------------------------------
 # causal flash attention: PyTorch ops around the kernels
+
+
+def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
+    """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan): K rows + cols,
+    V cols, Q rows + cols, dO rows + cols, O rows in the input dtype, dK, dV, dQ in fp32, each S*d/128
+    elements, and the fp32 dO * O products while D is made, plus the per-block tiles. The forward needs
+    less."""
+    return seq_len * head_dim // TILE * (8 * itemsize + 16) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v):
@@ -582,53 +713,56 @@ def _attention_shape_problem(q, k, v):
     if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:] or n_heads % k.shape[1]:
         return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not causal self-attention "
                 "shapes (B, H, T, D) and (B, Hkv, T, D) with Hkv dividing H")
-    if head_dim > TILE:
-        return f"head_dim={head_dim} is over 128, the partitions the kernels keep it on; use more, smaller heads"
+    pieces = _head_dim_pieces(head_dim)
+    if head_dim > ATTENTION_MAX_HEAD_DIM or head_dim % len(pieces):
+        return (f"head_dim={head_dim} is not one the kernels take: up to {ATTENTION_MAX_HEAD_DIM} (contracted in "
+                "two 128-partition pieces), and even above 128; use such a head_dim")
     # The sequence length varies from call to call (generation, short evaluations), so these messages do
     # not quote it: "auto" logs each distinct reason once.
     if seq_len % TILE:
         return "the sequence length is not a multiple of 128, the kernels' tile; use such a sequence_len"
     if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; the kernels take all bfloat16 or all float32"
-    if seq_len * q.element_size() > 8192:
-        return ("the sequence length is over what the backward kernel's SBUF plan holds (4096 in bfloat16, "
-                "2048 in float32); use a shorter sequence_len")
+    if _attention_sbuf_bytes(seq_len, head_dim, q.element_size()) > SBUF_BUDGET:
+        return (f"the sequence length is over what the backward kernel's SBUF plan holds at head_dim={head_dim} "
+                "(sequence_len x head_dim up to 4096 x 128 in bfloat16, 2048 x 128 in float32: K, V, Q, dO, O "
+                "and the fp32 dQ, dK, dV of a head stay on chip); use a shorter sequence_len or a smaller head_dim")
     return None
 
 
-def _flash_attention_forward(q_cols: torch.Tensor, k_cols: torch.Tensor, v: torch.Tensor,
+def _flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_kernel(flash_attention_fwd_kernel, q_cols, k_cols, v, scale)
+    return _run_kernel(flash_attention_fwd_kernel, q, k, v, scale)
 
 
-def _flash_attention_forward_fake(q_cols, k_cols, v, scale):
-    batch, n_heads, head_dim, seq_len = q_cols.shape
-    return (q_cols.new_empty(batch, n_heads, seq_len, head_dim),
-            q_cols.new_empty(batch, n_heads, TILE, seq_len // TILE, dtype=torch.float32))
+def _flash_attention_forward_fake(q, k, v, scale):
+    batch, n_heads, seq_len, head_dim = q.shape
+    return (q.new_empty(batch, n_heads, seq_len, head_dim),
+            q.new_empty(batch, n_heads, TILE, seq_len // TILE, dtype=torch.float32))
 
 
-def _flash_attention_backward(q_cols: torch.Tensor, k_cols: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                               d_out: torch.Tensor, lse: torch.Tensor,
                               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_kernel(flash_attention_bwd_kernel, q_cols, k_cols, v, out, d_out, lse, scale)
+    return _run_kernel(flash_attention_bwd_kernel, q, k, v, out, d_out, lse, scale)
 
 
-def _flash_attention_backward_fake(q_cols, k_cols, v, out, d_out, lse, scale):
-    return out.new_empty(out.shape), v.new_empty(v.shape), v.new_empty(v.shape)
+def _flash_attention_backward_fake(q, k, v, out, d_out, lse, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flash_attention_setup_context(ctx, inputs, output):
-    q_cols, k_cols, v, scale = inputs
+    q, k, v, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q_cols, k_cols, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # an output only for the backward's sake
     ctx.scale = scale
 
 
 def _flash_attention_vjp(backward_op, ctx, d_out, d_lse):  # d_lse: None, lse is non-differentiable
-    q_cols, k_cols, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = backward_op(q_cols, k_cols, v, out, d_out.to(out.dtype).contiguous(), lse, ctx.scale)
-    return dq.transpose(-1, -2), dk.transpose(-1, -2), dv, None  # q and k came in as (B, H, D, T)
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = backward_op(q, k, v, out, d_out.to(out.dtype), lse, ctx.scale)
+    return dq, dk, dv, None
 
 
 if nki is not None:
@@ -1466,12 +1600,13 @@ def attention(q, k, v, mode="auto"):
 
     q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
     Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T a multiple
-    of 128 and head_dim <= 128 (see `_attention_shape_problem`). The PyTorch path is SDPA, except fp32 on
+    of 128, head_dim <= 256 and T x head_dim within the backward's SBUF plan (see `_attention_shape_problem`). The PyTorch path is SDPA, except fp32 on
     CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
     """
     if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
-        q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
-        out, _ = _flash_attention(q_cols, k_cols, v.contiguous(), 1.0 / math.sqrt(q.size(-1)))
+        # as they come, no copies in the graph: the kernels change layouts on chip, and index each (S, d)
+        # head per 128-row tile, so v may be the model's transposed view of a (B, T, Hkv, D) tensor
+        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)))
         return out
     if q.device.type == "cpu" and q.dtype == torch.float32 and q.size(-2) <= CPU_BLOCK_ATTENTION_MAX_LEN:
         groups = q.size(1) // k.size(1)

@@ -119,9 +119,9 @@ class GPTConfig:
         except ValueError as e:
             problems.append(str(e))
             attention_mode = None
-        if attention_mode == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > 128:
-            problems.append(f"kernels='nki' needs head_dim <= 128 (NKI attention keeps it on the 128 partitions), "
-                            f"got {self.head_dim}; raise n_head or use kernels='auto'")
+        if attention_mode == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
+            problems.append(f"kernels='nki' needs head_dim <= {kernels.ATTENTION_MAX_HEAD_DIM} (NKI attention contracts "
+                            f"it in two 128-partition pieces), got {self.head_dim}; raise n_head or use kernels='auto'")
         if attention_mode == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")

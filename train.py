@@ -507,7 +507,7 @@ def main(argv):
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
             total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
-            state = checkpoint.load_checkpoint(checkpoint.resolve_resume(cfg, model_cfg)) if cfg.resume else None
+            state = checkpoint.resume_state(cfg, model_cfg) if cfg.resume else None
             memory.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
             if master:
@@ -540,12 +540,13 @@ def main(argv):
             evaluating = corpus.val_batches is not None
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
             first_eval = evaluate_now(step) if evaluating else None
+            checkpoints = checkpoint.Checkpoints(cfg, raw_model, optimizers, sharding, corpus, ranks, log)
 
             def side_work(step):
                 if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
                     evaluate_now(step)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    checkpoint.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
+                    checkpoints.periodic(step, clock.charged())  # a failure is a warning: training goes on
 
             ended_by = "signal"
             if not stop.received:
@@ -554,7 +555,7 @@ def main(argv):
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":
-                path = checkpoint.write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, clock.charged())
+                path = checkpoints.write(step, clock.charged())
                 log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
             charged = final_save(cfg, step, raw_model, ema, ranks, clock)
@@ -563,6 +564,9 @@ def main(argv):
                 final_eval = None
             log("done", summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
                 train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
+            fallbacks = runtime.cpu_fallbacks(device_type)  # on neuron: which ops TorchNeuron ran on the CPU
+            if fallbacks:
+                log("cpu_fallbacks", fallbacks)
             if master and cfg.sample_tokens and corpus.decode and not stop.received:
                 sample(cfg, raw_model, corpus, device, autocast)
             return {"first_eval": first_eval, "final_eval": final_eval, "step": step}

@@ -5,6 +5,7 @@ checkpoints and the final save; resume and the output folder; `load_for_eval`, t
 """
 import dataclasses
 import glob
+import hashlib
 import os
 import pickle
 import shutil
@@ -24,13 +25,14 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # checkpoints
 
-def write_atomically(path, payload):
-    """torch.save to a temporary file, fsync, rename over the target, fsync the folder: a crash at any
-    moment leaves the old file or the new one, never a torn one. A full disk names the file."""
+def replace_atomically(path, write):
+    """write(f) into a temporary file, fsync, rename over the target, fsync the folder: a crash at any
+    moment leaves the old file or the new one, never a torn one. A failed write (a full disk, no
+    permission) removes the temporary file and names the file and the cause."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -38,12 +40,126 @@ def write_atomically(path, payload):
         os.fsync(dir_fd)  # make the rename itself durable
         os.close(dir_fd)
     except (OSError, RuntimeError) as e:  # a full disk shows as either, depending on where the write stops
-        with suppress(FileNotFoundError):  # the half-written file would only take space
+        with suppress(OSError):  # the half-written file would only take space
             os.remove(tmp)
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
-        raise OSError(f"cannot write {path} ({reason}; {free / 2**20:.1f} MiB free there); the previous file there "
-                      "and earlier checkpoints are intact: free space and resume with --resume=latest") from e
+        folder = os.path.dirname(os.path.abspath(path))
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if isinstance(e, PermissionError):
+            fix = f"make {folder} writable"
+        else:
+            reason += f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
+            fix = "free space"
+        raise OSError(f"cannot write {path} ({reason}); the previous file there and earlier checkpoints are intact: "
+                      f"{fix}, then --resume=latest if the run stopped") from e
+
+
+def write_atomically(path, payload):
+    """torch.save of `payload` with its digests (`payload_digests`) beside it, written atomically
+    (replace_atomically): the file proves its own bytes wherever it is copied."""
+    payload = tree_to_cpu(payload)  # hashed and written from one host copy
+    payload = {**payload, DIGESTS: payload_digests(payload)}
+    replace_atomically(path, lambda f: torch.save(payload, f))
+
+
+# -----------------------------------------------------------------------------
+# digests: every checkpoint proves its bytes (torch.load checks no checksum of the zip archive's records)
+
+DIGESTS = "sha256"  # a .pt's key of its digests
+FOLDER_DIGESTS = "SHA256SUMS"  # a sharded folder's digests of its files, `sha256sum -c` format, written last
+EVERYTHING_ELSE = "its configs, counters and structure"  # the digest of a payload's plain values
+
+
+def tree_to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: tree_to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(tree_to_cpu(v) for v in value)
+    return value
+
+
+def tensor_sha256(t):
+    """sha256 of a CPU tensor's dtype, shape and bytes (hashlib reads the buffer in place: no copy)."""
+    digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def payload_digests(payload):
+    """{path: sha256} of every tensor of a checkpoint's payload (its keys joined by "/"), and under
+    EVERYTHING_ELSE one of the rest: the repr of the structure with each tensor replaced by its path."""
+    tensors = {}
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return f"<tensor {path}>"
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
+        return value
+
+    rest = hashlib.sha256(repr(walk(payload, "")).encode()).hexdigest()
+    return {**{path: tensor_sha256(t) for path, t in tensors.items()}, EVERYTHING_ELSE: rest}
+
+
+def file_sha256(path):
+    """sha256 of a file, read a MiB at a time (as data.py's, which the one-file submission leaves out)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def note_unverified(what):
+    runtime.say(f"note: {what} carries no sha256 digests (written before checkpoints had them): its bytes are not checked")
+
+
+def check_payload(path, state):
+    """Removes the digests from a loaded payload and checks them against its contents; a mismatch raises
+    CheckpointError naming the file, the tensor, and the digest expected and found."""
+    expected = state.pop(DIGESTS, None)
+    if expected is None:
+        return note_unverified(f"checkpoint {path}")
+    found = payload_digests(state)
+    if not isinstance(expected, dict):
+        expected = {}
+    for key in list(expected) + [k for k in found if k not in expected]:
+        if expected.get(key) != found.get(key):
+            what = f"{key} have" if key == EVERYTHING_ELSE else f"tensor {key} has"
+            raise CheckpointError(f"checkpoint {path} is damaged: {what} sha256 {found.get(key, 'none (missing)')}, "
+                                  f"expected {expected.get(key, 'none (not written)')}; use another checkpoint "
+                                  "(--resume=latest takes the newest intact one)")
+
+
+def write_folder_digests(folder):
+    """FOLDER_DIGESTS of every other file in `folder`, written last: its presence says the rest is complete."""
+    names = sorted(n for n in os.listdir(folder) if n != FOLDER_DIGESTS)
+    text = "".join(f"{file_sha256(os.path.join(folder, n))}  {n}\n" for n in names)
+    replace_atomically(os.path.join(folder, FOLDER_DIGESTS), lambda f: f.write(text.encode()))
+
+
+def check_folder(folder):
+    """Every file a sharded checkpoint's FOLDER_DIGESTS lists is there with its sha256; raises CheckpointError
+    naming the first that is not."""
+    listing = os.path.join(folder, FOLDER_DIGESTS)
+    if not os.path.exists(listing):
+        return note_unverified(f"sharded checkpoint {folder}")
+    with open(listing, "rb") as f:
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    expected = dict(reversed(line.split("  ", 1)) for line in lines if "  " in line)
+    if not expected or len(expected) != len(lines):
+        raise CheckpointError(f"sharded checkpoint {folder} is damaged: its {FOLDER_DIGESTS} is not a list of digests; "
+                              "use another checkpoint (--resume=latest takes the newest intact one)")
+    for name, want in expected.items():
+        file = os.path.join(folder, name)
+        got = file_sha256(file) if os.path.isfile(file) else "none (the file is missing)"
+        if got != want:
+            raise CheckpointError(f"sharded checkpoint {folder} is damaged: {name} has sha256 {got}, expected {want}; "
+                                  "use another checkpoint (--resume=latest takes the newest intact one)")
 
 
 def optimizer_state(model, optimizers, sharding=None, distributed=False):
@@ -86,23 +202,102 @@ def save_checkpoint(path, model, optimizers, step, train_time, loader_state, tra
                             **run_state(step, train_time, loader_state, train_cfg, model_cfg), "kernels": model.kernels_ran})
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written, on any rank: every rank raises it alike. Nothing that looks
+    complete was left behind."""
+
+
+def describe(e):
+    """One line for an exception: its type and first line; for torch.distributed.checkpoint's, the first
+    failing rank's own."""
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        rank, (first, _) = next(iter(failures.items()))
+        return f"torch.distributed.checkpoint failed on rank {rank}: {describe(first)}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def on_every_rank(group, work, errors=(Exception,)):
+    """work() on this rank, then every rank learns whether any failed: a failure anywhere raises
+    CheckpointWriteError on every rank, naming the first failing rank and its cause, so that no rank goes
+    on to a collective the others will not join (it would wait forever). Returns work()'s result."""
+    try:
+        result, failure = work(), None
+    except errors as e:
+        result, failure = None, describe(e)
+    if group is not None:  # one small all-gather on the CPU (gloo) control group
+        reports = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, failure, group=group)
+        # torch.distributed.checkpoint's failure reaches every rank, naming the one where it happened
+        failure = next((f if "failed on rank" in f else f"rank {r}: {f}" for r, f in enumerate(reports) if f), None)
+    if failure:
+        raise CheckpointWriteError(failure)
+    return result
+
+
 def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
     """A folder written by every rank through torch.distributed.checkpoint: the weights (identical on every
     rank, written once) and each rank's own optimizer state, keyed by parameter name so that any number of
-    ranks can load it; `run` (run_state) goes beside it in meta.pt, written by rank 0. It is written as
-    PATH.tmp and renamed when complete, so a crash leaves the previous checkpoints as they were."""
+    ranks can load it; `run` (run_state) goes beside it in meta.pt, and last the digests of every file
+    (FOLDER_DIGESTS), written by rank 0. It is written as PATH.tmp and renamed when complete, so a crash
+    leaves the previous checkpoints as they were. A failure on any rank, in building the DTensors, in
+    torch.distributed.checkpoint or in the files, raises CheckpointWriteError on every rank (each step
+    ends in the ranks' agreement, `on_every_rank`) and removes PATH.tmp."""
     import torch.distributed.checkpoint as dcp  # imported where used, as DTensor is (optimizer_state)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    tmp = f"{path}.tmp"
-    state = optimizer_state(model, optimizers, sharding, distributed=group is not None)
-    dcp.save({"model": model.state_dict(), "optimizers": state}, checkpoint_id=tmp, process_group=group, no_dist=group is None)
-    if group is None or dist.get_rank() == 0:
-        write_atomically(os.path.join(tmp, "meta.pt"), {**run, "kernels": model.kernels_ran})
-        if os.path.exists(path):  # the same step written before: this one replaces it
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+    tmp, writer = f"{path}.tmp", group is None or dist.get_rank() == 0
+    try:
+        state = on_every_rank(group, lambda: optimizer_state(model, optimizers, sharding, distributed=group is not None))
+        on_every_rank(group, lambda: dcp.save({"model": model.state_dict(), "optimizers": state}, checkpoint_id=tmp,
+                                              process_group=group, no_dist=group is None),
+                      errors=(Exception, CheckpointException))
+
+        def finish():
+            if writer:
+                write_atomically(os.path.join(tmp, "meta.pt"), {**run, "kernels": model.kernels_ran})
+                write_folder_digests(tmp)
+                if os.path.exists(path):  # the same step written before: this one replaces it
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+
+        on_every_rank(group, finish)
+    except CheckpointWriteError as e:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"cannot write sharded checkpoint {path}: {e}") from None
+
+
+def consolidated_optimizer_state(model, optimizers, sharding, group):
+    """optimizer_state of the whole model, as one process holds it, on rank 0 (None on the others): every
+    rank's pieces gathered over `group` (the CPU control group) in host memory, a table's blocks of rows
+    joined in order and each whole tensor's state taken from the rank that owns it. Needs no DTensor and
+    no torch.distributed.checkpoint: the fallback when a sharded save failed."""
+    names = {p: name for name, p in model.named_parameters()}
+
+    def pieces_here():  # {name: (first row, {state name: tensor on the CPU})}
+        return {names[sharding.rows_of[tensor][0]]: (sharding.rows_of[tensor][1].start or 0,
+                                                     {k: v.detach().cpu() for k, v in state.items()})
+                for tensor, state in optim.param_states(optimizers).items()}
+
+    mine = on_every_rank(group, pieces_here)
+    parts = [mine]
     if group is not None:
-        dist.barrier(group=group)
+        parts = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=group)
+        if dist.get_rank() != 0:
+            return None
+    pieces = {}
+    for part in parts:
+        for name, piece in part.items():
+            pieces.setdefault(name, []).append(piece)
+    states = {}
+    for name in names.values():
+        if name in pieces:
+            blocks = [state for _, state in sorted(pieces[name], key=lambda piece: piece[0])]
+            states[name] = {k: torch.cat([b[k] for b in blocks]) if v.ndim else v for k, v in blocks[0].items()}
+    return states
 
 
 def save_final(path, model, model_cfg, train_cfg, step, train_time):
@@ -167,19 +362,55 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
     return state["step"], state["train_time"]
 
 
-def write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, charged):
+def write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, charged, consolidate=False):
     """out_dir/ckpt_<step>.pt (by rank 0), or with a sharded optimizer the folder ckpt_<step>.dcp (by every
-    rank), keeping the newest keep_checkpoints; returns its path."""
-    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if sharding is not None else 'pt'}")
-    if sharding is not None:
+    rank), keeping the newest keep_checkpoints; returns its path. consolidate: a sharded optimizer's state
+    is gathered to rank 0, which writes one ckpt_<step>.pt (consolidated_optimizer_state)."""
+    folder = sharding is not None and not consolidate
+    path = os.path.join(cfg.out_dir, f"ckpt_{step:07d}.{'dcp' if folder else 'pt'}")
+    if folder:
         run = run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)
         save_sharded_checkpoint(path, raw_model, optimizers, sharding, ranks.control, run)
+    elif sharding is not None:
+        states = consolidated_optimizer_state(raw_model, optimizers, sharding, ranks.control)
+        if ranks.rank == 0:
+            write_atomically(path, {"model": raw_model.state_dict(), "optimizers": states,
+                                    **run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)})
     elif ranks.rank == 0:
         save_checkpoint(path, raw_model, optimizers, step, charged, corpus.state_dict(), cfg, raw_model.config)
     if ranks.rank == 0:
         for old in periodic_checkpoints(cfg.out_dir)[: -cfg.keep_checkpoints]:
             shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
     return path
+
+
+class Checkpoints:
+    """The run's resumable checkpoints. `write`: one that must land (a stop signal's), raising if it cannot.
+    `periodic`: one that cannot end the run: if it fails (an exception from torch.distributed.checkpoint or
+    DTensor, a full disk, no permission) it is logged as a warning naming the cause, nothing that looks
+    complete is left behind, and training goes on; the final save still happens. After a sharded save
+    failed, the next ones are consolidated files written by rank 0, which need neither DTensor nor
+    torch.distributed.checkpoint (every rank learns of a sharded failure, so all switch together)."""
+
+    def __init__(self, cfg, raw_model, optimizers, sharding, corpus, ranks, log):
+        self.cfg, self.raw_model, self.optimizers, self.sharding = cfg, raw_model, optimizers, sharding
+        self.corpus, self.ranks, self.log, self.consolidate = corpus, ranks, log, False
+
+    def write(self, step, charged):
+        return write_checkpoint(self.cfg, self.raw_model, self.optimizers, self.sharding, self.corpus, self.ranks,
+                                step, charged, self.consolidate)
+
+    def periodic(self, step, charged):
+        try:
+            return self.write(step, charged)
+        except Exception as e:  # whatever the cause, it is logged and the run goes on
+            sharded = self.sharding is not None and not self.consolidate and isinstance(e, CheckpointWriteError)
+            self.consolidate |= sharded
+            then = ("; the next checkpoints are consolidated ckpt_*.pt files written by rank 0" if sharded else "")
+            cause = str(e) if isinstance(e, OSError) else describe(e)
+            self.log("checkpoint_failed", f"warning: the checkpoint of step {step} was not written ({cause}); training "
+                     f"goes on, the earlier checkpoints are intact{then}", step=step, cause=cause, consolidate_next=self.consolidate)
+            return None
 
 
 def measure_final_save(cfg, raw_model, ranks):
@@ -212,19 +443,22 @@ RUN_KEYS = ("step", "train_time", "loader", "rng", "train_config", "model_config
 CHECKPOINT_KEYS = ("model", "optimizers") + RUN_KEYS
 
 
-def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
+def load_checkpoint(path, keys=CHECKPOINT_KEYS, mmap=False, verify=True):
     """Tensors and plain containers only (weights_only=True): a checkpoint file can never run code. Every way a
-    file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing) raises
-    CheckpointError naming it; torch's own advice for some of these (weights_only=False) would be unsafe.
-    mmap: map the tensors instead of reading them, to look at a checkpoint's configs cheaply. A sharded
-    checkpoint's folder gives its meta.pt, and "folder", its path, for `restore` to read the tensors from.
-    (torch.distributed.checkpoint reads the folder's .metadata with pickle, torch/distributed/checkpoint/
-    filesystem.py: resume only from folders you wrote.)"""
+    file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing, bytes that no
+    longer match their digests) raises CheckpointError naming it; torch's own advice for some of these
+    (weights_only=False) would be unsafe. verify: check the digests (`check_payload`, `check_folder`); a
+    checkpoint written before they existed loads with a note. Tensors load on the CPU; mmap: map them
+    instead of reading them. A sharded checkpoint's folder gives its meta.pt, and "folder", its path, for
+    `restore` to read the tensors from. (torch.distributed.checkpoint reads the folder's .metadata with
+    pickle, torch/distributed/checkpoint/filesystem.py: resume only from folders you wrote.)"""
     if str(path).endswith(".dcp") and os.path.isdir(path):
         if not os.path.exists(os.path.join(path, ".metadata")):
             raise CheckpointError(f"sharded checkpoint {path} lacks its .metadata: it was not completely written; "
                                   "use another checkpoint")
-        return {**load_checkpoint(os.path.join(path, "meta.pt"), device, RUN_KEYS, mmap), "folder": path}
+        if verify:
+            check_folder(path)
+        return {**load_checkpoint(os.path.join(path, "meta.pt"), RUN_KEYS, mmap, verify=False), "folder": path}
     size = os.path.getsize(path)  # a missing file raises FileNotFoundError, which names it
     if size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never written; use another checkpoint")
@@ -232,13 +466,17 @@ def load_checkpoint(path, device="cpu", keys=CHECKPOINT_KEYS, mmap=False):
         raise CheckpointError(f"checkpoint {path} ({size:,} bytes) is not a PyTorch checkpoint: truncated, or another "
                               "kind of file; use another checkpoint")
     try:
-        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: not for a file like this
         what = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "unknown content")
         raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain containers, refused "
                               f"unloaded ({what}); only load files you trust") from e
     except RuntimeError as e:  # the zip reader's errors: a damaged archive whose directory survived
         raise CheckpointError(f"checkpoint {path} is damaged ({str(e).splitlines()[0]}); use another checkpoint") from e
+    if verify and isinstance(state, dict):
+        check_payload(path, state)
+    elif isinstance(state, dict):
+        state.pop(DIGESTS, None)
     missing = [k for k in keys if not isinstance(state, dict) or k not in state]
     if "optimizers" in missing and isinstance(state, dict) and {"model", "model_config"} <= state.keys():
         raise CheckpointError(f"checkpoint {path} holds the weights only (a final.pt, for evaluation); resume from "
@@ -289,7 +527,7 @@ def load_for_eval(checkpoint_path, device="cpu"):
     (A whole-model bf16 cast instead would put the norms, residual stream and logits in bf16, which
     training never did: docs/results.md measures both.)"""
     device = torch.device(device)
-    state = load_checkpoint(checkpoint_path, "cpu", keys=("model", "model_config"))
+    state = load_checkpoint(checkpoint_path, keys=("model", "model_config"))
     trained_in = state.get("train_config", {}).get("dtype")
     model = inference_model(state["model"], state["model_config"], "cpu", state.get("kernels"),
                             torch.bfloat16 if trained_in == "bfloat16" else None)
@@ -315,37 +553,51 @@ def config_differences(state, cfg, model_cfg):
     return incompatible, differ(state["train_config"], now, skip)
 
 
-def resolve_resume(cfg, model_cfg):
-    """The checkpoint to resume from. An explicit path is taken if it can be loaded into this run (another
-    model shape or matrix optimizer cannot); --resume=latest takes the newest periodic checkpoint of out_dir
-    whose run config matches this one (any loadable one with --resume_any_config), saying which it took
-    and which it skipped and why."""
+def resume_state(cfg, model_cfg):
+    """The loaded checkpoint to resume from. An explicit path is taken if it can be loaded into this run
+    (another model shape or matrix optimizer cannot) and its bytes match their digests; --resume=latest
+    takes the newest intact periodic checkpoint of out_dir whose run config matches this one (any loadable
+    one with --resume_any_config), saying which it took and which it skipped and why: damaged bytes are
+    never resumed from. The configs are compared first, from the memory-mapped file, so that only a
+    candidate is hashed."""
+    def load(path):
+        state = load_checkpoint(path, mmap=True, verify=False)
+        incompatible, other = config_differences(state, cfg, model_cfg)
+        if not incompatible and (cfg.resume != "latest" or not other or cfg.resume_any_config):
+            state = load_checkpoint(path, mmap=True)  # hashed only once its configs fit
+        return state, incompatible, other
+
     if cfg.resume != "latest":
         if not os.path.exists(cfg.resume):
             raise FileNotFoundError(f"--resume={cfg.resume}: no such checkpoint")
-        incompatible, other = config_differences(load_checkpoint(cfg.resume, mmap=True), cfg, model_cfg)
+        state, incompatible, other = load(cfg.resume)
         if incompatible:
             raise CheckpointError(f"{cfg.resume} holds a different model or optimizer: {'; '.join(incompatible)}; "
                                   "pass the flags it was trained with")
         if other:
             runtime.say(f"resuming from {cfg.resume}, which was trained with other settings: {'; '.join(other)}")
-        return cfg.resume
+        return state
     found = periodic_checkpoints(cfg.out_dir)
     if not found:
         raise FileNotFoundError(f"--resume=latest: no ckpt_*.pt or ckpt_*.dcp in {cfg.out_dir}; pass a checkpoint path instead")
-    skipped = []
+    skipped, unusable = [], 0
     for path in reversed(found):
         try:
-            incompatible, other = config_differences(load_checkpoint(path, mmap=True), cfg, model_cfg)
-        except CheckpointError as e:  # a damaged newest checkpoint should not hide a good older one
+            state, incompatible, other = load(path)
+        except CheckpointError as e:  # a damaged newest checkpoint must not hide a good older one
             skipped.append(f"{path}: {e}")
+            unusable += 1
             continue
         if incompatible or (other and not cfg.resume_any_config):
             skipped.append(f"{path}: another run config: {'; '.join(incompatible + other)}")
             continue
         runtime.say(f"resuming from {path}" + (f" (its run config differs: {'; '.join(other)})" if other else "")
-            + "".join(f"\n  skipped {s}" for s in skipped))
-        return path
+                    + "".join(f"\n  skipped {s}" for s in skipped))
+        return state
+    if unusable == len(found):
+        raise CheckpointError(f"--resume=latest: every checkpoint in {cfg.out_dir} is damaged or unreadable, none is "
+                              f"resumed from; start again with --start_over=true or pass an intact checkpoint "
+                              f"(skipped {' | '.join(skipped)})")
     hint = " or --resume_any_config=true to accept other settings" if not cfg.resume_any_config else ""
     raise CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
                           f"trained with{hint} (skipped {' | '.join(skipped)})")

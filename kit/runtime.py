@@ -12,6 +12,12 @@ import os
 # half the throughput without -O1 (marker2601/trainium-simulator docs/FINDINGS.md). Precision is left to the
 # graph (autocast), not to the compiler. A user's own setting wins.
 os.environ.setdefault("NEURON_CC_FLAGS", "--optlevel=1 --auto-cast=none")
+# Fail loudly: a torch.compile(backend="neuron") graph that fails to compile or run raises, instead of running
+# the graph op by op at a fraction of the speed (torch_neuronx/neuron_dynamo_backend/backend.py,
+# execution_wrapper: _getenv_bool("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", False) in the public copy in
+# parmoham-aws/test-repo-parmoham; the TorchNeuron docs, torch/reference/env-vars, give True as the default from
+# SDK 2.33, so older releases such as the contest's 2.11.3 beta may fall back silently). A user's own setting wins.
+os.environ.setdefault("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
 
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
@@ -247,6 +253,24 @@ def synchronize(device_type):
         torch.cuda.synchronize()
     elif device_type == "neuron":
         torch.neuron.synchronize()
+
+
+def cpu_fallbacks(device_type):
+    """A line naming the ATen ops TorchNeuron ran on the CPU during this process (eager ops without a Neuron
+    kernel fall back to the CPU silently, even with TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION), or None off
+    Trainium or where the installed torch_neuronx does not expose the list. The list is
+    torch_neuronx.get_fallback_ops() (torch_neuronx/__init__.py, backed by FallbackOpTracker in
+    torch_neuronx/csrc/core/NeuronOpTracking.h; public copy in parmoham-aws/test-repo-parmoham)."""
+    if device_type != "neuron":
+        return None
+    import torch_neuronx
+
+    get_fallback_ops = getattr(torch_neuronx, "get_fallback_ops", None)
+    if get_fallback_ops is None:
+        return "CPU fallbacks: this torch_neuronx has no get_fallback_ops(); they cannot be listed"
+    ops = sorted(set(get_fallback_ops()))
+    return (f"CPU fallbacks: TorchNeuron ran {len(ops)} op(s) on the CPU: {', '.join(ops)}" if ops
+            else "CPU fallbacks: none (every op ran on the NeuronCores)")
 
 
 def trainium_generation():

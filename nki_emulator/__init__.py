@@ -15,6 +15,7 @@ In tests, :func:`install` makes ``import nki`` give the real package when it imp
 """
 
 import functools
+import inspect
 import sys
 
 import numpy as np
@@ -65,6 +66,7 @@ class Kernel:
         return Kernel(self.fn, lnc, grid=True)
 
     def __call__(self, *args, **kwargs):
+        self._check_arguments(args, kwargs)
         torch_out = any(_is_torch(a) for a in (*args, *kwargs.values()))
         args = tuple(_to_device(a, f"argument {i}") for i, a in enumerate(args))
         kwargs = {k: _to_device(v, f"argument {k!r}") for k, v in kwargs.items()}
@@ -82,6 +84,19 @@ class Kernel:
             # parmoham-aws/test-repo-parmoham).
             return outputs[0]
         return outputs
+
+
+    def _check_arguments(self, args, kwargs):
+        """The NKI front end binds the kernel's own parameters to what the caller passes, positionally
+        or by keyword, and ignores their defaults (leanprover/KLR KLR/NKI/Simplify.lean ``args``,
+        l. 492-505: "argument ... not supplied"); the helpers a kernel calls do take defaults
+        (KLR/Trace/NKI.lean ``bindArgs``, l. 280-299)."""
+        parameters = list(inspect.signature(self.fn).parameters.values())
+        missing = [p.name for p in parameters[len(args):] if p.name not in kwargs
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if missing:
+            raise NkiValidationError(f"nki.jit: {self.fn.__qualname__}: argument {missing[0]} not supplied (the NKI "
+                                     f"front end does not apply a kernel's defaults: pass {', '.join(missing)})")
 
 
 # ---- host <-> device -------------------------------------------------------------------------------

@@ -115,11 +115,12 @@ class _Storage:
 class NkiTensor:
     """A view of a storage: shape, dtype and buffer of an NKI tensor (kernel argument or allocation)."""
 
-    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect")
+    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect", "_subscript")
 
     def __init__(self, storage, data, written, matmul_written, indirect=False):
         self._storage, self._data, self._written, self._matmul_written = storage, data, written, matmul_written
         self._indirect = indirect  # made by ap(scalar_offset=...): addressed through a runtime index
+        self._subscript = None  # made by t[key]: (KLR's shape of it, its integer-indexed dims, strided?)
 
     shape = property(lambda self: self._data.shape)
     dtype = property(lambda self: self._data.dtype)
@@ -250,8 +251,16 @@ class NkiTensor:
         return NkiTensor(self._storage, fn(self._data, 0), written, matmul_written)
 
     def __getitem__(self, key):
-        """NumPy-style basic indexing: ints, slices (step >= 1), ``...``, ``nl.ds``; returns a view."""
+        """NumPy-style basic indexing: ints, slices (step >= 1), ``...``, ``nl.ds``; returns a view.
+
+        As the NKI front end reads a subscript (leanprover/KLR KLR/Trace/Term.lean ``toIndex'``,
+        l. 252-279): an integer index is a coordinate in [0, size), so a negative one is refused,
+        "index out of range of tensor dimension"; slice bounds may be negative (counted from the end).
+        A subscript of a subscripted tensor (``t[b, h]``, then ``[a:c, :]`` of that) is refused where
+        KLR refuses it or would lower it to another access than Python's; see ``_check_chained``."""
         key = key if isinstance(key, tuple) else (key,)
+        if self._subscript is not None:
+            self._check_chained(key)
         shape = self.shape
         ellipses = [at for at, k in enumerate(key) if k is Ellipsis]
         if len(ellipses) > 1:
@@ -267,9 +276,11 @@ class NkiTensor:
             if isinstance(k, slice):
                 index.append(_check_slice(k, n, dim))
             elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
-                i = int(k) + n if k < 0 else int(k)
+                i = int(k)
                 if not 0 <= i < n:
-                    raise NkiValidationError(f"tensor index: {k} is out of bounds for dim {dim} of size {n}")
+                    raise NkiValidationError(f"tensor index: {k} is out of bounds for dim {dim} of size {n}: index "
+                                             "out of range of tensor dimension (the NKI front end takes no negative "
+                                             "integer index of a tensor: leanprover/KLR KLR/Trace/Term.lean l. 278)")
                 index.append(i)
                 integer_dims.append(dim)
             else:
@@ -281,7 +292,58 @@ class NkiTensor:
         if integer_dims and len(shape) - len(integer_dims) < (2 if on_chip else 1):
             last = integer_dims[-1]  # keep the last indexed dim at size 1 so the result stays >= 2-D (1-D)
             index[last] = slice(index[last], index[last] + 1)
-        return self._view(tuple(index))
+        view = self._view(tuple(index))
+        fixed = [dim for dim, k in enumerate(key) if not isinstance(k, slice)]
+        if self._subscript is not None:  # a merged access: KLR reads its next subscript another way
+            view._subscript = (None, self._subscript[1] + fixed, False)
+        else:
+            kept_shape = tuple(1 if dim in fixed else len(range(*index[dim].indices(n))) for dim, n in enumerate(shape))
+            view._subscript = (kept_shape, fixed, any(isinstance(k, slice) and k.step not in (None, 1) for k in key))
+        return view
+
+    def _check_chained(self, key):
+        """A subscript of ``self``, itself made by a subscript, as KLR traces it: KLR/Trace/Term.lean
+        ``access`` (l. 436-443) reads the new indexes against the first subscript's shape with its
+        integer-indexed dims kept at size 1 (KLR/Core/Tensor.lean ``AccessBasic.shape``, l. 407-410), then
+        merges the two into one access pattern (KLR/Core/Indexing.lean ``Access.combine``, l. 183-197).
+        Refused: a new slice with a step ("can't combine indecies with stride != 1", Indexing.lean
+        l. 190); an index out of that kept shape ("index out of range of tensor dimension", Term.lean
+        l. 270-279): so ``t[b, h][a:c, :]`` of a (B, H, S, d) tensor; and the cases KLR accepts but lowers
+        to another access than Python's: an integer-indexed dim before a sliced one (``normWithAP``,
+        Indexing.lean l. 170-181, pairs the new indexes with the wrong dims), or a first subscript with a
+        step (``idxToAp``, Indexing.lean l. 69-82, drops it). Accepted: chains of slices, and chains after
+        integer indexes of trailing dims only (``t[:, 3][0:4]``), which both read as Python reads them."""
+        kept_shape, fixed, strided = self._subscript
+        where = f"a subscript {_key_text(key)} of a subscripted tensor"
+        if any(isinstance(k, slice) and k.step not in (None, 1) for k in key):
+            raise NkiValidationError(f"tensor index: {where}: can't combine indecies with stride != 1 (leanprover/KLR "
+                                     "KLR/Core/Indexing.lean l. 190); index the tensor once")
+        if kept_shape is None and fixed:
+            raise NkiValidationError(
+                f"tensor index: {where} (the third in a row, after an integer index): the front end reads it against "
+                "the whole tensor's shape (leanprover/KLR KLR/Trace/Term.lean l. 440-441); index the tensor once")
+        if fixed and kept_shape is not None:
+            if Ellipsis in key:
+                at = key.index(Ellipsis)
+                key = key[:at] + (slice(None),) * (len(kept_shape) - len(key) + 1) + key[at + 1:]
+            full = tuple(key) + (slice(None),) * (len(kept_shape) - len(key))
+            for k, n in zip(full, kept_shape):
+                start, stop = (k.start or 0, n if k.stop is None else k.stop) if isinstance(k, slice) else (k, k + 1)
+                start, stop = start + (n if start < 0 else 0), stop + (n if stop < 0 else 0)
+                if len(full) > len(kept_shape) or not 0 <= start < stop <= n:
+                    raise NkiValidationError(
+                        f"tensor index: {where}: index out of range of tensor dimension (leanprover/KLR "
+                        f"KLR/Trace/Term.lean l. 270-279: the front end reads it against the first subscript's shape "
+                        f"with integer-indexed dims kept at size 1, here {kept_shape}); index the tensor once, e.g. "
+                        "t[b, h, a:c, :]")
+            if fixed != list(range(len(kept_shape) - len(fixed), len(kept_shape))):
+                raise NkiValidationError(
+                    f"tensor index: {where}: the front end pairs these indexes with other dims than Python does "
+                    "(leanprover/KLR KLR/Core/Indexing.lean Access.normWithAP, l. 170-181); index the tensor once")
+        if strided:
+            raise NkiValidationError(f"tensor index: {where}: the front end drops the first subscript's step when it "
+                                     "merges the two (leanprover/KLR KLR/Core/Indexing.lean idxToAp, l. 69-82); index "
+                                     "the tensor once")
 
     def reshape(self, shape):
         """A view with another shape; needs a layout that allows it without copying. On-chip tensors
@@ -354,6 +416,11 @@ class NkiTensor:
         matmul_written = None if storage.matmul_written is None else \
             strided(storage.matmul_written.reshape(-1), element.itemsize, 0)
         return NkiTensor(storage, data, written, matmul_written, indirect=scalar_offset is not None)
+
+
+def _key_text(key):
+    return "[" + ", ".join(f"{k.start if k.start is not None else ''}:{k.stop if k.stop is not None else ''}"
+                           if isinstance(k, slice) else "..." if k is Ellipsis else str(k) for k in key) + "]"
 
 
 def _check_slice(k, n, dim):

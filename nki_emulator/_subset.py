@@ -62,10 +62,24 @@ says anything; the migration guide's "Language restrictions" differ on keyword-o
   write explicit loops with ``.append``. Of ``math``: pi, e, inf, nan, ceil, floor, gcd, log2, log10,
   pow, sqrt (Trace/Python.lean ``pythonEnv``, ``math.*``).
 
+- Globals and modules (gather.c ``reference``, l. 722-790, resolves every name and attribute chain
+  when it gathers the kernel; ``const_expr``/``value``, l. 486-565 and 798-841, turn values into
+  constants): a global or module constant holding an int outside int32, also inside a tuple, list or
+  dict, is refused ("integer value (...) is too large"/"too small", l. 816-819); numpy's functions and
+  types are not gathered ("skip numpy", ``add_work`` l. 252), so ``np.exp`` is "name numpy.exp not
+  found"; a builtin (C) function of another module (``os.getcwd``) becomes None. Module constants
+  (``np.pi``, ``os.sep``), Python functions and classes of other modules are accepted, as there.
+- ``for x in d`` over a dict: "not an iterable object" (Trace/Python.lean ``fetchIter``, l. 246-254;
+  only None, tuples and lists iterate); checked where the iterator is a dict display or ``dict(...)``.
+- Run time, outside this module: a kernel's parameters all come from its caller, defaults unused
+  ("argument ... not supplied", KLR/NKI/Simplify.lean ``args`` l. 492-505; ``Kernel`` in __init__.py);
+  tensor subscripts follow KLR/Trace/Term.lean (no negative integer index, chained subscripts as
+  ``NkiTensor.__getitem__`` in _memory.py says).
+
 Checked: the kernel function and, transitively, every plain function of the kernel's own module that
 it names (those are inlined into it at specialisation). Not checked: what depends on the values at run
-time (iterating a dict, attributes of tensors, methods of lists and dicts: Trace/Term.lean ``attr``),
-and NKIObject classes.
+time (iterating a dict held in a variable, attributes of tensors, methods of lists and dicts:
+Trace/Term.lean ``attr``), and NKIObject classes.
 """
 
 import ast
@@ -197,6 +211,13 @@ def _problems(function, tree):
                 return f"{name} is not one of NKI's Python builtins"
             case ast.Attribute(value=ast.Name(id=name), attr=attr) if function.__globals__.get(name) is math:
                 return None if attr in _MATH else f"math.{attr} is not in NKI's math library"
+            case ast.Attribute(value=ast.Name(id=name), attr=attr) if name not in local_names \
+                    and isinstance(function.__globals__.get(name), types.ModuleType):
+                return _module_attribute_problem(function.__globals__[name], attr)
+            case ast.Name(id=name, ctx=ast.Load()) if name not in local_names and name in function.__globals__:
+                return _constant_problem(function.__globals__[name], name)
+            case ast.For(iter=ast.Dict() | ast.Call(func=ast.Name(id="dict"))):
+                return "not an iterable object (a dict; loop over its .keys(), .values() or .items())"
             case ast.Call(func=callee, args=args, keywords=keywords) if _last_name(callee) in _RANGES:
                 if id(node) not in loop_iterators:
                     return f"{ast.unparse(callee)}() outside a for-loop header (a range is only a loop's iterator)"
@@ -216,6 +237,43 @@ def _problems(function, tree):
         what = problem(node)
         if what:
             yield node.lineno, what
+
+
+def _constant_problem(value, name):
+    """What gather.c refuses in a global the kernel names (``value``, l. 798-841, through ``const_expr``,
+    l. 486-565, which walks tuples, lists and dicts): an int outside int32."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            problem = _constant_problem(item, name)
+            if problem:
+                return problem
+    elif isinstance(value, dict):
+        return _constant_problem(tuple(value.values()), name)
+    elif isinstance(value, int) and not isinstance(value, bool) and not -_INT32_MAX - 1 <= value <= _INT32_MAX:
+        return f"integer value ({value}) is too {'large' if value > 0 else 'small'} (the global {name})"
+    return None
+
+
+def _module_attribute_problem(module, attr):
+    """``module.attr`` as gather.c's ``reference`` (l. 722-790) resolves it when it gathers the kernel: a
+    Python function is gathered as kernel code, a class as an NKI class, a module stays a path, any other
+    value becomes a constant through ``const_expr``/``value``. numpy's functions and types are skipped
+    (``add_work``, l. 252: "skip numpy"), so the front end does not find them; builtin (C) functions, such
+    as ``os.getcwd``, have no ``__dict__`` and ``value`` turns them into None. nki's own modules are
+    KLR's builtins, not checked here."""
+    qualified = f"{module.__name__}.{attr}"
+    if module.__name__.split(".")[0] in ("nki", "nki_emulator"):
+        return None
+    if not hasattr(module, attr):
+        return f"name {qualified} not found"
+    value = getattr(module, attr)
+    if module.__name__.split(".")[0] == "numpy" and (callable(value) or isinstance(value, type)):
+        return f"name {qualified} not found (the front end does not gather numpy's functions and types)"
+    if isinstance(value, (types.FunctionType, type, types.ModuleType)) or hasattr(value, "__dict__"):
+        return None
+    if callable(value):
+        return f"{qualified} is a builtin function, which the front end reads as None (use nl or math)"
+    return _constant_problem(value, qualified)
 
 
 def _last_name(expr):

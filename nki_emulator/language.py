@@ -9,7 +9,11 @@ Names such as ``max``, ``min``, ``sum``, ``abs`` and ``copy`` shadow Python buil
 as they do in the real one, so the code here does not use those builtins.
 """
 
+import ast
+import inspect
 import math
+import textwrap
+import types
 
 import numpy as np
 
@@ -52,12 +56,15 @@ def is_sbuf(buffer):
 
 
 class NKIObject:
-    """Base class of kernel-side classes. As the NKI language guide says (aws-neuron/aws-neuron-sdk,
-    nki/get-started/nki-language-guide.rst, "Class Support"), with or without ``@dataclass`` such a class
-    gets an ``__init__`` taking its annotated fields in order, positionally or by keyword, each
-    defaulting to its class-level value or None, and calling ``__post_init__`` if the class has one;
-    a class that writes its own ``__init__`` keeps it. The base takes keyword arguments only and sets
-    them as attributes (the 0.6 stub's ``NKIObject.__init__(self, **kwargs)``)."""
+    """Base class of kernel-side classes. As the NKI front end builds them (leanprover/KLR
+    interop/klr/gather.c ``class``, l. 1570-1610, and KLR/NKI/Classes.lean ``genInitStandard``,
+    l. 85-117), with or without ``@dataclass``, a class's fields are the names it assigns in its own
+    body, annotated (``x: int = 1``, ``x: int``) or plain (``x = None``, as aws-neuron/nki-library's
+    attention_cte.py ``AttnInternalBuffers`` and ``SectionParams`` declare theirs), in body order;
+    such a class gets an ``__init__`` taking them positionally or by keyword, each defaulting to its
+    class-level value or None, and calling ``__post_init__`` if the class has one; a class that writes
+    its own ``__init__`` keeps it. Methods are not fields. The base takes keyword arguments only and
+    sets them as attributes (the 0.6 stub's ``NKIObject.__init__(self, **kwargs)``)."""
 
     def __init__(self, **kwargs):
         for name, value in kwargs.items():
@@ -67,11 +74,7 @@ class NKIObject:
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             return
-        fields = []
-        for klass in reversed(cls.__mro__):
-            for name in klass.__dict__.get("__annotations__", {}):
-                if name not in fields:
-                    fields.append(name)
+        fields = _class_fields(cls)
 
         def __init__(self, *args, **kwargs):
             if len(args) > len(fields):
@@ -92,6 +95,29 @@ class NKIObject:
 
         __init__.__qualname__ = f"{cls.__qualname__}.__init__"
         cls.__init__ = __init__
+
+
+def _class_fields(cls):
+    """The names the class's own body assigns, in order, as gather.c's ``class`` reads them (it does not
+    follow base classes): ``x = ...``, ``x: T = ...`` and ``x: T``. Without source to read: its
+    annotations, then its other attributes that are not functions or descriptors."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError):
+        names = list(cls.__dict__.get("__annotations__", {}))
+        names += [name for name, value in cls.__dict__.items()
+                  if not isinstance(value, (types.FunctionType, property, classmethod, staticmethod))]
+    else:
+        names = []
+        for statement in body:
+            targets = statement.targets if isinstance(statement, ast.Assign) else \
+                [statement.target] if isinstance(statement, ast.AnnAssign) else []
+            names += [target.id for target in targets if isinstance(target, ast.Name)]
+    fields = []
+    for name in names:
+        if not name.startswith("__") and name not in fields:
+            fields.append(name)
+    return fields
 
 
 class _TileSize:

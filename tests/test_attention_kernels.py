@@ -20,6 +20,7 @@ import torch
 
 import kernels
 import nki_emulator
+from bench import refuse_degenerate
 from model import GPT, GPTConfig
 from reference import attention_logsumexp_reference, attention_reference
 
@@ -46,18 +47,22 @@ def random_qkv(batch, n_heads, n_kv_heads, seq_len, head_dim, dtype, seed=0):
     return [torch.randn(shape, generator=generator).to(dtype).requires_grad_() for shape in shapes]
 
 
-# Every listed value of each dimension appears, in mixed combinations: S 128/256/384/1024 (384: a key
-# block narrower than 512; 1024: two full blocks), d 64/128, heads (4,4)/(4,1)/(8,2), B 1/2, both dtypes.
-# The two S=1024 cases are the slowest (~1 s each); the others take a fraction of that.
+# Every listed value of each dimension appears, in mixed combinations: S 128/256/384/640/1024/2048/2176
+# (384 and 640: 128 x an odd number, a key block narrower than 512; 1024: two full blocks; 2048: a full
+# group of 4 blocks; 2176: past one group, so the forward's online rescale runs), d 64/128/256 (256: two
+# head-dim pieces), heads (4,4)/(4,1)/(8,2)/(2,1)/(1,1) (one kv head, GQA 4:1), B 1/2/3, both dtypes.
+# The S >= 2048 cases take ~1-2 s each; the others a fraction of that.
 CASES = [
     # B, H, Hkv, S, d, dtype
     (1, 4, 4, 128, 64, torch.float32),
-    (2, 4, 1, 256, 128, torch.bfloat16),
+    (3, 4, 1, 256, 128, torch.bfloat16),
     (2, 8, 2, 384, 64, torch.float32),
-    (1, 4, 1, 384, 128, torch.bfloat16),
+    (1, 4, 1, 384, 256, torch.bfloat16),
+    (1, 2, 1, 640, 256, torch.float32),
     (2, 4, 4, 256, 64, torch.bfloat16),
-    (1, 4, 1, 1024, 64, torch.float32),
-    (1, 8, 2, 1024, 128, torch.bfloat16),
+    (1, 2, 2, 1024, 128, torch.bfloat16),
+    (1, 1, 1, 2048, 128, torch.bfloat16),
+    (1, 1, 1, 2176, 64, torch.float32),
 ]
 
 
@@ -74,13 +79,14 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
     expected.backward(d_out.double())
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    refuse_degenerate("out", out, (q, k, v, d_out))  # whatever the tolerance: never zeros, a constant or an input
     for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
         assert got.dtype == dtype and got.shape == want.shape, name
+        refuse_degenerate(name, got, (q, k, v, d_out))
         torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
     with torch.no_grad():  # the logsumexp the forward op hands to the backward: lse[b, h, p, t] is query t*128+p
-        q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
-        _, lse = kernels._flash_attention(q_cols, k_cols, v, 1.0 / math.sqrt(head_dim))
+        _, lse = kernels._flash_attention(q, k, v, 1.0 / math.sqrt(head_dim))
     assert lse.dtype == torch.float32 and lse.shape == (batch, n_heads, 128, seq_len // 128)
     lse_by_query = lse.transpose(-1, -2).reshape(batch, n_heads, seq_len)
     torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
@@ -105,14 +111,14 @@ def test_one_logical_core_launch_gives_the_same_result(monkeypatch):
 
 def test_ops_pass_torch_library_opcheck():
     """Schema, fake (meta) implementations and autograd registration of both ops, as torch.compile
-    relies on them."""
-    q, k, v = random_qkv(1, 2, 1, 128, 64, torch.float32)
-    q_cols, k_cols = q.detach().transpose(-1, -2).contiguous(), k.detach().transpose(-1, -2).contiguous()
-    args = (q_cols.requires_grad_(), k_cols.requires_grad_(), v, 0.125)
+    relies on them; v as the model passes it, a (B, Hkv, T, D) view of a (B, T, Hkv, D) tensor."""
+    q, k, _ = random_qkv(1, 2, 1, 128, 64, torch.float32)
+    v = torch.randn(1, 128, 1, 64).transpose(1, 2).requires_grad_()
+    args = (q, k, v, 0.125)
     torch.library.opcheck(kernels._flash_attention, args)
     out, lse = kernels._flash_attention(*args)
     backward_op = torch.ops.nanogpt_trn.flash_attention_bwd
-    torch.library.opcheck(backward_op, (q_cols.detach(), k_cols.detach(), v.detach(), out.detach(),
+    torch.library.opcheck(backward_op, (q.detach(), k.detach(), v.detach(), out.detach(),
                                         torch.randn_like(out), lse, 0.125))
 
 
@@ -126,7 +132,6 @@ def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full():
     n_tiles = seq_len // 128
     visible_chunks = n_tiles * (n_tiles + 1) // 2  # (query tile, key chunk) pairs at or below the diagonal
     q, k, v = (t.detach() for t in random_qkv(1, 1, 1, seq_len, head_dim, torch.bfloat16))
-    q_cols, k_cols = q.transpose(-1, -2).contiguous(), k.transpose(-1, -2).contiguous()
 
     def tally(counts):
         shapes = [(kk, m, n) for kk, m, n, _ in counts.matmul_shapes]
@@ -136,13 +141,12 @@ def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full():
                 shapes.count((128, 128, head_dim)), len(counts.transposes))
 
     with nki_emulator.counting() as counts:
-        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q_cols, k_cols, v, 0.125)
-    # score columns, mask matmuls, P @ V chunk matmuls, P transposes
-    assert tally(counts) == (visible_chunks * 128, n_tiles, visible_chunks, visible_chunks)
+        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125)
+    # score columns, mask matmuls, P @ V chunk matmuls, P transposes + q and k turned into columns
+    assert tally(counts) == (visible_chunks * 128, n_tiles, visible_chunks, visible_chunks + 2 * n_tiles)
 
     with nki_emulator.counting() as counts:
-        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q_cols, k_cols, v, out, torch.randn_like(out),
-                                                                  lse, 0.125)
+        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125)
     # scores and dP columns, mask matmuls, dV/dK/dQ chunk matmuls, dS transposes + 4 layout changes per head
     assert tally(counts) == (2 * visible_chunks * 128, n_tiles, 3 * visible_chunks, visible_chunks + 4 * n_tiles)
 
@@ -217,7 +221,8 @@ def test_auto_on_trainium_falls_back_on_shapes_with_one_warning(fresh_fallback_l
 
 
 @pytest.mark.parametrize("shape, message", [((1, 2, 100, 64), "multiple of 128"),
-                                            ((1, 2, 128, 256), "head_dim=256 is over 128")])
+                                            ((1, 2, 128, 384), "head_dim=384 is not one the kernels take"),
+                                            ((1, 1, 4096, 128), "over what the backward kernel's SBUF plan holds")])
 def test_nki_mode_refuses_shapes_the_kernels_cannot_take(shape, message):
     q = torch.randn(shape)
     with pytest.raises(ValueError, match=message):
@@ -269,7 +274,7 @@ def test_unknown_mode_is_refused():
 @pytest.mark.parametrize("overrides, message", [
     ({"kernels": "fast"}, "kernels='fast' is not one of"),
     ({"kernels": "nki", "sequence_len": 200}, "sequence_len to be a multiple of 128"),
-    ({"kernels": "nki", "n_embd": 1024, "n_head": 4, "n_kv_head": 4}, "head_dim <= 128"),
+    ({"kernels": "nki", "n_embd": 1536, "n_head": 4, "n_kv_head": 4}, "head_dim <= 256"),
 ])
 def test_config_refuses_kernel_settings_that_cannot_work(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import data
+import evaluate
 import kernels
 import train
 from kit import checkpoint, runtime
@@ -209,6 +210,12 @@ def good_checkpoint(tmp_path_factory, data_dir):
     return out / "ckpt_0000001.pt"
 
 
+def zero_64_bytes_at_60_percent(content):
+    at = int(0.6 * len(content))
+    assert content[at:at + 64] != bytes(64)  # else the damage would change nothing
+    return content[:at] + bytes(64) + content[at + 64:]
+
+
 def bad_checkpoints(directory, good):
     """{kind: (path, what its error says)} for every way a checkpoint file can be unusable."""
     content = good.read_bytes()
@@ -218,6 +225,8 @@ def bad_checkpoints(directory, good):
     for kind, (payload, message) in files.items():
         (directory / f"{kind}.pt").write_bytes(payload)
         paths[kind] = (directory / f"{kind}.pt", message)
+    (directory / "damaged.pt").write_bytes(zero_64_bytes_at_60_percent(content))
+    paths["damaged"] = (directory / "damaged.pt", "is damaged")
     torch.save({"model": {}}, directory / "keys.pt")
     paths["missing keys"] = (directory / "keys.pt", "lacks optimizers, step")
     torch.save({"model": {}, "evil": Payload()}, directory / "pickle.pt")
@@ -243,14 +252,83 @@ def test_an_unfinished_sharded_checkpoint_and_an_old_format_are_named(tmp_path, 
         checkpoint.load_checkpoint(str(unfinished))
     old = torch.load(good_checkpoint, weights_only=True)
     old["optimizers"] = [{"state": {}, "param_groups": []}]  # by position, as the kit wrote it before
+    del old["sha256"]  # which was before checkpoints carried digests
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(checkpoint.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
         run(tmp_path / "out", data_dir, "--max_steps=2", f"--resume={tmp_path / 'old.pt'}")
 
 
+def test_damaged_checkpoints_are_named_and_never_resumed_from(tmp_path, data_dir, capsys):
+    """The bar: 64 bytes zeroed at 60% of the newest periodic checkpoint and of final.pt. --resume=latest
+    says it skipped the damaged one and continues from the one before; load_for_eval and evaluate.py name
+    the damaged final.pt; an explicit --resume of the damaged one is refused, naming it."""
+    run(tmp_path, data_dir, "--max_steps=3", "--checkpoint_every=1")
+    for name in ("ckpt_0000003.pt", "final.pt"):
+        (tmp_path / name).write_bytes(zero_64_bytes_at_60_percent((tmp_path / name).read_bytes()))
+    for load in (lambda p: train.load_for_eval(str(p), torch.device("cpu")),
+                 lambda p: evaluate.load_checkpoint_and_tokenizer(str(p), "cpu", data_dir)):
+        with pytest.raises(checkpoint.CheckpointError, match=rf"checkpoint {tmp_path}/final.pt is damaged: tensor \S+ "
+                                                             "has sha256 [0-9a-f]{64}, expected [0-9a-f]{64}"):
+            load(tmp_path / "final.pt")
+    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {tmp_path}/ckpt_0000003.pt is damaged"):
+        run(tmp_path, data_dir, "--max_steps=4", f"--resume={tmp_path / 'ckpt_0000003.pt'}")
+    capsys.readouterr()
+    run(tmp_path, data_dir, "--max_steps=4", "--checkpoint_every=1", "--resume=latest")
+    said = capsys.readouterr().out
+    assert f"resuming from {tmp_path}/ckpt_0000002.pt\n  skipped {tmp_path}/ckpt_0000003.pt: checkpoint" in said
+    assert [e["step"] for e in log_events(tmp_path) if e["event"] == "train"][-2:] == [3, 4]  # from step 2 on
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt_0000003.pt")["step"] == 3  # written again, intact
+
+
+def test_digests_name_what_changed_and_old_checkpoints_load_with_a_note(tmp_path, good_checkpoint, capsys):
+    state = torch.load(good_checkpoint, weights_only=True)
+    state["model"]["lm_head.weight"][0, 0] += 1  # changed after the digests were taken
+    torch.save(state, tmp_path / "edited.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="edited.pt is damaged: tensor model/lm_head.weight has sha256"):
+        checkpoint.load_checkpoint(tmp_path / "edited.pt")
+    state = torch.load(good_checkpoint, weights_only=True)
+    state["step"] = 7  # a plain value is covered too
+    torch.save(state, tmp_path / "step.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="step.pt is damaged: its configs, counters and structure have"):
+        checkpoint.load_checkpoint(tmp_path / "step.pt")
+    del state["sha256"]  # as written before checkpoints carried digests
+    torch.save(state, tmp_path / "old.pt")
+    assert checkpoint.load_checkpoint(tmp_path / "old.pt")["step"] == 7
+    assert capsys.readouterr().out == (f"note: checkpoint {tmp_path / 'old.pt'} carries no sha256 digests (written "
+                                       "before checkpoints had them): its bytes are not checked\n")
+
+
+def test_a_sharded_folder_proves_every_file(tmp_path, capsys):
+    from kit import optim
+    from model import GPT, GPTConfig
+
+    cfg, model_cfg = train.TrainConfig(), GPTConfig(sequence_len=16, vocab_size=70, n_layer=1, n_embd=32, n_head=2)
+    model = GPT(model_cfg)
+    folder = tmp_path / "ckpt_0000001.dcp"
+    checkpoint.save_sharded_checkpoint(str(folder), model, optim.make_optimizers(model, cfg, "cpu", torch.float32),
+                                       None, None, checkpoint.run_state(1, 0.0, None, cfg, model_cfg))
+    listed = (folder / "SHA256SUMS").read_text().split()[1::2]
+    assert listed == sorted(n for n in os.listdir(folder) if n != "SHA256SUMS") and "meta.pt" in listed and ".metadata" in listed
+    assert checkpoint.load_checkpoint(str(folder))["step"] == 1
+    data_file = next(folder / n for n in listed if n.endswith(".distcp"))
+    content = bytearray(data_file.read_bytes())
+    content[len(content) // 2] ^= 1  # one bit (the untrained model's projections are zeros, as at 60%)
+    data_file.write_bytes(content)
+    with pytest.raises(checkpoint.CheckpointError, match=f"sharded checkpoint {folder} is damaged: {data_file.name} has "
+                                                         "sha256 [0-9a-f]{64}, expected [0-9a-f]{64}"):
+        checkpoint.load_checkpoint(str(folder))
+    data_file.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data_file.name} has sha256 none .the file is missing"):
+        checkpoint.load_checkpoint(str(folder))
+    capsys.readouterr()
+    (folder / "SHA256SUMS").unlink()  # a folder written before the digests: loads with a note
+    assert checkpoint.load_checkpoint(str(folder))["step"] == 1
+    assert "carries no sha256 digests" in capsys.readouterr().out
+
+
 def test_bad_checkpoints_on_the_command_line_print_one_line(tmp_path, good_checkpoint):
     cases = bad_checkpoints(tmp_path, good_checkpoint)
-    kinds = ("empty", "random", "truncated", "pickled object")
+    kinds = ("empty", "random", "truncated", "pickled object", "damaged")
     runs = [TINY + ["--max_steps=2", f"--resume={cases[kind][0]}", f"--out_dir={tmp_path / 'out'}"] for kind in kinds]
     for (rc, stderr), kind in zip(cli_cases("train.py", runs), kinds, strict=True):
         path, message = cases[kind]
@@ -266,14 +344,15 @@ def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, 
 
     real_save = torch.save
 
-    def disk_full_save(state, f):  # the disk fills up mid-run: checkpoints write a part, then fail
-        if "ckpt_" not in f.name:  # the start-up's timing of the final save still fits
+    def disk_full_save(state, f):  # the disk fills up mid-run: every save writes a part, then fails
+        if "timing" in f.name:  # the start-up's timing of the final save still fits
             return real_save(state, f)
         f.write(b"PK\x03\x04 partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(train.torch, "save", disk_full_save)
-    with pytest.raises(OSError, match=f"cannot write {tmp_path}/ckpt_0000003.pt .*No space left.*--resume=latest"):
+    # the periodic saves of steps 3 and 4 are warnings (tests/test_faults.py); the final save must land
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/final.pt .No space left.*intact: free space, then --resume=latest"):
         run(tmp_path, data_dir, "--max_steps=4", "--checkpoint_every=1", "--resume=latest")
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     monkeypatch.undo()
@@ -301,6 +380,16 @@ def test_a_full_disk_names_the_file_and_loses_nothing_saved(tmp_path, data_dir, 
         run(tmp_path, data_dir, "--max_steps=3", "--resume=latest")
     monkeypatch.undo()
     assert (tmp_path / "log.jsonl").read_bytes() == log_before  # the half line was cut back off
+
+
+def test_a_folder_without_permission_names_the_fix(tmp_path, monkeypatch):
+    def refused(path, *args, **kwargs):  # as a folder this user may not write (root ignores chmod)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "open", refused, raising=False)
+    with pytest.raises(OSError, match=f"cannot write {tmp_path}/final.pt .Permission denied.*make {tmp_path} writable"):
+        checkpoint.write_atomically(str(tmp_path / "final.pt"), {"step": 1})
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_torn_last_log_line_is_cut_on_resume_and_a_marker_written(tmp_path, data_dir):

@@ -132,7 +132,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
         contest_dir, **budget)
     final = contest_dir / "out" / "final.pt"
     state = torch.load(final, weights_only=True)
-    assert set(state) == {"model", "model_config", "train_config", "step", "train_time", "kernels"}  # no optimizer state
+    assert set(state) == {"model", "model_config", "train_config", "step", "train_time", "sha256", "kernels"}  # no optimizer state
     assert set(state["kernels"]) == {"attention", "mlp", "rms_norm"}  # what each op ran on, for scoring
     boundaries = [line.split() for line in step_log.read_text().splitlines()]
     assert [int(i) for i, _ in boundaries] == list(range(state["step"]))  # one record per step
@@ -151,7 +151,12 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     score = ("import torch, prepare, train; m = train.load_for_eval('out/final.pt', torch.device('cpu')); "
              "assert not any(p.requires_grad for p in m.parameters()) and not m.training; "
              "assert prepare.causality_check(m, None, 2, 64, 'cpu')['passed']; "
-             "print(prepare.evaluate_bpb(m, None, 4, 64, 'cpu', split='public_val', max_tokens=4096)['val_bpb'])")
+             "print(prepare.evaluate_bpb(m, None, 4, 64, 'cpu', split='public_val', max_tokens=4096)['val_bpb'])\n"
+             # the submitted file checks the digests too: a copy of final.pt with one bit changed is refused
+             "b = bytearray(open('out/final.pt', 'rb').read()); b[len(b) // 2] ^= 1; open('damaged.pt', 'wb').write(b)\n"
+             "try:\n    train.load_for_eval('damaged.pt', torch.device('cpu'))\n"
+             "except ValueError as e:\n    assert 'damaged.pt is damaged' in str(e), e\n"
+             "else:\n    raise AssertionError('the submission loaded damaged bytes')")
     bpb = float(run([sys.executable, "-c", score], contest_dir).stdout.split()[-1])
     assert 0 < bpb < 10
     # the kit's local evaluation command reports the scorer's number

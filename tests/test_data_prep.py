@@ -126,12 +126,15 @@ def test_training_path_does_not_import_preparation_packages():
 
 @pytest.mark.parametrize("entry_point", ["bench", "evaluate"])  # each imports train.py, where it is set
 def test_every_entry_point_sets_the_neuron_compiler_flags_before_compiling(entry_point):
-    """TorchNeuron reads NEURON_CC_FLAGS at each compilation, so importing an entry point must set it."""
-    code = f"import os, {entry_point}; print(os.environ['NEURON_CC_FLAGS'])"
-    env = {k: v for k, v in os.environ.items() if k != "NEURON_CC_FLAGS"}
+    """TorchNeuron reads NEURON_CC_FLAGS at each compilation, so importing an entry point must set it; and
+    TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1, so a graph that fails to compile raises instead of running
+    op by op."""
+    code = (f"import os, {entry_point}; print(os.environ['NEURON_CC_FLAGS']); "
+            "print(os.environ['TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("NEURON_CC_FLAGS", "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.stdout.split()[-2:] == ["--optlevel=1", "--auto-cast=none"]
+    assert out.stdout.split()[-3:] == ["--optlevel=1", "--auto-cast=none", "1"]
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Nothing lost under faults: kills during a save, SIGTERM, non-finite losses, a full disk."""
+"""Nothing lost under faults: kills during a save, SIGTERM, non-finite losses, a full disk, a failed periodic save."""
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,3 +159,66 @@ def test_a_nan_on_the_last_step_between_log_lines_is_caught_before_final_pt(tmp_
     with pytest.raises(FloatingPointError, match="step 4: loss nan"):
         train.main(args)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == ["ckpt_0000002.pt"]
+
+
+# A train.py run in which torch.distributed.checkpoint's first write fails on rank 1 (as a device or DTensor
+# failure would, inside the save's collective steps), launched under torchrun by the test below
+FAILING_SHARDED_SAVE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from torch.distributed.checkpoint import filesystem
+import train
+
+real_write, calls = filesystem._FileSystemWriter.write_data, []
+
+def write_data(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1 and os.environ["RANK"] == "1":
+        raise RuntimeError("injected failure of the device's write")
+    return real_write(self, *args, **kwargs)
+
+filesystem._FileSystemWriter.write_data = write_data
+train.main(sys.argv[2:])
+"""
+
+
+def test_a_failed_sharded_save_warns_and_the_run_goes_on_with_consolidated_saves(tmp_path, data_dir):
+    """2 gloo ranks, sharded: the save of step 2 fails on rank 1 only; every rank learns it, the run goes
+    on, the next periodic save is a consolidated ckpt_*.pt from rank 0 holding every parameter's whole
+    state, and final.pt is written. Nothing that looks like a checkpoint is left of the failed one."""
+    script, out = tmp_path / "failing.py", tmp_path / "out"
+    script.write_text(FAILING_SHARDED_SAVE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), ROOT, *TINY,
+           "--max_steps=4", "--checkpoint_every=2", f"--out_dir={out}", f"--data_dir={data_dir}"]
+    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["ckpt_0000004.pt", "final.pt", "log.jsonl"]
+    [warning] = [e for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "checkpoint_failed"]
+    assert warning["step"] == 2 and warning["consolidate_next"]
+    assert "rank 1: " in warning["cause"] and "injected failure of the device's write" in warning["cause"]
+    assert "ckpt_0000002.dcp" in warning["cause"] and "next checkpoints are consolidated" in result.stdout
+    saved = checkpoint.load_checkpoint(out / "ckpt_0000004.pt")  # its digests check out
+    model = torch.load(out / "final.pt", weights_only=True)["model"]
+    assert saved["step"] == 4 and set(saved["optimizers"]) == set(model)
+    # a table cut in rows over the ranks, joined again (its values: tests/test_sharding.py)
+    assert saved["optimizers"]["wte.weight"]["exp_avg"].shape == model["wte.weight"].shape
+
+
+def test_a_full_disk_at_one_periodic_save_warns_and_the_run_goes_on(tmp_path, data_dir, monkeypatch, capsys):
+    real_save = torch.save
+
+    def full_at_step_2(state, f):  # the disk is full for the save of step 2 of 4, then space is freed
+        if f.name.endswith("ckpt_0000002.pt.tmp"):
+            f.write(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, f)
+
+    monkeypatch.setattr(torch, "save", full_at_step_2)
+    train.main(TINY + ["--max_steps=4", "--checkpoint_every=1", "--keep_checkpoints=5", f"--out_dir={tmp_path}",
+                       f"--data_dir={data_dir}"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_0000001.pt", "ckpt_0000003.pt", "ckpt_0000004.pt", "final.pt", "log.jsonl"]
+    [warning] = [e for e in map(json.loads, open(tmp_path / "log.jsonl")) if e["event"] == "checkpoint_failed"]
+    assert warning["step"] == 2 and not warning["consolidate_next"]
+    assert re.search(f"cannot write {tmp_path}/ckpt_0000002.pt .No space left on device", warning["cause"])
+    assert "warning: the checkpoint of step 2 was not written" in capsys.readouterr().out
+    assert checkpoint.load_checkpoint(tmp_path / "ckpt_0000004.pt")["step"] == 4

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import nki_emulator
+from bench import refuse_degenerate
 from kernels import mlp, rms_norm
 from model import GPT, GPTConfig
 from reference import mlp_reference, rms_norm_reference
@@ -24,8 +25,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 emulated = pytest.mark.skipif(sys.modules["nki"] is not nki_emulator, reason="counts instructions in the emulator")
 
 
-def assert_close(got, want, dtype, name):
+def assert_close(got, want, dtype, name, inputs=()):
+    """got against the float64 reference; and never zeros, a constant or one of `inputs`, whatever the tolerance."""
     assert got.dtype == dtype and got.shape == want.shape, name
+    refuse_degenerate(name, got, inputs)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item(),
                                msg=lambda m: f"{name}: {m}")
@@ -50,9 +53,9 @@ def check_mlp(x, w_up, w_down, w_gate, activation, dtype):
     leaves64 = [t.detach().to(dtype).double().requires_grad_() for t in leaves]
     expected = mlp_reference(*leaves64[:3], activation, *leaves64[3:])
     expected.backward(d_out.double())
-    assert_close(out, expected, dtype, "y")
+    assert_close(out, expected, dtype, "y", leaves + [d_out])
     for name, leaf, leaf64 in zip(("dx", "dw_up", "dw_down", "dw_gate"), leaves, leaves64):
-        assert_close(leaf.grad.to(dtype), leaf64.grad, dtype, name)
+        assert_close(leaf.grad.to(dtype), leaf64.grad, dtype, name, leaves + [d_out])
 
 
 # Every listed value appears, in mixed combinations: d 128/256/384, hidden 512/1024/1536, N 128/256/640
@@ -173,10 +176,11 @@ def test_rms_norm_matches_reference(shape, weighted, dtype):
     weight64 = weight.detach().double().requires_grad_() if weighted else None
     expected = rms_norm_reference(x64, weight64)
     expected.backward(d_out.double())
-    assert_close(out, expected, dtype, "y")
-    assert_close(x.grad, x64.grad, dtype, "dx")
+    inputs = [x, weight, d_out]
+    assert_close(out, expected, dtype, "y", inputs)
+    assert_close(x.grad, x64.grad, dtype, "dx", inputs)
     if weighted:
-        assert_close(weight.grad, weight64.grad, torch.float32, "dweight")
+        assert_close(weight.grad, weight64.grad, torch.float32, "dweight", inputs)
 
 
 @emulated

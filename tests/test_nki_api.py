@@ -472,6 +472,36 @@ def test_nkiobject_classes_get_keyword_constructors_with_and_without_dataclass()
         Plain(z=1)
 
 
+class PlainAttributes(nl.NKIObject):
+    """Fields as plain class attributes, no annotations, no @dataclass: nki-library's attention_cte.py
+    AttnInternalBuffers and SectionParams, built from keyword arguments."""
+    section_idx = None
+    section_offset = 0
+    scale: float = 1.0
+
+    def offset_of(self, tile):
+        return self.section_offset + tile
+
+
+@dataclasses.dataclass
+class DecoratedPlainAttributes(nl.NKIObject):
+    q_sb = None
+    k_sb = None
+
+
+def test_nkiobject_plain_class_attributes_are_fields_built_from_keywords():
+    c = PlainAttributes(section_idx=2, section_offset=512)
+    assert (c.section_idx, c.section_offset, c.scale) == (2, 512, 1.0)
+    assert c.offset_of(3) == 515  # methods are not fields
+    assert (PlainAttributes(1, 2, 0.5).section_idx, PlainAttributes().section_offset) == (1, 0)  # body order
+    buffers = DecoratedPlainAttributes(k_sb="k")
+    assert (buffers.q_sb, buffers.k_sb) == (None, "k")
+    buffers.q_sb = "q"  # nki-library fills its buffer objects field by field
+    assert DecoratedPlainAttributes().q_sb is None
+    with pytest.raises(TypeError, match="no fields"):
+        PlainAttributes(offset_of=1)
+
+
 def test_typing_dtype_and_deprecated_tile_size_names():
     import nki_emulator.typing as nt
 

@@ -5,6 +5,7 @@ Neuron SDK's nki is installed."""
 
 import inspect
 import math
+import os
 import sys
 
 import ml_dtypes
@@ -460,6 +461,43 @@ def test_view_errors():
         return nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf).reshape((256, 256))
 
     raises(partition_reshape, rand((1, 1)), match=["reshape", "partition dim 128"])
+
+
+def test_indexing_follows_the_nki_front_end():
+    """leanprover/KLR KLR/Trace/Term.lean toIndex' and access, KLR/Core/Indexing.lean Access.combine."""
+    q = rand((2, 3, 256, 64))  # (B, H, S, d)
+
+    def negative_integer(q):
+        return q[-1, 0]
+
+    raises(negative_integer, q, match=["-1", "index out of range of tensor dimension"])
+
+    def chained_rows(q):  # t[b, h] then a slice of its rows: read against (1, 1, 256, 64)
+        return q[1, 2][0:128, :]
+
+    raises(chained_rows, q, match=["[0:128, :]", "index out of range of tensor dimension", "(1, 1, 256, 64)"])
+
+    def chained_after_middle_integer(q):  # in range of the kept shape, but KLR pairs it with other dims
+        return q[:, 1][0:1]
+
+    raises(chained_after_middle_integer, q, match=["other dims than Python"])
+
+    def chained_with_step(q):
+        return q[0:2][:, :, 0:256:2]
+
+    raises(chained_with_step, q, match=["can't combine indecies with stride != 1"])
+
+    @jit
+    def accepted(q):
+        assert q[1, 2, 128:256, :].shape == (128, 64)  # index once, the nki-library way
+        assert q[0:2, :, -128:, :].shape == (2, 3, 128, 64)  # negative slice bounds count from the end
+        assert q[0:2, 1:3][1, 0, 0:128].shape == (128, 64)  # a chain of slices, then any index
+        assert q[:, :, :, 3][1, 0:2, 0:16].shape == (2, 16)  # an integer index of the last dim only, then any
+        tile = nl.ndarray((128, 4, 64), nl.float32, buffer=nl.sbuf)
+        assert tile[:, 1:3][:, 0].shape == (128, 64)
+        return q
+
+    accepted(q)
 
 
 # ---- the hardware rules --------------------------------------------------------------------------------
@@ -957,6 +995,37 @@ def refused_min_of_three(x):
     return min(x, 1, 2)  # refused: invalid arguments (min() takes one sequence or two numbers)
 
 
+_WIDE_GLOBAL = 2 ** 40
+_WIDE_IN_A_TUPLE = (1, -2 ** 33)
+_NARROW_GLOBALS = (2 ** 31 - 1, -2 ** 31, 0.5, "rows", None)
+
+
+def refused_wide_global(x):
+    return x + _WIDE_GLOBAL  # refused: integer value (1099511627776) is too large (the global _WIDE_GLOBAL)
+
+
+def refused_wide_global_in_a_tuple(x):
+    return x + _WIDE_IN_A_TUPLE[0]  # refused: integer value (-8589934592) is too small
+
+
+def refused_numpy_function(x):
+    return np.exp(x)  # refused: name numpy.exp not found
+
+
+def refused_builtin_function_of_a_module(x):
+    return sys.getrecursionlimit()  # refused: sys.getrecursionlimit is a builtin function, which the front end
+
+
+def refused_missing_module_attribute(x):
+    return math.tau + np.not_there  # refused: name numpy.not_there not found
+
+
+def refused_iterating_a_dict(x):
+    for key in {"rows": 1}:  # refused: not an iterable object (a dict
+        x = x + 1
+    return x
+
+
 REFUSED = [kernel for name, kernel in globals().items() if name.startswith("refused_")]
 
 
@@ -979,6 +1048,22 @@ def helper_looping_over_pairs(pairs):
 
 def kernel_calling_a_helper(x):
     return x + helper_looping_over_pairs(((1, 2), (3, 4)))
+
+
+def accepted_globals_and_module_constants(x):
+    """What the front end takes (leanprover/KLR interop/klr/gather.c reference, const_expr, value): int32
+    globals, floats, strings, module constants such as np.pi and sys.maxsize... of int32 range only,
+    negative list indexes (KLR/Trace/Term.lean listAccess), and a dict's items()."""
+    largest, smallest, half, label, nothing = _NARROW_GLOBALS
+    total = 0
+    for item in {"a": 1, "b": 2}.items():
+        total = total + item[1]
+    return largest + smallest + half + np.pi + len(label) + len(os.sep) + _NARROW_GLOBALS[-2 + 1 - 2] + total
+
+
+def test_jit_accepts_what_the_front_end_takes_from_globals_and_modules():
+    kernel = jit(accepted_globals_and_module_constants)  # inside the subset
+    assert kernel(1.0) == pytest.approx(-1 + 0.5 + math.pi + 4 + 1 + 0.5 + 3)
 
 
 def test_jit_checks_the_helpers_a_kernel_calls():
@@ -1040,11 +1125,20 @@ def scale_pair_kernel(x, y, scale, *, bias=None, col_tile=512, store=_copy_out):
 def test_jit_accepts_kernels_in_the_style_of_nki_library():
     x, y = rand((300, 700), seed=1), rand((300, 700), seed=2)
     kernel = jit(scale_pair_kernel)
-    out_x, out_y = kernel(x, y, 0.5)
+    out_x, out_y = kernel(x, y, 0.5, bias=None, col_tile=512, store=_copy_out)
     np.testing.assert_allclose(out_x, x * 0.5, rtol=1e-6)
     np.testing.assert_allclose(out_y, y * 0.5, rtol=1e-6)
-    out_x, _ = kernel(x, y, 0.5, bias=1.0, col_tile=256)
+    out_x, _ = kernel(x, y, 0.5, bias=1.0, col_tile=256, store=_copy_out)
     np.testing.assert_allclose(out_x, x * 0.5 + 1.0, rtol=1e-6)
+
+
+def test_a_kernel_gets_every_argument_from_its_caller():
+    """KLR/NKI/Simplify.lean args: the kernel's defaults are not applied; a helper's are (bindArgs)."""
+    x, y = rand((128, 64), seed=1), rand((128, 64), seed=2)
+    with pytest.raises(NkiValidationError, match="argument bias not supplied"):
+        jit(scale_pair_kernel)(x, y, 0.5)
+    out_x, _ = jit(scale_pair_kernel)(x, y, 0.5, bias=None, col_tile=64, store=_copy_out)
+    np.testing.assert_allclose(out_x, x * 0.5, rtol=1e-6)  # _scale_into's default bias=None applied
 
 
 def test_every_kernel_in_kernels_py_is_inside_the_subset(monkeypatch):
@@ -1076,7 +1170,7 @@ def test_torch_tensors_round_trip():
     out = scale_kernel(x, factor=3.0)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
     assert torch.equal(out, (x.float() * 3.0).to(torch.bfloat16))
-    out32 = scale_kernel(torch.ones(4, 4))
+    out32 = scale_kernel(torch.ones(4, 4), 2.0)
     assert out32.dtype == torch.float32 and torch.equal(out32, torch.full((4, 4), 2.0))
 
 

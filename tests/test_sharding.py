@@ -66,6 +66,7 @@ def test_checkpoints_move_between_one_process_and_sharded_ranks(measured, recipe
     does (float64, to 1e-12): weights and optimizer state both came back."""
     exact = measured[recipe]["float64"]
     assert exact["file_resumed_sharded"] < 1e-12 and exact["folder_resumed_in_one_process"] < 1e-12
+    assert exact["consolidated_vs_one_process"] < 1e-12  # the state rank 0 gathers when a sharded save failed
 
 
 def test_each_matrix_is_orthogonalised_by_exactly_one_rank(measured):
@@ -195,6 +196,14 @@ def run_rank(out_path):
             checkpoint.save_checkpoint(saved + ".pt", one, one_opts, 3, 0.0, None, cfg, model_cfg)
         checkpoint.save_sharded_checkpoint(saved + ".dcp", sharded, opts, sharding, dist.group.WORLD,
                                          checkpoint.run_state(3, 0.0, None, cfg, model_cfg))
+        # the fallback after a failed sharded save: every rank's pieces gathered on rank 0, as one process holds them
+        consolidated = checkpoint.consolidated_optimizer_state(sharded, opts, sharding, dist.group.WORLD)
+        m["consolidated_vs_one_process"] = None  # measured on rank 0, which writes the results
+        if rank == 0:
+            whole = checkpoint.optimizer_state(one, one_opts)
+            assert consolidated.keys() == whole.keys()
+            m["consolidated_vs_one_process"] = max(((consolidated[n][k] - v).abs().max() / v.abs().max().clamp(min=1e-30)).item()
+                                                   for n in whole for k, v in whole[n].items())
         ranks = runtime.Ranks(rank, world, "cpu", "cpu", dist.group.WORLD)
         from_file, from_folder = GPT(model_cfg).to(dtype), GPT(model_cfg).to(dtype)
         file_sharding = optim.Sharding(from_file, cfg, rank, world)
@@ -219,7 +228,8 @@ def run_rank(out_path):
         # entry, which differs with the order of the sums, moves its weight by a whole step either way
         exact = measure(recipe, torch.float64)
         results[recipe]["float64"] = {k: exact[k] for k in ("sharded_vs_one_process", "ddp_vs_one_process", "ranks_apart",
-                                                             "file_resumed_sharded", "folder_resumed_in_one_process")}
+                                                             "file_resumed_sharded", "folder_resumed_in_one_process",
+                                                             "consolidated_vs_one_process")}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

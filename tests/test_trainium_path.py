@@ -19,6 +19,8 @@ import logging
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import kernels
 import train
@@ -156,3 +158,99 @@ def test_value_embeddings_keep_attention_in_bf16():
         patch.setattr(kernels, "attention", lambda q, k, v, mode: seen.append(v.dtype) or attention(q, k, v, mode))
         model(idx)
     assert seen == [torch.bfloat16] * TINY.n_layer
+
+
+def test_a_head_dim_256_gpt_on_nki_compiled_in_bf16_matches_pytorch():
+    """The best public recipe's attention shape (one kv head of 256) in the Trainium configuration: the
+    attention kernels contract the head dim in two 128-partition pieces, forward and backward."""
+    cfg = dataclasses.replace(TINY, n_layer=1, n_embd=256, n_head=1, n_kv_head=1)
+    assert cfg.head_dim == 256
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.sequence_len + 1), generator=torch.Generator().manual_seed(3))
+    idx, targets = tokens[:, :-1], tokens[:, 1:]
+    results = {}
+    for mode in ("nki", "torch"):
+        torch.manual_seed(0)
+        model = GPT(dataclasses.replace(cfg, kernels=mode))
+        nonzero_projections(model)
+        run = compile_for_trainium(model, idx, targets) if mode == "nki" else model
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(idx, targets)
+        loss.backward()
+        results[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
+    for got, want in zip(results["nki"], results["torch"]):
+        assert got.isfinite().all() and relative_error(got, want) < BF16_TOLERANCE
+
+
+LAYOUT_VIEWS = {"view", "_unsafe_view", "reshape", "expand", "squeeze", "unsqueeze", "slice", "select", "alias",
+                "detach"}
+TRANSPOSES = {"transpose", "permute", "t"}
+COPIES = {"clone", "contiguous", "copy", "_to_copy"}
+
+
+def aten_name(node):
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None, None
+    namespace, name = target._schema.name.split("::")
+    return namespace, name
+
+
+def transposed_copies_into_kernels(graph):
+    """(kernel op, chain) for each kernel op input made by a copy of a transposed tensor, the pattern
+    inductor miscompiles for 16-bit dtypes on some AVX512 CPUs (docs/troubleshooting.md); chain lists
+    the layout ops between the input and the op, nearest first."""
+    found = []
+    for node in graph.nodes:
+        namespace, name = aten_name(node)
+        if namespace != "nanogpt_trn":
+            continue
+        for source in node.all_input_nodes:
+            chain = []
+            while aten_name(source)[1] in LAYOUT_VIEWS | TRANSPOSES | COPIES:
+                chain.append(aten_name(source)[1])
+                source = source.args[0]
+            if TRANSPOSES & set(chain) and COPIES & set(chain):
+                found.append((name, chain))
+    return found
+
+
+def test_no_transposed_copy_feeds_a_kernel_in_the_compiled_graphs():
+    """The forward and backward graphs AOT autograd hands to the backend (as the Neuron backend gets them)
+    for a GPT on NKI kernels in bf16: every layout change happens inside the kernels, so no
+    transpose/permute + copy feeds the attention, MLP or RMSNorm ops, and inductor never meets two fused
+    16-bit transposes around them."""
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module.graph)
+        return make_boxed_func(graph_module.forward)
+
+    torch.manual_seed(0)
+    model = GPT(config("default", "nki"))
+    idx = torch.randint(0, TINY.vocab_size, (1, TINY.sequence_len))
+    run = compile_for_trainium(model, idx, idx, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = run(idx, idx)
+    loss.backward()
+    assert len(graphs) == 2  # forward, backward
+    ops = [sorted({aten_name(n)[1] for n in g.nodes if aten_name(n)[0] == "nanogpt_trn"}) for g in graphs]
+    assert ops == [["flash_attention_fwd", "mlp_fwd", "rms_norm_fwd"], ["flash_attention_bwd", "mlp_bwd", "rms_norm_bwd"]]
+    for graph in graphs:
+        assert transposed_copies_into_kernels(graph) == []
+
+
+def test_cpu_fallbacks_are_named_on_neuron_only(monkeypatch):
+    """At the end of a run on neuron the ops TorchNeuron ran on the CPU are listed (its get_fallback_ops()),
+    or it says the installed torch_neuronx cannot list them; off Trainium nothing is said."""
+    import sys
+    import types
+
+    assert runtime.cpu_fallbacks("cpu") is None
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(
+        get_fallback_ops=lambda: ["aten::nonzero", "aten::_unique2", "aten::nonzero"]))
+    assert runtime.cpu_fallbacks("neuron") == \
+        "CPU fallbacks: TorchNeuron ran 2 op(s) on the CPU: aten::_unique2, aten::nonzero"
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(get_fallback_ops=lambda: []))
+    assert runtime.cpu_fallbacks("neuron") == "CPU fallbacks: none (every op ran on the NeuronCores)"
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace())
+    assert "cannot be listed" in runtime.cpu_fallbacks("neuron")
