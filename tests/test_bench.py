@@ -93,6 +93,15 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
         assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"
 
 
+def test_bench_kernels_with_a_value_is_the_model_setting_and_alone_the_measurement(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "print_memory", lambda cfg, model_cfg, world_size: seen.append(model_cfg.kernels))
+    bench.main(["--memory", "--kernels=torch,attention:nki"])
+    assert seen == ["torch,attention:nki"]
+    with pytest.raises(ValueError, match="--kernels=atention:nki: 'atention' is not an op"):
+        bench.main(["--memory", "--kernels=atention:nki"])
+
+
 @pytest.mark.parametrize("tokens, faster", [(128, "torch"), (512, "nki")])
 def test_auto_runs_the_mlp_the_way_the_cost_model_expects_faster_in_training(tokens, faster, capsys):
     """kernels._mlp_cost_problem is a cheap shape rule; bench --kernels prices the kernel by its emulated trace

@@ -145,6 +145,8 @@ def test_load_for_eval_scores_the_final_model_as_training_evaluated_it(tmp_path,
         plain = checkpoint.inference_model(model.state_dict(), dataclasses.asdict(model.config), "cpu")
         idx = torch.randint(0, 257, (2, 64))
         assert (model(idx) == plain(idx)).all() == (dtype == "float32")
+        compiled = torch.compile(model, backend="eager", fullgraph=True)  # a scorer may compile it: one graph
+        torch.testing.assert_close(compiled(idx), model(idx), rtol=0, atol=0)
     assert score(tmp_path / "final.pt", 64, 4, 2048) == pytest.approx(result["final_eval"]["val_bpb"], abs=1e-4)
 
 
