@@ -798,14 +798,14 @@ def _program_rows(n_rows):
     return start, min(n_rows, start + per_program * TILE)
 
 
-def _load_row_pieces(src, row_start, row_count):
-    """src[row_start : row_start + row_count, :] into SBUF as tiles of at most 128 rows, one row per
+def _load_row_pieces(src, row_start, row_count, cols):
+    """src[row_start : row_start + row_count, cols] into SBUF as tiles of at most 128 rows, one row per
     partition (one DMA each)."""
     pieces = []
     for span in _spans(row_start, row_start + row_count, TILE):
         start, count = span
-        piece = nl.ndarray((count, src.shape[1]), src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=piece, src=src[start:start + count, :])
+        piece = nl.ndarray((count, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=piece, src=src[start:start + count, cols])
         pieces.append(piece)
     return pieces
 
@@ -845,14 +845,14 @@ def _transpose_pieces_into(dst_tiles, dst_col, pieces):
         nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
 
 
-def _transposed_in_sbuf(matrix):
-    """matrix (R, C) from HBM into SBUF as C/128 tiles [128, R]: tile c holds matrix[:, c*128..].T, so
-    the contraction dim C lies on the partitions."""
-    rows, cols = matrix.shape
-    tiles = _sbuf_tiles(cols // TILE, (TILE, rows), matrix.dtype)
-    for span in _spans(0, rows, BANK_FP32):
+def _transposed_in_sbuf(matrix, rows, cols):
+    """The block matrix[rows, cols] (R x C, C a multiple of 128) from HBM into SBUF as C/128 tiles
+    [128, R]: tile c holds the block's columns c*128 .. c*128+127, transposed, so that C lies on the
+    partitions."""
+    tiles = _sbuf_tiles((cols.stop - cols.start) // TILE, (TILE, rows.stop - rows.start), matrix.dtype)
+    for span in _spans(rows.start, rows.stop, BANK_FP32):
         row_start, row_count = span
-        _transpose_pieces_into(tiles, row_start, _load_row_pieces(matrix, row_start, row_count))
+        _transpose_pieces_into(tiles, row_start - rows.start, _load_row_pieces(matrix, row_start, row_count, cols))
     return tiles
 
 
@@ -868,38 +868,54 @@ def _matmul_into_psum(stationaries, movings):
 
 # -----------------------------------------------------------------------------
 # MLP: NKI kernels, y = act(x @ w_up.T) @ w_down.T forward and backward
+#
+# Both kernels sweep the hidden units in chunks of whole 128-unit tiles, as many as SBUF holds (the glue
+# picks the chunk, _mlp_chunk_tiles): a chunk's weights are loaded once and stay on chip while all of
+# the program's tokens stream past, so HBM sees each weight once per call. What sums over the hidden
+# units (y forward, dx backward) sums over a chunk in PSUM; with several chunks each chunk adds its share
+# to an fp32 partial sum in HBM (_finish_rows) and the last writes the result. What sums over the tokens
+# (the weight gradients) accumulates over a block's tokens in PSUM, then in fp32 SBUF over the blocks,
+# and leaves the chip once per weight tile, at the end of its chunk.
 
 MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
 LEAKY_RELU2_SLOPE = 0.35  # leaky_relu2: (x if x > 0 else 0.35 x)^2
 
 
-def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
+def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chunk_tiles):
     """MLP forward on one NeuronCore (or, launched as kernel[2], half of the tokens on each core).
 
     x (N, d); w_up, w_gate (hidden, d) and w_down (d, hidden) in nn.Linear layout, all one dtype (bf16
     for speed; fp32 runs fp32 matmuls, 4x slower on TensorE); w_gate is None unless activation is
     "swiglu". Returns y (N, d) in x's dtype and, when save_preactivation, the pre-activations for the
     backward: x @ w_up.T (and x @ w_gate.T) as (hidden, N) arrays, the layout the kernel computes them in.
+    chunk_tiles: hidden tiles (128 units) per chunk, from _mlp_chunk_tiles.
 
-    Layout: the hidden activation is computed transposed, hT = w_up @ x.T as [128 hidden, 512 tokens]
-    PSUM tiles (stationary: a 128x128 block of w_up.T, moving: 512 tokens of x.T, contracting d over
-    128-row tiles), activated on ScalarE/VectorE straight out of PSUM into SBUF in the matmul dtype,
-    and kept in SBUF for the whole 512-token block: it is exactly the stationary operand the down
-    projection wants (y[128 tokens, <=512 of d] += actT[128 hidden, 128 tokens].T @ w_down.T[128 hidden,
-    <=512]), so it never goes back to HBM (unless saved for the backward) and needs no transpose.
-    x.T is made on TensorE (128x128 transposes, four per PSUM bank). Both weights are transposed once
-    per call the same way and stay in SBUF, so the contraction dim is on the partitions.
+    Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and
+    w_down[:, chunk].T as tiles [128 units, d], transposed on TensorE once per call. Per block of 512
+    tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden
+    tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank (stationary 128
+    x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into SBUF
+    in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand
+    the down projection wants, y[128 tokens, <=512 of d] += act.T[128 units, 128 tokens].T @
+    w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless saved for the
+    backward) and needs no transpose.
 
-    SBUF per partition: weights (2, or 3 for SwiGLU) * d * hidden * itemsize / 128 (bf16, d=768,
-    hidden=3072: 72 KiB), plus one block's x.T and act.T: (d + hidden) * 512 * itemsize / 128 (30 KiB).
-    PSUM: one bank per live hidden tile (two for SwiGLU) and one for each y tile being accumulated.
-    Limits: d and hidden multiples of 128; the weights must fit SBUF (see _mlp_shape_problem); any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
+    of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
+    and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
+    and 32 tiles; planned 94 and 190 KiB, the emulator measures 76 and 170); d=1536, hidden=6144
+    (phase2) in 3 chunks of 16. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
+    bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
+    any N.
 
-    TensorE: all matmuls are full 128x128 stationary by 512-wide moving except the down projection's
-    (moving min(d, 512) wide) and the ragged last block; transposes add d/128 per 128 tokens, about
-    128 / (2 * hidden) of the matmul work (2% at hidden=3072). With the activation on ScalarE/VectorE
-    and DMA overlapping the matmuls, expect roughly 80-90% TensorE utilisation for d, hidden >= 512
-    (weight transposes, amortised over the call's tokens, aside).
+    Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
+    128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
+    ScalarE and VectorE each at most two [128, 512] passes (the activation: relu2 relu on ScalarE and
+    relu(u) * u on VectorE reading u from PSUM; leaky_relu2 a u on ScalarE's free scale, the max on
+    VectorE, the square on ScalarE; the saved pre-activation's PSUM eviction on the less busy one).
+    The emulator's counts (bench.py --kernels: bf16, 1024 tokens, one Trn2 core, us busy per engine,
+    T/V/S/DMA) with the pre-activation saved: baseline relu2 98 / 40 / 36 / 54, K82s4 leaky_relu2
+    249 / 111 / 58 / 101: TensorE-bound, 87-88% of its time useful matmul (the rest: transposes).
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
@@ -910,37 +926,44 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
         if gated:
             gate_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
 
-    w_up_t = _transposed_in_sbuf(w_up)  # d/128 tiles [128, hidden]
-    w_gate_t = _transposed_in_sbuf(w_gate) if gated else None
-    w_down_t = _transposed_in_sbuf(w_down)  # hidden/128 tiles [128, d]
-
     program_start, program_stop = _program_rows(n_tokens)
-    for span in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
-        block_start, block_tokens = span
-        block = slice(block_start, block_start + block_tokens)
-        x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
-        _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens))
-        act_t = []  # hidden/128 tiles [128 hidden, block_tokens]: the block's hidden activation
-        for j in range(hidden // TILE):
-            units = slice(j * TILE, (j + 1) * TILE)
-            up = _matmul_into_psum(_column_slices(w_up_t, units.start, units.stop), x_t)
-            gate = _matmul_into_psum(_column_slices(w_gate_t, units.start, units.stop), x_t) if gated else None
-            if save_preactivation:
-                _store_from_psum(up_saved[units, block], up)
-                if gated:
-                    _store_from_psum(gate_saved[units, block], gate)
-            act_t.append(_mlp_activation(activation, up, gate, x.dtype))
+    chunks = _even_spans(0, hidden // TILE, chunk_tiles)
+    partial = _partial_sums(program_start, program_stop, dim, len(chunks))
+    save_up_on_scalar = activation in ("relu2", "swiglu")  # the engine with the lighter activation work
+    if program_start == program_stop:  # this program got no tokens (N <= 128 on two cores)
+        chunks = []
+    for k in range(len(chunks)):
+        first_tile, tiles = chunks[k]
+        units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
+        w_up_t = _transposed_in_sbuf(w_up, units, slice(0, dim))  # d/128 tiles [128, chunk units]
+        w_gate_t = _transposed_in_sbuf(w_gate, units, slice(0, dim)) if gated else None
+        w_down_t = _transposed_in_sbuf(w_down, slice(0, dim), units)  # chunk tiles [128 units, d]
+        for span in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
+            block_start, block_tokens = span
+            block = slice(block_start, block_start + block_tokens)
+            x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
+            _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens, slice(0, dim)))
+            act_t = []  # the chunk's tiles [128 units, block_tokens] of the block's hidden activation
+            for j in range(tiles):
+                start, stop = j * TILE, (j + 1) * TILE
+                up = _matmul_into_psum(_column_slices(w_up_t, start, stop), x_t)
+                gate = _matmul_into_psum(_column_slices(w_gate_t, start, stop), x_t) if gated else None
+                if save_preactivation:
+                    saved = slice(units.start + start, units.start + stop)
+                    _store_from_psum(up_saved[saved, block], up, save_up_on_scalar)
+                    if gated:
+                        _store_from_psum(gate_saved[saved, block], gate, False)
+                act_t.append(_mlp_activation(activation, up, gate, x.dtype))
 
-        for piece in _spans(0, block_tokens, TILE):
-            offset, tokens = piece
-            out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
-            for columns in _spans(0, dim, BANK_FP32):
-                col, width = columns
-                acc = _matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
-                                        _column_slices(w_down_t, col, col + width))
-                nisa.tensor_copy(dst=out[:, col:col + width], src=acc)
-            row = block_start + offset
-            nisa.dma_copy(dst=y[row:row + tokens, :], src=out)
+            for piece in _spans(0, block_tokens, TILE):
+                offset, tokens = piece
+                sums = []  # this chunk's share of y for the piece's tokens, one PSUM bank per 512 columns
+                for columns in _spans(0, dim, BANK_FP32):
+                    col, width = columns
+                    sums.append(_matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
+                                                  _column_slices(w_down_t, col, col + width)))
+                rows = slice(block_start + offset, block_start + offset + tokens)
+                _finish_rows(y, partial, rows, program_start, sums, k, len(chunks), offset // TILE)
     if not save_preactivation:
         return y  # one output: TorchNeuron hands it back bare
     if gated:
@@ -948,27 +971,73 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation):
     return y, up_saved
 
 
-def _store_from_psum(dst, values):
-    """Copy a PSUM tile to HBM `dst` (DMA cannot read PSUM: stage it in SBUF in dst's dtype)."""
+def _even_spans(start, stop, most):
+    """_spans of [start, stop) into as few pieces of at most `most` as possible, as even as possible."""
+    pieces = math.ceil((stop - start) / most)
+    return _spans(start, stop, math.ceil((stop - start) / pieces))
+
+
+def _partial_sums(program_start, program_stop, dim, chunks):
+    """Where this program's rows of an output that sums over `chunks` hidden chunks collect: an fp32
+    (rows, d) scratch in HBM, private to the program; None for one chunk, which needs none."""
+    if chunks == 1:
+        return None
+    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.hbm)
+
+
+def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
+    """Chunk number `chunk` of `chunks` hands over its share of dst[rows, :], the fp32 PSUM tiles `sums`
+    (one per 512 columns). One chunk: dst[rows] = sums. Several: the first stores its share in the fp32
+    `partial`, the later ones add what is there (VectorE, reading PSUM), and the last writes dst. Plain
+    evictions alternate between VectorE and ScalarE (by `turn` and column)."""
+    dim = dst.shape[1]
+    last = chunk == chunks - 1
+    local = slice(rows.start - program_start, rows.stop - program_start)
+    out = nl.ndarray((rows.stop - rows.start, dim), dst.dtype if last else nl.float32, buffer=nl.sbuf)
+    previous = _load_tile(partial, local, slice(0, dim)) if chunk > 0 else None
+    col = 0
+    for c in range(len(sums)):
+        cols = slice(col, col + sums[c].shape[1])
+        if previous is not None:
+            nisa.tensor_tensor(dst=out[:, cols], data1=sums[c], data2=previous[:, cols], op=nl.add)
+        elif (turn + c) % 2:
+            nisa.activation(dst=out[:, cols], op=nl.copy, data=sums[c])
+        else:
+            nisa.tensor_copy(dst=out[:, cols], src=sums[c])
+        col = cols.stop
+    if last:
+        nisa.dma_copy(dst=dst[rows, :], src=out)
+    else:
+        nisa.dma_copy(dst=partial[local, :], src=out)
+
+
+def _store_from_psum(dst, values, on_scalar):
+    """Copy a PSUM tile to HBM `dst` (DMA cannot read PSUM: stage it in SBUF in dst's dtype), evicting
+    on ScalarE or VectorE."""
     staged = nl.ndarray(values.shape, dst.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=staged, src=values)
+    if on_scalar:
+        nisa.activation(dst=staged, op=nl.copy, data=values)
+    else:
+        nisa.tensor_copy(dst=staged, src=values)
     nisa.dma_copy(dst=dst, src=staged)
 
 
 def _mlp_activation(activation, up, gate, dtype):
-    """act of one [128, tokens] tile of pre-activations (fp32 PSUM), into SBUF in `dtype`."""
+    """act of one [128, tokens] tile of pre-activations (fp32 PSUM), into SBUF in `dtype`. Every VectorE
+    instruction here reads one operand from PSUM, which runs it at one element per cycle (fp32 SBUF
+    operands on both sides would take two)."""
     act = nl.ndarray(up.shape, dtype, buffer=nl.sbuf)
     if activation == "gelu":
         nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
-    elif activation == "relu2":
+    elif activation == "relu2":  # relu(u) * u = relu(u)^2
         relu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=relu, op=nl.relu, data=up)
-        nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
-    elif activation == "leaky_relu2":  # leaky(u) = max(u, slope u) for 0 < slope < 1; then squared on ScalarE
+        nisa.tensor_tensor(dst=act, data1=relu, data2=up, op=nl.multiply)
+    elif activation == "leaky_relu2":  # leaky(u) = max(u, slope u) for 0 < slope < 1; then squared
         scaled = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=scaled, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE)
+        nisa.activation(dst=scaled, op=nl.copy, data=up, scale=LEAKY_RELU2_SLOPE)
         leaky = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=leaky, data1=up, data2=scaled, op=nl.maximum)
+        nisa.tensor_tensor(dst=leaky, data1=scaled, data2=up, op=nl.maximum)
         nisa.activation(dst=act, op=nl.square, data=leaky)
     else:  # swiglu: silu(gate) * up
         silu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
@@ -978,118 +1047,132 @@ def _mlp_activation(activation, up, gate, dtype):
 
 
 def _mlp_bwd_block_tokens(dim):
-    """Tokens per backward block: dx for the whole block stays in PSUM while the hidden dim is
-    swept, 128 tokens x <=512 of d per bank, and we give it at most 4 of the 8 banks."""
+    """Tokens per backward block: dx for the whole block stays in PSUM while a chunk's hidden tiles
+    are swept, 128 tokens x <=512 of d per bank, and we give it at most 4 of the 8 banks."""
     return TILE * (4 // math.ceil(dim / BANK_FP32))
 
 
-def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation):
+def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation, chunk_tiles):
     """MLP backward from the pre-activations the forward saved (gate_saved, like w_gate, None unless
-    SwiGLU). dy, x (N, d); weights as in the forward; up_saved, gate_saved (hidden, N).
+    SwiGLU). dy, x (N, d); weights as in the forward; up_saved, gate_saved (hidden, N); chunk_tiles:
+    hidden tiles per chunk (_mlp_chunk_tiles).
 
     Returns dx (N, d) in x's dtype and per-program partial weight gradients in fp32, which the caller
     sums over the first axis: dw_up (and dw_gate) (programs, hidden, d) and dw_down TRANSPOSED,
-    (programs, hidden, d). Each program (core) takes half of the tokens, so each holds only its share
-    of the weight gradients, and no core waits for the other.
+    (programs, hidden, d). Each program (core) takes a contiguous share of the tokens, so each holds only
+    its share of the weight gradients, and no core waits for the other.
 
     Saving versus recomputing the pre-activation: we save it (hidden x N in the matmul dtype per MLP,
-    twice for SwiGLU: 2 * N * hidden bytes in bf16, 100 MB per layer at N=16k tokens, hidden=3072;
-    PyTorch's own autograd keeps about twice that for the same MLP). Recomputing it would cost one
-    more up (and gate) projection in the backward, about +20% TensorE work for the MLP backward, and
-    would need w_up.T in SBUF as well; on Trainium, HBM (24 GiB per logical core) is plentiful at the
-    scale this kit trains, TensorE time is not, so we spend memory.
+    twice for SwiGLU). Recomputing it would cost one more up (and gate) projection in the backward,
+    about +20% TensorE work, for memory that HBM (24 GiB per logical core) has to spare at this scale.
 
-    Per block of B tokens (512 for d <= 512, 256 for d <= 1024, 128 for d <= 2048) and 128 hidden
-    units j, weights streamed from HBM (a block's weights cost 2 * B FLOPs per byte of DMA, well above
-    the HBM roofline):
-      daT[j, tokens]   = sum over 128-row tiles c of w_down[c, j].T @ dyT[c, tokens]   (PSUM, 512 wide)
+    Per chunk of hidden units, its weights load once: w_down[:, chunk] as d/128 stationary tiles
+    [128 of d, chunk units], w_up[chunk] (and w_gate's) as tiles [128 units, d]. Then per block of B
+    tokens (512 for d <= 512, 256 for d <= 1024, 128 for d <= 2048: dx of the block fills at most 4
+    PSUM banks) and hidden tile j of the chunk:
+      daT[j, tokens]   = sum over 128-row tiles c of w_down[c, j].T @ dyT[c, tokens]   (PSUM, one bank)
       dhT              = daT * act'(hT)   from the saved hT, on ScalarE/VectorE, SBUF
-      dx[tokens, :]   += dhT[j, 128 tokens].T @ w_up[j, :]  accumulated in PSUM over all of hidden
-      dw_up[j, :]     += dh[tokens, j].T @ x[tokens, :]    accumulated in PSUM over the block's
-      dw_down.T[j, :] += act[tokens, j].T @ dy[tokens, :]  128-token tiles, then added to fp32 SBUF
+      dx[tokens, :]   += dhT[j, 128 tokens].T @ w_up[j, :]  in PSUM over the chunk's hidden tiles
+      dw_up[j, :]     += dh[tokens, j].T @ x[tokens, :]    in PSUM over the block's 128-token pieces,
+      dw_down.T[j, :] += act[tokens, j].T @ dy[tokens, :]  then into the chunk's fp32 SBUF tiles
     The weight gradients contract over tokens, so dhT and actT are flipped on TensorE (128x128 each).
+    dx leaves per block (_finish_rows: through an fp32 partial sum in HBM when there are several
+    chunks); each chunk's weight gradients leave once, one DMA per 128-unit tile.
 
-    SBUF per partition: the fp32 weight-gradient accumulators, (2, or 3) * d * hidden * 4 / 128 (d=768,
-    hidden=3072: 144 KiB), plus the working tiles, 3 * d * B * itemsize / 128 + 4 * d * itemsize + 32 * B
-    bytes (20 KiB there; _mlp_sbuf_bytes). PSUM: dx (4 banks), daT, one weight-gradient tile and the
-    transposes: 8 banks. Limits: d (<= 2048) and hidden multiples of 128, the accumulators within SBUF
-    (see _mlp_shape_problem); any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
+    (weights and fp32 accumulators); plus dy, dy.T and x of a block (3 B d itemsize / 128), one hidden
+    tile's elementwise and flipped tiles, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk
+    of 20 tiles (planned 178 KiB, measured 159); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10
+    (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5).
+    PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
+    _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
-    TensorE: per 128 hidden units and B tokens, 4 matmul groups of 2*B*d*128 FLOPs each (6 for SwiGLU)
-    run with full 128-deep contractions and moving operands of 512 (or d) columns, plus 2 (3) B/128
-    transposes, about 128 / (2 d) of the matmul time (8% at d=768). The elementwise work (3 passes for
-    ReLU^2, 4 for leaky ReLU^2, 9 for GELU, 6 for SwiGLU over [128, B] tiles, plus the transposes' PSUM
-    evictions and the gradient additions) runs on ScalarE/VectorE alongside; for d >= 512 it hides under the matmuls,
-    so expect about 70-85% TensorE utilisation; at d = 128-256 VectorE, not TensorE, sets the pace.
+    Engines, per hidden tile and block (B tokens): TensorE 4 matmul groups of 2 B d 128 FLOPs (6 for
+    SwiGLU), 4 B d / 128 cycles, plus 2 (3) B/128 flips; VectorE the weight-gradient additions, d
+    cycles per gradient (the first block's are ScalarE copies), and one or two one-cycle-per-element
+    passes of the activation's derivative (relu2: d_up = 2 relu(u) * daT reading daT from PSUM;
+    leaky_relu2: three); ScalarE the flips' evictions and the activation's scaled copies. So VectorE
+    runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
+    TensorE sets the pace. The emulator's counts for forward + backward (bench.py --kernels: bf16, 1024
+    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 162, K82s4
+    leaky_relu2 724 / 452 / 225 / 406: TensorE-bound, 89-91% of its time useful matmul.
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
     gated = w_gate is not None
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
-    # weight gradients, each with hidden/128 fp32 SBUF accumulator tiles [128 hidden, d]
     grads = [nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm),  # dw_up
              nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm)]  # dw_down, transposed
     if gated:
         grads.append(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm))  # dw_gate
-    accumulators = []
-    for _ in grads:
-        tiles = _sbuf_tiles(hidden // TILE, (TILE, dim), nl.float32)
-        for tile in tiles:
-            nisa.memset(dst=tile, value=0.0)
-        accumulators.append(tiles)
 
     program_start, program_stop = _program_rows(n_tokens)
-    for span in _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)):
-        block_start, block_tokens = span
-        block = slice(block_start, block_start + block_tokens)
-        dy_pieces = _load_row_pieces(dy, block_start, block_tokens)
-        x_pieces = _load_row_pieces(x, block_start, block_tokens)
-        dy_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
-        _transpose_pieces_into(dy_t, 0, dy_pieces)
-        piece_spans = _spans(0, block_tokens, TILE)
-        column_spans = _spans(0, dim, BANK_FP32)
-        dx_acc = []  # per 128-token piece, one PSUM tile per bank-wide column span: dx of the block
-        for piece in piece_spans:
-            _, tokens = piece
-            row_of_banks = []
-            for columns in column_spans:
-                _, width = columns
-                row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
-            dx_acc.append(row_of_banks)
+    blocks = _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim))
+    chunks = _even_spans(0, hidden // TILE, chunk_tiles)
+    partial = _partial_sums(program_start, program_stop, dim, len(chunks))
+    column_spans = _spans(0, dim, BANK_FP32)
+    if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
+        zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        for g in range(len(grads)):
+            for j in range(hidden // TILE):
+                nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=zeros)
+        chunks = []
+    for k in range(len(chunks)):
+        first_tile, tiles = chunks[k]
+        units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
+        w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+        for c in range(dim // TILE):
+            w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), units))
+        w_up_rows = _load_row_pieces(w_up, units.start, tiles * TILE, slice(0, dim))  # chunk tiles [128 units, d]
+        w_gate_rows = _load_row_pieces(w_gate, units.start, tiles * TILE, slice(0, dim)) if gated else None
+        accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
+        for _ in grads:
+            accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
 
-        for j in range(hidden // TILE):
-            units = slice(j * TILE, (j + 1) * TILE)
-            w_down_cols = []  # w_down[:, units] as d/128 stationary tiles [128, 128]
-            for c in range(dim // TILE):
-                w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), units))
-            d_act = _matmul_into_psum(w_down_cols, dy_t)
-            up = _load_tile(up_saved, units, block)
-            gate = _load_tile(gate_saved, units, block) if gated else None
-            act, d_up, d_gate = _mlp_activation_backward(activation, up, gate, d_act, x.dtype)
+        for b in range(len(blocks)):
+            block_start, block_tokens = blocks[b]
+            block = slice(block_start, block_start + block_tokens)
+            dy_pieces = _load_row_pieces(dy, block_start, block_tokens, slice(0, dim))
+            x_pieces = _load_row_pieces(x, block_start, block_tokens, slice(0, dim))
+            dy_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
+            _transpose_pieces_into(dy_t, 0, dy_pieces)
+            piece_spans = _spans(0, block_tokens, TILE)
+            dx_acc = []  # per 128-token piece, one PSUM tile per bank-wide column span: the chunk's share of dx
+            for piece in piece_spans:
+                _, tokens = piece
+                row_of_banks = []
+                for columns in column_spans:
+                    _, width = columns
+                    row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
+                dx_acc.append(row_of_banks)
 
-            _accumulate_dx(dx_acc, d_up, _load_tile(w_up, units, slice(0, dim)), piece_spans, column_spans,
-                           accumulate=j > 0)
-            if gated:
-                _accumulate_dx(dx_acc, d_gate, _load_tile(w_gate, units, slice(0, dim)), piece_spans,
-                               column_spans, accumulate=True)
-            _accumulate_weight_grad(accumulators[0][j], d_up, x_pieces)
-            _accumulate_weight_grad(accumulators[1][j], act, dy_pieces)
-            if gated:
-                _accumulate_weight_grad(accumulators[2][j], d_gate, x_pieces)
+            for j in range(tiles):
+                start, stop = j * TILE, (j + 1) * TILE
+                saved = slice(units.start + start, units.start + stop)
+                d_act = _matmul_into_psum(_column_slices(w_down_cols, start, stop), dy_t)
+                up = _load_tile(up_saved, saved, block)
+                gate = _load_tile(gate_saved, saved, block) if gated else None
+                act, act_scale, d_up, d_gate = _mlp_activation_backward(activation, up, gate, d_act, x.dtype)
 
-        for p in range(len(piece_spans)):
-            offset, tokens = piece_spans[p]
-            out = nl.ndarray((tokens, dim), x.dtype, buffer=nl.sbuf)
-            for c in range(len(column_spans)):
-                col, width = column_spans[c]
-                nisa.tensor_copy(dst=out[:, col:col + width], src=dx_acc[p][c])
-            row = block_start + offset
-            nisa.dma_copy(dst=dx[row:row + tokens, :], src=out)
+                _accumulate_dx(dx_acc, d_up, w_up_rows[j], piece_spans, column_spans, accumulate=j > 0)
+                if gated:
+                    _accumulate_dx(dx_acc, d_gate, w_gate_rows[j], piece_spans, column_spans, accumulate=True)
+                _accumulate_weight_grad(accumulators[0][j], d_up, x_pieces, b == 0, 1.0)
+                _accumulate_weight_grad(accumulators[1][j], act, dy_pieces, b == 0, act_scale)
+                if gated:
+                    _accumulate_weight_grad(accumulators[2][j], d_gate, x_pieces, b == 0, 1.0)
 
-    for g in range(len(grads)):
-        for j in range(hidden // TILE):
-            nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=accumulators[g][j])
+            for p in range(len(piece_spans)):
+                offset, tokens = piece_spans[p]
+                rows = slice(block_start + offset, block_start + offset + tokens)
+                _finish_rows(dx, partial, rows, program_start, dx_acc[p], k, len(chunks), p)
+
+        for g in range(len(grads)):
+            for j in range(tiles):
+                rows = slice(units.start + j * TILE, units.start + (j + 1) * TILE)
+                nisa.dma_copy(dst=grads[g][program, rows, :], src=accumulators[g][j])
     if gated:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
@@ -1097,7 +1180,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
 
 def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumulate):
     """dx_acc[p][c] (PSUM) (+)= d_pre[128 hidden, piece p's tokens].T @ weight_rows[128 hidden, column span c]:
-    one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the first share."""
+    one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the chunk's first share."""
     for p in range(len(piece_spans)):
         offset, tokens = piece_spans[p]
         for c in range(len(column_spans)):
@@ -1113,11 +1196,12 @@ def _load_tile(src, rows, cols):
     return tile
 
 
-def _accumulate_weight_grad(acc, hidden_t, pieces):
-    """acc [128 hidden, d] (fp32 SBUF) += hidden_t [128 hidden, tokens] @ the stacked token pieces
-    [tokens, d]. TensorE contracts over partitions, so each 128-token slice of hidden_t is first flipped
-    to put its tokens there (up to four flips share a PSUM bank and one ScalarE eviction; only the last
-    piece of all may be short). The pieces' products accumulate in PSUM, then one add per bank."""
+def _accumulate_weight_grad(acc, hidden_t, pieces, first, scale):
+    """acc [128 hidden, d] (fp32 SBUF) (+)= scale * hidden_t [128 hidden, tokens] @ the stacked token pieces
+    [tokens, d]; `first` (the program's first block) overwrites. TensorE contracts over partitions, so each
+    128-token slice of hidden_t is first flipped to put its tokens there (up to four flips share a PSUM bank
+    and one ScalarE eviction, which applies `scale` for free; only the last piece of all may be short). The
+    pieces' products accumulate in PSUM, then one VectorE add (or, first, a ScalarE copy) per bank."""
     flipped = nl.ndarray((TILE, len(pieces) * TILE), hidden_t.dtype, buffer=nl.psum)
     token_major = nl.ndarray(flipped.shape, hidden_t.dtype, buffer=nl.sbuf)
     stationaries = []
@@ -1131,14 +1215,17 @@ def _accumulate_weight_grad(acc, hidden_t, pieces):
         if tokens == TILE:
             full += TILE
     if full:
-        nisa.activation(dst=token_major[:, :full], op=nl.copy, data=flipped[:, :full])
+        nisa.activation(dst=token_major[:, :full], op=nl.copy, data=flipped[:, :full], scale=scale)
     if full < flipped.shape[1]:
         tokens = pieces[-1].shape[0]
-        nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:])
+        nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:], scale=scale)
     for span in _spans(0, acc.shape[1], BANK_FP32):
         col, width = span
         grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
-        nisa.tensor_tensor(dst=acc[:, col:col + width], data1=acc[:, col:col + width], data2=grad, op=nl.add)
+        if first:
+            nisa.activation(dst=acc[:, col:col + width], op=nl.copy, data=grad)
+        else:
+            nisa.tensor_tensor(dst=acc[:, col:col + width], data1=acc[:, col:col + width], data2=grad, op=nl.add)
 
 
 _GELU_C = math.sqrt(2 / math.pi)  # gelu_tanh(x) = x * sigmoid(2c (x + k x^3))
@@ -1147,28 +1234,31 @@ _GELU_K = 0.044715
 
 def _mlp_activation_backward(activation, up, gate, d_act, dtype):
     """From the saved pre-activations (SBUF [128, tokens]) and dL/d act (fp32 PSUM): act itself (for
-    dw_down) and the pre-activations' gradients d_up, d_gate (None unless SwiGLU), in `dtype`.
-    Intermediates stay fp32."""
+    dw_down) as `act_scale` * the returned tile, and the pre-activations' gradients d_up, d_gate (None
+    unless SwiGLU), in `dtype`. Intermediates stay fp32 except where said."""
     shape = up.shape
     act = nl.ndarray(shape, dtype, buffer=nl.sbuf)
     d_up = nl.ndarray(shape, dtype, buffer=nl.sbuf)
     d_gate = None
-    if activation == "relu2":  # act = relu(u)^2, act' = 2 relu(u)
-        relu = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=relu, op=nl.relu, data=up)
-        nisa.tensor_tensor(dst=act, data1=relu, data2=relu, op=nl.multiply)
-        nisa.scalar_tensor_tensor(dst=d_up, data=relu, op0=nl.multiply, operand0=2.0, op1=nl.multiply, operand1=d_act)
+    act_scale = 1.0
+    if activation == "relu2":  # act = relu(u)^2 = (2 relu(u) / 2)^2, act' = 2 relu(u): ScalarE's free scales
+        relu2x = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=relu2x, op=nl.relu, data=up, scale=2.0)
+        nisa.activation(dst=act, op=nl.square, data=relu2x, scale=0.5)
+        nisa.tensor_tensor(dst=d_up, data1=relu2x, data2=d_act, op=nl.multiply)
     elif activation == "leaky_relu2":
-        # act = max(u, a u)^2; act' = 2 u for u > 0, 2 a^2 u below: 2 max(u, a^2 u) (0 < a < 1)
-        leaky = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=leaky, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE, op1=nl.maximum,
-                                  operand1=up)
-        nisa.activation(dst=act, op=nl.square, data=leaky)
-        slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=slope, data=up, op0=nl.multiply, operand0=LEAKY_RELU2_SLOPE ** 2,
-                                  op1=nl.maximum, operand1=up)
-        nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.multiply, operand0=2.0, op1=nl.multiply,
-                                  operand1=d_act)
+        # with m = max(u, a^2 u) (0 < a < 1): act = max(u, a u)^2 = u m and act' = 2 m. The scaled copies
+        # are ScalarE's; VectorE's operands are all in `dtype` (bf16: one element per cycle, and 2 u exact)
+        # or in PSUM. 4 act is returned (2u * 2m), its 1/4 applied by the flip's eviction.
+        twice = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+        nisa.activation(dst=twice, op=nl.copy, data=up, scale=2.0)
+        low = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+        nisa.activation(dst=low, op=nl.copy, data=up, scale=2 * LEAKY_RELU2_SLOPE ** 2)
+        slope = nl.ndarray(shape, dtype, buffer=nl.sbuf)  # 2 m
+        nisa.tensor_tensor(dst=slope, data1=twice, data2=low, op=nl.maximum)
+        nisa.tensor_tensor(dst=d_up, data1=slope, data2=d_act, op=nl.multiply)
+        nisa.tensor_tensor(dst=act, data1=twice, data2=slope, op=nl.multiply)
+        act_scale = 0.25
     elif activation == "gelu":
         # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
         # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
@@ -1201,7 +1291,7 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
         u_d_act = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=u_d_act, data1=up, data2=d_act, op=nl.multiply)
         nisa.tensor_tensor(dst=d_gate, data1=u_d_act, data2=silu_dx, op=nl.multiply)
-    return act, d_up, d_gate
+    return act, act_scale, d_up, d_gate
 
 
 # -----------------------------------------------------------------------------
@@ -1214,21 +1304,22 @@ def rms_norm_fwd_kernel(x, weight, eps):
     """RMSNorm forward. x (N, d) bf16 or fp32; weight None or (d,) fp32. Returns y (N, d) in x's dtype.
 
     Rows go on the partitions, 128 per tile, the whole of d along the free axis, so the statistic is a
-    per-partition reduction: ScalarE squares the tile and sums each row in the same instruction (fp32),
-    then one tiny ScalarE rsqrt gives 1/rms; a single VectorE pass writes x * rstd * weight (ScalarE
-    x * rstd without a weight). The weight is broadcast to all partitions once per call with a K=1
-    matmul against a row of ones. One read of x and one write of y: the HBM traffic of a copy.
-    Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
+    per-partition reduction: ScalarE squares the tile and sums each row in the same instruction (fp32);
+    1/rms is a [128, 1] column (VectorE's mean + eps, GpSimd's rsqrt: the engines that are idle here);
+    VectorE writes x * rstd in one tensor_scalar (bf16 in SBUF: 4 elements per cycle), or with a weight
+    x * rstd * weight in one scalar_tensor_tensor. The weight is broadcast to all partitions once per
+    call with a K=1 matmul against a row of ones. One read of x and one write of y: the HBM traffic of a
+    copy. Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
 
-    SBUF per partition: x and y tiles (2 * d * itemsize) and the fp32 squares (4d), double-buffered by
-    the compiler, plus 4d for the weight: under 40 KiB at d = 2048. PSUM: only the one-off broadcast.
-    Limits: d <= 2048; any N (the last tile may be partial); programs of an LNC launch split the rows.
-    TensorE is idle (pure memory traffic); ScalarE and VectorE each make one pass per tile, which keeps
-    pace with the DMA, so the kernel runs at about HBM bandwidth.
+    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at
+    d = 2048. PSUM: only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial);
+    programs of an LNC launch split the rows.
+    Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd 256,
+    TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d
+    (d = 1024: ScalarE 0.91 us, DMA 1.78 us). With a weight VectorE makes 2d cycles, about DMA's time.
     """
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    eps_column = _constant_column(eps)
     weighted = weight is not None
     weight_rows = _broadcast_to_partitions(weight) if weighted else None
     program_start, program_stop = _program_rows(n_rows)
@@ -1236,9 +1327,9 @@ def rms_norm_fwd_kernel(x, weight, eps):
         row, rows = span
         x_tile = _load_tile(x, slice(row, row + rows), slice(0, dim))
         out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-        rstd = _reciprocal_rms(x_tile, eps_column, squares=out)
+        rstd = _reciprocal_rms(x_tile, eps, squares=out)
         if not weighted:
-            nisa.activation(dst=out, op=nl.copy, data=x_tile, scale=rstd)
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd)
         else:
             nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=weight_rows[:rows])
@@ -1251,22 +1342,25 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     with a weight, per-program partial weight gradients (programs, d) in fp32 for the caller to sum.
 
     With r = rstd and g = r * dy * weight:  dx = g - r^2 * mean(x * g) * x,  dweight = sum_rows(dy * x * r).
-    Per 128-row tile: recompute r (one ScalarE pass, as in the forward), g (VectorE with a weight,
-    else ScalarE), x * g / d (VectorE) summed per row by ScalarE's accumulator, dx (VectorE). The
-    weight gradient sums over rows, which lie on the partitions: a matmul with a column of ones does that
-    cross-partition sum on TensorE, accumulating over all of a program's tiles in PSUM (fp32 operands:
-    exact, and the matmul is only one row tall). One read of x and dy and one write of dx.
+    Per 128-row tile, r is recomputed as in the forward (one ScalarE pass). Without a weight (the model's
+    case) dx = r (dy + c x) with c = -r^2 mean(x dy): VectorE's x * dy, summed per row by ScalarE's
+    accumulator; VectorE's c x + dy; ScalarE's r * that, a free scale. In bf16 these intermediates are
+    bf16, so VectorE streams them at one element per cycle (x * c at four): dx is rounded about three
+    times instead of once, within bf16's step. With a weight, g (VectorE), x * g / d (VectorE) summed by
+    ScalarE, dx (VectorE), all fp32. The weight gradient sums over rows, which lie on the partitions: a
+    matmul with a column of ones does that cross-partition sum on TensorE, accumulating over all of a
+    program's tiles in PSUM (fp32 operands: exact, and the matmul is only one row tall). One read of x
+    and dy and one write of dx.
 
-    SBUF per partition: x, dy, dx tiles and three fp32 [128, d] intermediates, about 18 * d bytes,
-    double-buffered. PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
-    Engines per tile: without a weight (the model's case) ScalarE 3 passes, VectorE 2, about the time
-    of the tile's DMA (x, dy, dx); with a weight VectorE makes 4 (g, x g, dx, dy x r), about twice the
-    DMA time at bf16, so that variant is VectorE-bound.
+    SBUF per partition: x, dy, dx tiles and up to three [128, d] intermediates, at most about 18 * d
+    bytes. PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
+    Engines per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3
+    x 8 rows per queue x (2d + 512) bytes at 23 GB/s: d = 1024: ScalarE 2.67 us, VectorE 2.60, DMA 2.67;
+    d = 640: 1.71, 1.70, 1.87. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x DMA.
     """
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    eps_column = _constant_column(eps)
     weighted = weight is not None
     if weighted:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
@@ -1284,25 +1378,37 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         tile_rows = slice(row, row + rows)
         x_tile = _load_tile(x, tile_rows, slice(0, dim))
         dy_tile = _load_tile(dy, tile_rows, slice(0, dim))
-        scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        rstd = _reciprocal_rms(x_tile, eps_column, squares=scratch)
-        g = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        if weighted:
+        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        if not weighted:
+            product = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)  # x dy, then c x + dy
+            rstd = _reciprocal_rms(x_tile, eps, squares=product)
+            nisa.tensor_tensor(dst=product, data1=x_tile, data2=dy_tile, op=nl.multiply)
+            neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy)
+            nisa.activation_reduce(dst=product, op=nl.copy, data=product, reduce_op=nl.add, reduce_res=neg_mean,
+                                   scale=-1.0 / dim)
+            x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x dy)
+            nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                               operand1=rstd)
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef)
+            nisa.tensor_tensor(dst=product, data1=out, data2=dy_tile, op=nl.add)
+            nisa.activation(dst=out, op=nl.copy, data=product, scale=rstd)
+        else:
+            scratch = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
+            rstd = _reciprocal_rms(x_tile, eps, squares=scratch)
+            g = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=g, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=weight_rows[:rows])
-        else:
-            nisa.activation(dst=g, op=nl.copy, data=dy_tile, scale=rstd)
-        # coefficient of x in dx: -r^2 mean(x g); ScalarE's accumulator sums the rows of x g / d
-        nisa.scalar_tensor_tensor(dst=scratch, data=x_tile, op0=nl.multiply, operand0=1.0 / dim, op1=nl.multiply,
-                                  operand1=g)
-        neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean, scale=-1.0)
-        x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=rstd)
-        out = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add, operand1=g)
-        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
-        if weighted:
+            # coefficient of x in dx: -r^2 mean(x g); ScalarE's accumulator sums the rows of x g / d
+            nisa.scalar_tensor_tensor(dst=scratch, data=x_tile, op0=nl.multiply, operand0=1.0 / dim,
+                                      op1=nl.multiply, operand1=g)
+            neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
+                                   scale=-1.0)
+            x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                               operand1=rstd)
+            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                                      operand1=g)
             normed_dy = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                                       operand1=dy_tile)
@@ -1310,6 +1416,7 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
                 col, width = column_spans[c]
                 nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:rows], moving=normed_dy[:, col:col + width],
                                accumulate=row > program_start)
+        nisa.dma_copy(dst=dx[tile_rows, :], src=out)
 
     if not weighted:
         return dx  # one output: TorchNeuron hands it back bare
@@ -1320,7 +1427,7 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
         for c in range(len(column_spans)):
             col, width = column_spans[c]
             nisa.tensor_copy(dst=partial[:, col:col + width], src=dweight_acc[c])
-    nisa.dma_copy(dst=dweight[program], src=partial)
+    nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
     return dx, dweight
 
 
@@ -1331,14 +1438,17 @@ def _constant_column(value):
     return column
 
 
-def _reciprocal_rms(x_tile, eps_column, squares):
+def _reciprocal_rms(x_tile, eps, squares):
     """1 / sqrt(mean(x^2) + eps) of each row of x_tile, a fp32 (rows, 1) column. ScalarE squares and sums
-    in one instruction; `squares` (rows, d) receives the squares, which nobody reads."""
+    in one instruction (`squares` (rows, d) receives the squares, which nobody reads); the column's mean +
+    eps is VectorE's and its rsqrt GpSimd's (nl.rsqrt's engine), which leaves ScalarE the wide passes."""
     rows, dim = x_tile.shape
     sum_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
     nisa.activation_reduce(dst=squares, op=nl.square, data=x_tile, reduce_op=nl.add, reduce_res=sum_sq)
+    mean_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
     rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=rstd, op=nl.rsqrt, data=sum_sq, bias=eps_column[:rows], scale=1.0 / dim)
+    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
     return rstd
 
 
@@ -1363,7 +1473,8 @@ def _broadcast_to_partitions(vector):
 
 def _mlp_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor | None,
                  activation: str, save_preactivation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, *saved = _run_kernel(mlp_fwd_kernel, x, w_up, w_down, w_gate, activation, save_preactivation)
+    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=False)
+    y, *saved = _run_kernel(mlp_fwd_kernel, x, w_up, w_down, w_gate, activation, save_preactivation, chunk)
     saved += [x.new_empty(0) for _ in range(2 - len(saved))]  # the op always returns three tensors
     return y, *saved
 
@@ -1377,7 +1488,8 @@ def _mlp_forward_fake(x, w_up, w_down, w_gate, activation, save_preactivation):
 def _mlp_backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                   w_gate: torch.Tensor | None, up_saved: torch.Tensor, gate_saved: torch.Tensor | None,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, *grads = _run_kernel(mlp_bwd_kernel, dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation)
+    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=True)
+    dx, *grads = _run_kernel(mlp_bwd_kernel, dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation, chunk)
     grads += [x.new_empty(0) for _ in range(3 - len(grads))]
     return dx, *grads
 
@@ -1458,43 +1570,44 @@ def _matmul_dtype(x):
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
-def _mlp_sbuf_bytes(dim, hidden, gated, itemsize, backward):
-    """Bytes per SBUF partition the MLP kernels keep live (the accounting in their docstrings, rounded
-    up; the emulator measures 20-40 KiB less at d = 768, which leaves room for the compiler's buffering)."""
+def _mlp_sbuf_plan(dim, gated, itemsize, backward):
+    """(bytes per hidden tile of a chunk, bytes besides) per SBUF partition that the MLP kernels keep live:
+    the accounting in their docstrings, rounded up (the emulator measures a little less; the rest of
+    SBUF_BUDGET's margin below Trn2's 224 KiB is the compiler's for buffering)."""
     projections = 3 if gated else 2
     if backward:
         block = _mlp_bwd_block_tokens(dim)
-        resident = projections * dim * hidden * 4 // TILE  # fp32 weight-gradient accumulators
-        # dy, dy.T and x of one block; one hidden tile's weight slices; fp32 elementwise scratch
-        working = 3 * dim * block * itemsize // TILE + 4 * dim * itemsize + 32 * block
+        per_tile = projections * dim * (itemsize + 4)  # the chunk's weight slices, its fp32 gradient accumulators
+        # dy, dy.T and x of a block; one hidden tile's elementwise and flipped tiles; dx's rows and partial sums
+        besides = 3 * dim * block * itemsize // TILE + block * (8 * itemsize + 16) + 8 * dim
     else:
-        resident = projections * dim * hidden * itemsize // TILE  # transposed weights
-        working = max(4 * max(dim, hidden) * itemsize,  # row pieces staged while the weights are transposed
-                      (2 * dim + hidden) * MLP_BLOCK_TOKENS * itemsize // TILE  # x, x.T, act.T of a block
-                      + 8 * MLP_BLOCK_TOKENS)  # fp32 activation scratch
-    return resident + working + 8 * 1024
+        per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
+        # x.T of a block; fp32 activation scratch and the saved pre-activations' staging; y's rows and partial sums
+        besides = 4 * dim * itemsize + MLP_BLOCK_TOKENS * (8 + 2 * itemsize) + 8 * dim
+    return per_tile, besides + 8 * 1024
 
 
-def _mlp_shape_problem(x, w_up, w_gate, dtype, training):
-    """None if the NKI MLP takes these shapes, else what stops it."""
+def _mlp_chunk_tiles(dim, hidden, gated, itemsize, backward):
+    """Hidden tiles (of 128 units) per chunk of the MLP kernels: as many as SBUF_BUDGET holds, at most all.
+    For d <= 2048 (_mlp_shape_problem) that is at least one, even in fp32 with SwiGLU's three projections."""
+    per_tile, besides = _mlp_sbuf_plan(dim, gated, itemsize, backward)
+    return min(hidden // TILE, (SBUF_BUDGET - besides) // per_tile)
+
+
+def _mlp_shape_problem(x, w_up, dtype):
+    """None if the NKI MLP takes these shapes, else what stops it. One rule for the forward and the
+    backward, so that a model scores (no grad) on the very kernels it trained on."""
     dim, hidden = x.size(-1), w_up.size(0)
     if dtype not in _KERNEL_DTYPES:
         return f"the kernels multiply in bfloat16 or float32, not {dtype}"
     if dim % TILE or hidden % TILE:
         return (f"d={dim} and hidden={hidden} must be multiples of {TILE}, the partition tile; choose n_embd and "
                 "mlp_hidden so")
-    if x.numel() == 0:
-        return "there are no tokens"
-    if training and dim > 4 * BANK_FP32:
+    if dim > 4 * BANK_FP32:
         return (f"d={dim} is over {4 * BANK_FP32}, as wide as the backward's dx accumulators in PSUM go; use a "
                 "smaller n_embd")
-    for backward in (False, True)[:1 + training]:
-        needed = _mlp_sbuf_bytes(dim, hidden, w_gate is not None, dtype.itemsize, backward)
-        if needed > SBUF_BUDGET:
-            what = "backward's fp32 weight-gradient accumulators" if backward else "forward's weights"
-            return (f"the {what} need {needed // 1024} KiB of SBUF per partition at d={dim}, hidden={hidden}, "
-                    f"{dtype}, over the {SBUF_BUDGET // 1024} KiB the kernels plan for; use a smaller n_embd or "
-                    "mlp_hidden")
+    if x.numel() == 0:
+        return "there are no tokens"
     return None
 
 
@@ -1621,7 +1734,9 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
 
     activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
     approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
-    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as (tokens, d).
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as
+    (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without gradients
+    (_mlp_shape_problem).
     """
     if activation not in MLP_ACTIVATIONS:
         raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
@@ -1629,7 +1744,7 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
         raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
     dtype = _matmul_dtype(x)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
-    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, w_gate, dtype, training),
+    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
                 _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), training)):
         rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
         weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
