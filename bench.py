@@ -352,15 +352,16 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS)
                 else:
                     row.update(kernel_estimate(counts), priced="nki")
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
-            row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len, backward)
+            row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
             rows.append(row)
     return rows
 
 
-def auto_choice(row, model_cfg, tokens, backward):
+def auto_choice(row, model_cfg, tokens):
     """What kernels=auto runs on a Trn2 at the row's shapes: the kernel where it takes them, unless its cost
     rule (kernels._mlp_cost_problem, the only op that has one) declines them."""
-    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, backward) is not None
+    gated = model_cfg.mlp == "swiglu"
+    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, gated) is not None
     return "torch" if "nki_unavailable" in row or declined else "nki"
 
 
@@ -535,7 +536,8 @@ def kernel_step_costs(model_cfg, tokens_per_call):
     modes, costs = kernels.parse_kernels(model_cfg.kernels), {}
     for name, _, _, make_inputs, call in kernel_cases(model_cfg, 1, "cpu", torch.bfloat16):
         name = name.split()[0]
-        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd, True) is not None
+        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd,
+                                                               model_cfg.mlp == "swiglu") is not None
         if modes[name] == "torch" or (modes[name] == "auto" and declined):
             costs[name] = None
             continue

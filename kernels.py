@@ -1611,24 +1611,25 @@ def _mlp_shape_problem(x, w_up, dtype):
     return None
 
 
-# Fewest tokens per call at which the cost model expects the NKI MLP, forward + backward, to beat the compiled
-# plain ops, by the widest d each holds for (bench.py --kernels: the kernel by its emulated trace, the
-# fallback as compiled_ops prices it; the table is in docs/results.md). Below them the kernels' weight traffic
-# is not paid back (at 128 tokens, d=512: 80 us against 65). The forward alone wins at every shape measured.
-MLP_TRAINING_MIN_TOKENS = ((128, 128), (512, 256))  # (d up to, tokens from); wider: MLP_TRAINING_WIDE_MIN_TOKENS
-MLP_TRAINING_WIDE_MIN_TOKENS = 512
+# Fewest tokens per call from which the cost model expects the NKI MLP to beat the compiled plain ops in
+# training (forward + backward), by how wide its weights are: d, or 1.5 d gated (three projections to two).
+# From bench.py --kernels (the kernel by its emulated trace, the fallback as compiled_ops prices it; the
+# table is in docs/results.md): below them the weights' DMA traffic is not paid back (d 512 at 128 tokens:
+# 69.6 us against 65.2). One rule for the forward and the backward, as _mlp_shape_problem's: a forward alone
+# near a threshold may lose up to 6% (d 2048 at 512 tokens), and runs the kernels training runs.
+MLP_MIN_TOKENS = ((256, 128), (768, 256), (2048, 512))  # (width up to, tokens from); 2048: the kernels' widest d
 
 
-def _mlp_cost_problem(tokens, dim, training):
+def _mlp_cost_problem(tokens, dim, gated):
     """None where the cost model expects the NKI MLP to beat the compiled plain ops, else why not."""
-    if not training:
-        return None
-    fewest = next((count for widest, count in MLP_TRAINING_MIN_TOKENS if dim <= widest), MLP_TRAINING_WIDE_MIN_TOKENS)
+    width = dim * 3 // 2 if gated else dim
+    fewest = next((count for widest, count in MLP_MIN_TOKENS if width <= widest), MLP_MIN_TOKENS[-1][1])
     if tokens >= fewest:
         return None
-    return (f"at {tokens} tokens per call and d={dim} the cost model expects the compiled PyTorch MLP to train "
-            f"faster (the NKI kernels pay off from {fewest} tokens: docs/results.md; bench.py --kernels compares "
-            "both); use more tokens per call (--batch_size), or --kernels=mlp:nki to run the kernel anyway")
+    return (f"at {tokens} tokens per call and d={dim}{' (gated)' if gated else ''} the cost model expects the "
+            f"compiled PyTorch MLP to be faster (the NKI kernels pay off from {fewest} tokens: docs/results.md; "
+            "bench.py --kernels compares both); use more tokens per call (--batch_size), or --kernels=mlp:nki "
+            "to run the kernel anyway")
 
 
 def _rms_norm_shape_problem(x):
@@ -1745,7 +1746,7 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     dtype = _matmul_dtype(x)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
     if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
-                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), training)):
+                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
         rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
         weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
         y, _, _ = _mlp_op(rows, *weights, activation, training)

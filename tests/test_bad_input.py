@@ -473,12 +473,13 @@ def test_a_kernels_setting_gives_every_op_a_mode():
 
 
 def test_auto_declines_the_nki_mlp_where_the_cost_model_expects_the_compiled_ops_faster(monkeypatch, caplog):
-    """On a neuron device: below MLP_TRAINING_MIN_TOKENS the training MLP falls back, with the reason, once;
-    the forward alone and kernels=nki or prefer take the kernel; on a CPU "auto" falls back for the device."""
+    """On a neuron device: below MLP_MIN_TOKENS the MLP falls back, with the reason, once; a gated MLP counts
+    as 1.5x as wide; kernels=nki or prefer take the kernel; on a CPU "auto" falls back for the device."""
     monkeypatch.setattr(kernels, "_fallbacks_logged", set())
-    few, many = kernels._mlp_cost_problem(128, 256, True), kernels._mlp_cost_problem(256, 256, True)
-    assert many is None and kernels._mlp_cost_problem(128, 128, True) is None
-    assert kernels._mlp_cost_problem(256, 768, True) is not None and kernels._mlp_cost_problem(128, 768, False) is None
+    few, many = kernels._mlp_cost_problem(128, 512, False), kernels._mlp_cost_problem(256, 512, False)
+    assert many is None and kernels._mlp_cost_problem(128, 256, False) is None
+    assert kernels._mlp_cost_problem(128, 256, True) is not None and kernels._mlp_cost_problem(256, 256, True) is None
+    assert kernels._mlp_cost_problem(256, 2048, False) is not None and kernels._mlp_cost_problem(512, 2048, False) is None
     with caplog.at_level(logging.INFO, logger="kernels"):
         for _ in range(2):
             assert not kernels._use_nki("mlp", "auto", "neuron", None, few)
@@ -486,7 +487,7 @@ def test_auto_declines_the_nki_mlp_where_the_cost_model_expects_the_compiled_ops
         assert kernels._use_nki("mlp", "prefer", "cpu", None, few) and kernels._use_nki("mlp", "nki", "cpu", None, few)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, f"mlp: using the PyTorch path: {few}")]
-    assert "128 tokens per call and d=256" in few and "--kernels=mlp:nki" in few
+    assert "128 tokens per call and d=512" in few and "--kernels=mlp:nki" in few
 
 
 def test_prefer_falls_back_only_for_shapes_the_kernel_refuses_and_warns_once(monkeypatch, caplog):

@@ -151,16 +151,16 @@ def test_load_for_eval_scores_the_final_model_as_training_evaluated_it(tmp_path,
 
 
 def test_an_auto_run_whose_mlp_fell_back_in_training_is_scored_on_the_pytorch_mlp(tmp_path, data_dir, monkeypatch):
-    """kernels=auto as on Trainium (the kernels emulated here): at 128 tokens per call and d=256 the cost rule
-    keeps the training MLP on PyTorch while attention and the norms run NKI. The MLP's forward alone would
-    take the kernel, but scoring follows the checkpoint's per-op record: NKI norms, the PyTorch MLP."""
+    """kernels=auto as on Trainium (the kernels emulated here): at 128 tokens per call the cost rule keeps a
+    gated MLP of d=256 on PyTorch while attention and the norms run NKI. Scoring ("prefer" would take the
+    kernel for the MLP's forward) follows the checkpoint's per-op record: NKI norms, the PyTorch MLP."""
     monkeypatch.setattr(kernels, "AUTO_NKI_DEVICES", ("neuron", "cpu"))
     monkeypatch.setattr(kernels, "_fallbacks_logged", set())
     result = run(tmp_path, data_dir, "--max_steps=2", "--kernels=auto", "--sequence_len=128", "--n_embd=256",
-                 "--batch_size=1", "--eval_tokens=256")
+                 "--mlp=swiglu", "--batch_size=1", "--eval_tokens=256")
     record = torch.load(tmp_path / "final.pt", weights_only=True)["kernels"]
     assert {op: entry["ran"] for op, entry in record.items()} == {"rms_norm": "nki", "attention": "nki", "mlp": "torch"}
-    assert "128 tokens per call and d=256" in record["mlp"]["why"]
+    assert "128 tokens per call and d=256 (gated)" in record["mlp"]["why"]
     calls = []
     for op in ("_mlp_op", "_rms_norm_op"):
         monkeypatch.setattr(kernels, op, functools.partial(lambda run_op, name, *a: calls.append(name) or run_op(*a),
