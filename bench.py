@@ -67,7 +67,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate", "--first_hour_step"} &
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
-from kit import contest, memory, optim, runtime  # noqa: E402
+from kit import contest, flags, memory, optim, runtime  # noqa: E402
 from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -1416,15 +1416,15 @@ def main(argv):
     if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
         rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
     if args.first_hour:  # before any device work: the steps do it, each in its own process
-        rows, flags, seconds = run_first_hour(rest, None)
-        print_first_hour(rows, flags, seconds)
-        return {"first_hour": rows, "first_paid_run": flags}
+        rows, paid_run, seconds = run_first_hour(rest, None)
+        print_first_hour(rows, paid_run, seconds)
+        return {"first_hour": rows, "first_paid_run": paid_run}
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return run_ablation(args.ablation_seeds, args.ablation_steps, rest)
     cfg, model_cfg = train.parse_args(rest)
     if args.check and not any(a == "--seed" or a.startswith("--seed=") for a in rest):
         cfg.seed = random.SystemRandom().randrange(2 ** 31)  # a fresh one each run, printed, so it can be repeated
-    runtime.validate_config(cfg, model_cfg)
+    flags.validate_config(cfg, model_cfg)
     if args.memory:
         return print_memory(cfg, model_cfg, args.world_size)
     model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab

@@ -63,6 +63,9 @@ import urllib.request
 import numpy as np
 import tiktoken
 import torch
+import torch.distributed as dist
+
+from kit.checkpoint import replace_atomically
 
 SHARD_MAGIC = b"GPTTOKS\0"
 SHARD_VERSION = 1
@@ -140,10 +143,10 @@ def save_tokenizer(enc, directory, **info):
     # tiktoken keeps an Encoding's parts in these attributes; they are also what it pickles
     ranks, specials = enc._mergeable_ranks, enc._special_tokens
     lines = b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in sorted(ranks.items(), key=lambda item: item[1]))
-    _write_atomic(os.path.join(directory, "tokenizer.tiktoken"), lines)
+    write_file(os.path.join(directory, "tokenizer.tiktoken"), lines)
     meta = {"name": enc.name, "n_vocab": enc.n_vocab, "pattern": enc._pat_str, "special_tokens": specials,
             "ranks_sha256": hashlib.sha256(lines).hexdigest(), **info}
-    _write_atomic(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode())
+    write_file(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=1).encode())
 
 
 def load_tokenizer(directory):
@@ -189,13 +192,7 @@ def write_shard(path, tokens):
     dtype = np.uint16 if tokens.max(initial=0) < 2**16 else np.uint32
     tokens = np.ascontiguousarray(tokens, dtype=dtype)
     header = HEADER.pack(SHARD_MAGIC, SHARD_VERSION, tokens.itemsize, tokens.size)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(tokens.data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file(path, header, tokens.data)
     digest = hashlib.sha256(header)
     digest.update(tokens)  # hashlib reads the array's buffer in place: no copy of a large shard
     return digest.hexdigest()
@@ -566,25 +563,12 @@ def download_files(base_url, names, directory, sha256sums=None, workers=8, retri
                 for name, job in jobs.items():
                     done[name] = job.result()
     known.update(done)
-    _write_atomic(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode())
+    write_file(record, "".join(f"{sha}  {name}\n" for name, sha in sorted(known.items())).encode())
     return {name: done[name] for name in names}
 
 
 # -----------------------------------------------------------------------------
 # the contest's own data preparation (its prepare.py, tokenizer and parquet shards)
-
-def load_competition(directory):
-    """Imports the contest's prepare.py from directory. It is autoresearch's descendant: ensure_tokenizer()
-    (or Tokenizer.from_directory()) gives a Tokenizer holding a tiktoken Encoding (.enc) and its BOS id,
-    and DATA_DIR holds the parquet shards it downloaded, VAL_FILENAME the one held out for validation."""
-    path = os.path.join(directory or ".", "prepare.py")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no contest prepare.py in {os.path.abspath(directory or '.')}; pass --competition_dir")
-    spec = importlib.util.spec_from_file_location("competition_prepare", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def competition_tokenizer(module, sample_docs=()):
     """The contest's tokenizer as a plain Encoding (its BOS renamed <|endoftext|>, ids unchanged), checked
@@ -623,14 +607,14 @@ def competition_files(module):
 # -----------------------------------------------------------------------------
 # preparation: sources -> tokenizer -> parallel tokenisation -> shards + manifest
 
+def write_file(path, *parts):
+    """The byte buffers `parts`, one after another (a shard's header and its tokens, not copied together),
+    written atomically with fsync by kit/checkpoint.py's replace_atomically."""
+    replace_atomically(path, lambda f: f.writelines(parts), kept="the previous file there is intact", then="prepare the data again")
+
+
 def dataset_dir(dataset, tokenizer, data_dir="data_cache"):
     return os.path.join(data_dir, f"{dataset}-{tokenizer_name(tokenizer)}")
-
-
-def _write_atomic(path, payload):
-    with open(f"{path}.tmp", "wb") as f:
-        f.write(payload)
-    os.replace(f"{path}.tmp", path)
 
 
 def _sources(dataset, data_dir, files, val_files, shards, base_url, sha256sums, competition, download_workers):
@@ -774,7 +758,12 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
             return out
         print(f"{out} was prepared from {previous}; preparing it again from {options}")
     os.makedirs(out, exist_ok=True)
-    competition = load_competition(competition_dir) if "competition" in (dataset, tokenizer) else None
+    if "competition" in (dataset, tokenizer):
+        from kit import contest  # its prepare.py loader; the kit's other data paths need none of it
+
+        competition = contest.load_prepare(competition_dir or ".")
+    else:
+        competition = None
     sources = _sources(dataset, data_dir, files, val_files, shards, base_url, sha256sums, competition, download_workers)
     enc = _make_tokenizer(tokenizer, out, [s for s in sources if s["split"] == "train"], competition, tokenizer_chars, text_field)
     if os.path.exists(manifest_path):
@@ -811,7 +800,7 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
         "seconds": round(seconds, 1),
         "tokens_per_second": round(sum(s["tokens"] for s in splits.values()) / seconds),
     }
-    _write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())  # last: its presence means complete
+    write_file(manifest_path, json.dumps(manifest, indent=1).encode())  # last: its presence means complete
     return out
 
 
@@ -924,6 +913,45 @@ def eval_batches(paths, batch_size, sequence_len, max_tokens, rank=0, world_size
     loader = TokenLoader(paths, batch_size, sequence_len, rank, world_size, vocab_size=vocab_size, shuffle=False)
     n_batches = max(1, max_tokens // (batch_size * sequence_len * world_size))
     return [next(loader) for _ in range(min(n_batches, loader.per_rank // batch_size))]
+
+
+class KitCorpus:
+    """The kit's own corpora and tokenizers for train.py: shards prepared once by rank 0, then read by every
+    rank, and a held-out split for val_bpb (kit/contest.py's ContestCorpus is the contest's counterpart)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.enc = get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
+        self.vocab_size, self.decode, self.bos_id = self.enc.n_vocab, self.enc.decode, self.enc.eot_token
+
+    def load(self, batch_size, sequence_len, rank, world_size, device, master):
+        cfg = self.cfg
+        if not master and dist.is_initialized():
+            dist.barrier()  # released below, once rank 0 has the shards
+        path = prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
+        if master and dist.is_initialized():
+            dist.barrier()
+        self.loader = TokenLoader(shard_paths(path, "train"), batch_size, sequence_len, rank, world_size,
+                                  cfg.seed, self.vocab_size, shuffle=cfg.data_order == "shuffled",
+                                  row_pool=cfg.row_pool, ignore_target=self.bos_id if cfg.mask_bos_targets else None)
+        self.val_batches = eval_batches(shard_paths(path, "val"), batch_size, sequence_len,
+                                        cfg.eval_tokens, rank, world_size, self.vocab_size)
+        self.token_bytes = token_bytes(self.enc).to(device)
+
+    def tokens_per_epoch(self):
+        return self.loader.tokens_per_epoch()
+
+    def next_batch(self):
+        return next(self.loader)
+
+    def record_step(self, step):  # the contest's prepare.py keeps a record of the steps; the kit needs none
+        pass
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
 
 
 # -----------------------------------------------------------------------------

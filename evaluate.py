@@ -411,7 +411,7 @@ def run_bpb(args):
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size
-        corpus = train.KitCorpus(cfg)
+        corpus = train.kit_corpus(cfg)
         corpus.load(args.batch_size, args.sequence_len, 0, 1, device, True)
         val_bpb = train.evaluate(model, corpus.val_batches, corpus.token_bytes, device, nullcontext())["val_bpb"]
         source = f"the held-out split of {cfg.dataset} ({cfg.tokenizer} tokens)"

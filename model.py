@@ -28,41 +28,60 @@ import kernels
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def opt(default, help, bounds=None, choices=None, resumable=False):
+def opt(default, help, bounds=None, above=None, choices=None, resumable=False):
     """A config field, declared once: its default, its --help text, the (low, high) it must lie in (inclusive,
-    high None for no bound) or the values it may take, and whether a resumed run may change it without
-    becoming another run. Parsing, --help, validation and the resume check all read these."""
+    high None for no bound) or the number it must exceed (`above`), or the values it may take, and whether
+    a resumed run may change it without becoming another run. Parsing, --help, validation and the resume
+    check all read these."""
     metadata = {"help": help, "resumable": resumable}
-    if bounds is not None:
-        metadata["bounds"] = bounds
-    if choices is not None:
-        metadata["choices"] = choices
+    for key, rule in (("bounds", bounds), ("above", above), ("choices", choices)):
+        if rule is not None:
+            metadata[key] = rule
     return field(default=default, metadata=metadata)
+
+
+def field_problems(config, prefix=""):
+    """Each field's type, then its range or choices as its `opt` declares them: one line per problem, the
+    field named as prefix + name ("--" for a flag)."""
+    problems = []
+    for f in fields(config):
+        value, kind, name = getattr(config, f.name), type(f.default), prefix + f.name
+        low, high = f.metadata.get("bounds", (None, None))
+        above, choices = f.metadata.get("above"), f.metadata.get("choices")
+        if not isinstance(value, (int, float) if kind is float else kind) or (kind is not bool and isinstance(value, bool)):
+            problems.append(f"{name}={value!r} must be {TYPE_NAMES[kind]}")
+        elif low is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
+            problems.append(f"{name}={value} must be " + (f"between {low} and {high}" if high is not None else f">= {low}"))
+        elif above is not None and not (value > above and math.isfinite(value)):
+            problems.append(f"{name}={value} must be " + (f"> {above}" if above else "positive"))
+        elif choices and value not in choices:
+            problems.append(f"{name}={value!r}: use {' or '.join(choices)}")
+    return problems
 
 
 @dataclass
 class GPTConfig:
-    sequence_len: int = opt(256, "context length in tokens")
-    vocab_size: int = opt(257, "tokenizer vocab (set from --tokenizer); embedding and head padded to a multiple of 128")
-    n_layer: int = opt(4, "transformer blocks")
-    n_head: int = opt(2, "query heads; head_dim = n_embd / n_head")
-    n_kv_head: int = opt(0, "key/value heads, dividing n_head (grouped-query attention when fewer); 0 = n_head")
-    n_embd: int = opt(128, "model width")
-    mlp: str = opt("relu2", "MLP activation: relu2 | leaky_relu2 | gelu | swiglu")
-    mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)")
-    rope_base: float = opt(10000.0, "RoPE base frequency")
-    logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables")
+    sequence_len: int = opt(256, "context length in tokens", above=0)
+    vocab_size: int = opt(257, "tokenizer vocab (set from --tokenizer); embedding and head padded to a multiple of 128", above=0)
+    n_layer: int = opt(4, "transformer blocks", above=0)
+    n_head: int = opt(2, "query heads; head_dim = n_embd / n_head", above=0)
+    n_kv_head: int = opt(0, "key/value heads, dividing n_head (grouped-query attention when fewer); 0 = n_head", bounds=(0, None))
+    n_embd: int = opt(128, "model width", above=0)
+    mlp: str = opt("relu2", "MLP activation: relu2 | leaky_relu2 | gelu | swiglu", choices=kernels.MLP_ACTIVATIONS)
+    mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)", bounds=(0, None))
+    rope_base: float = opt(10000.0, "RoPE base frequency (10000 is usual)", above=1)
+    logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables", bounds=(0, None))
     kernels: str = opt("auto", "auto (NKI on Trainium where the shapes fit and the cost model expects it faster) | nki "
                        "(NKI or an error) | torch (never NKI) | prefer (NKI wherever it fits); or per op, e.g. "
                        "attention:nki,mlp:torch (ops: " + ", ".join(kernels.KERNEL_OPS) + ")")
     # initialisation
-    wte_init_std: float = opt(1.0, "std of the token embedding's normal init")
-    matrix_init_scale: float = opt(1.0, "multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices")
+    wte_init_std: float = opt(1.0, "std of the token embedding's normal init", above=0)
+    matrix_init_scale: float = opt(1.0, "multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices", above=0)
     # levers (see the module docstring); their schedules and optimizers live in train.py
     value_embeds: bool = opt(False, "a gated per-token value table on alternate layers (the last always)")
     residual_scalars: bool = opt(False, "learned per-layer x = resid[i] * x + x0[i] * embedding before each block")
-    mtp_extra: int = opt(0, "training loss also scores tokens t+2 .. t+1+mtp_extra from the same logits")
-    loss_chunks: int = opt(0, "0: plain cross-entropy; N: fused softcap cross-entropy over N row chunks")
+    mtp_extra: int = opt(0, "training loss also scores tokens t+2 .. t+1+mtp_extra from the same logits", bounds=(0, None))
+    loss_chunks: int = opt(0, "0: plain cross-entropy; N: fused softcap cross-entropy over N row chunks", bounds=(0, None))
 
     def __post_init__(self):
         # the one place n_kv_head's "same as n_head" is resolved: every config is built through here, and
@@ -87,24 +106,10 @@ class GPTConfig:
         return 4 * self.n_embd
 
     def validate(self):
-        """Fail fast, with the fix, on values the model cannot take: types and ranges first, as the shape
-        rules below divide by them."""
-        problems = []
-        for f in fields(self):
-            value, kind = getattr(self, f.name), type(f.default)
-            if not isinstance(value, (int, float) if kind is float else kind) or (isinstance(value, bool) and kind is not bool):
-                problems.append(f"{f.name}={value!r} must be {TYPE_NAMES[kind]}")
-        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if isinstance(getattr(self, name), int) and getattr(self, name) <= 0:
-                problems.append(f"{name}={getattr(self, name)} must be positive")
-        if isinstance(self.n_kv_head, int) and self.n_kv_head < 0:  # 0 became n_head in __post_init__
-            problems.append(f"n_kv_head={self.n_kv_head} must be positive (or 0 for n_head)")
-        for name in ("mlp_hidden", "logit_softcap"):
-            if isinstance(getattr(self, name), (int, float)) and not 0 <= getattr(self, name) < math.inf:
-                problems.append(f"{name}={getattr(self, name)} must be >= 0 (0 = the default rule)")
-        if isinstance(self.rope_base, (int, float)) and not 1 < self.rope_base < math.inf:
-            problems.append(f"rope_base={self.rope_base} must be > 1 (10000 is usual)")
-        if problems:  # the shape rules below would divide by zero or compare strings with numbers
+        """Fail fast, with the fix, on values the model cannot take: each field's own rule (its `opt`) first,
+        as the rules between fields below divide by them."""
+        problems = field_problems(self)
+        if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head} (head_dim = n_embd / n_head)")
@@ -112,8 +117,6 @@ class GPTConfig:
             problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head, or 0 for n_head)")
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.mlp not in kernels.MLP_ACTIVATIONS:
-            problems.append(f"mlp={self.mlp!r} is not one of {kernels.MLP_ACTIVATIONS}")
         try:
             attention_mode = kernels.parse_kernels(self.kernels)["attention"]
         except ValueError as e:
@@ -127,12 +130,8 @@ class GPTConfig:
                             f"got {self.sequence_len}; or use kernels='auto'")
         if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
             problems.append(f"value_embeds gates read the first {VE_GATE_CHANNELS} channels; n_embd={self.n_embd} is smaller")
-        if self.mtp_extra < 0 or self.mtp_extra >= self.sequence_len:
-            problems.append(f"mtp_extra={self.mtp_extra} must be in 0..sequence_len-1 (extra future tokens scored)")
-        if self.loss_chunks < 0:
-            problems.append(f"loss_chunks={self.loss_chunks} must be >= 0 (0 = plain cross-entropy)")
-        if not (0 < self.wte_init_std < math.inf and 0 < self.matrix_init_scale < math.inf):
-            problems.append("wte_init_std and matrix_init_scale must be positive")
+        if self.mtp_extra >= self.sequence_len:
+            problems.append(f"mtp_extra={self.mtp_extra} must be below sequence_len={self.sequence_len} (extra future tokens scored)")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -233,7 +232,7 @@ class GPT(nn.Module):
         self.kernels_ran = None  # per op, NKI or PyTorch in training and why (kernels.preview_fallbacks); checkpoints keep it
         # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
         # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
-        self.register_buffer("mtp_weights", torch.zeros(config.mtp_extra), persistent=False)
+        self.register_buffer("extra_loss_weights", torch.zeros(config.mtp_extra), persistent=False)
         cos, sin = rotary_tables(config.sequence_len, config.head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -297,7 +296,7 @@ class GPT(nn.Module):
 
     def lever_loss(self, x, targets, loss_reduction):
         """Cross-entropy for the levers: the next token, plus (training only) the tokens mtp_extra further
-        on, all scored from the same logits, the later ones weighted by the mtp_weights buffer. Shapes
+        on, all scored from the same logits, the later ones weighted by the extra_loss_weights buffer. Shapes
         are fixed: a target past the row's end is -1, never a shorter tensor."""
         c = self.config
         extra = c.mtp_extra if self.training and loss_reduction == "mean" else 0
@@ -312,7 +311,7 @@ class GPT(nn.Module):
         if loss_reduction == "none":
             return nll[..., 0]
         per_target = nll.sum(dim=(0, 1)) / (stacked >= 0).sum(dim=(0, 1)).clamp_min(1)  # mean over valid targets
-        weights = torch.cat([torch.ones(1, device=nll.device), self.mtp_weights])[: 1 + extra]
+        weights = torch.cat([torch.ones(1, device=nll.device), self.extra_loss_weights])[: 1 + extra]
         return (per_target * weights).sum()
 
     def num_params(self, matmul_only=False):

@@ -17,25 +17,28 @@ steps (compilation), with start-up beyond `startup_cap_s` charged too. Evaluatio
 final save are on it; the run stops early enough for the final save to land inside `time_budget_s`.
 The learning-rate schedule follows progress: step / max_steps or charged time / time_budget_s.
 This file is the trainer; the model is model.py (kernels: kernels.py), the data data.py, and what a learner
-need not read is kit/: the contest (contest.py), flags, devices and the log (runtime.py), the memory plan
-(memory.py), checkpoints and resume (checkpoint.py) and the optimizers (optim.py).
+need not read is kit/, one file per concern (kit/__init__.py lists them).
 """
-import functools
-import logging
-import math
-import os
-import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 
-from kit import contest, checkpoint, memory, optim, runtime  # contest first: the contest's clock counts from the process's start
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+PROCESS_START = time.monotonic()  # the contest's clock counts start-up from the process's start, imports included
 
-from kernels import preview_fallbacks
-from model import GPT, GPTConfig, opt
+import collections  # noqa: E402
+import functools  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from kernels import preview_fallbacks  # noqa: E402
+from kit import checkpoint, contest, flags, memory, optim, runtime  # noqa: E402
+from model import GPT, GPTConfig, opt  # noqa: E402
 
 
 @dataclass
@@ -115,13 +118,12 @@ load_for_eval = checkpoint.load_for_eval
 def parse_args(argv):
     """(TrainConfig, GPTConfig) from --field=value or --field value for any of their fields, after the fields
     of --preset=NAME (kit/contest.py's PRESETS) if given; --help lists every field."""
-    configs = runtime.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
+    configs = flags.parse_flags(argv, {"model": GPTConfig, "training": TrainConfig}, contest.PRESETS, __doc__)
     return configs["training"], configs["model"]
 
 
 # -----------------------------------------------------------------------------
 # the schedule
-
 
 def lr_multiplier(cfg, step, progress):
     """Linear warmup over warmup_steps, constant, then linear warmdown over the last warmdown_frac of
@@ -136,68 +138,29 @@ def lr_multiplier(cfg, step, progress):
 def schedule(cfg, step, progress):
     """This step's scheduled values: the lr multiplier, Muon's momentum (warmed up from
     muon_momentum_start over muon_momentum_warmup_steps, as the baseline does), Muon's weight decay
-    (linearly to zero at the end of training, nanochat's rule), the MTP weights and the batch fraction."""
+    (linearly to zero at the end of training, nanochat's rule), the extra MTP targets' weights and the batch fraction."""
     warm = min(1.0, step / cfg.muon_momentum_warmup_steps) if cfg.muon_momentum_warmup_steps else 1.0
     return {"lr_scale": lr_multiplier(cfg, step, progress),
             "momentum": cfg.muon_momentum_start + warm * (cfg.muon_momentum - cfg.muon_momentum_start),
             "weight_decay": cfg.weight_decay * (1 - progress),
-            "mtp_weights": mtp_weights(cfg, progress),
-            "batch_fraction": next((f for f, until in batch_warmup_phases(cfg) if progress < until), 1.0)}
+            "extra_loss_weights": extra_loss_weights(cfg, progress),
+            "batch_fraction": next((f for f, until in flags.batch_warmup_phases(cfg) if progress < until), 1.0)}
 
 
-def floats(text):
-    return [float(v) for v in text.split(",") if v.strip()]
-
-
-def mtp_weights(cfg, progress):
-    """Each extra target's weight fades linearly to 0 by its mtp_fade progress, the farthest target first
-    and each fade starting where the farther one's ended (FrontierForge: t+3 over 0-20% of the run, t+2
-    over 20-45%, then plain next-token prediction; they step the fade in 4 levels per phase)."""
-    weights, ends = floats(cfg.mtp_weights), floats(cfg.mtp_fade)
+def extra_loss_weights(cfg, progress):
+    """This step's loss weight of each extra MTP target: its --mtp_weights value faded linearly to 0 by its
+    mtp_fade progress, the farthest target first and each fade starting where the farther one's ended
+    (FrontierForge: t+3 over 0-20% of the run, t+2 over 20-45%, then plain next-token prediction; they step
+    the fade in 4 levels per phase)."""
+    weights, ends = flags.floats(cfg.mtp_weights), flags.floats(cfg.mtp_fade)
     starts = ends[1:] + [0.0]
     return tuple(w * min(1.0, max(0.0, (end - progress) / (end - start))) for w, end, start in zip(weights, ends, starts))
 
 
-def batch_warmup_phases(cfg):
-    """[(fraction of total_batch_tokens, progress until which it holds), ...] from FRACTION@PROGRESS,..."""
-    phases = []
-    for part in filter(None, cfg.batch_warmup.split(",")):
-        fraction, _, until = part.partition("@")
-        phases.append((float(fraction), float(until)))
-    return phases
-
-
-def validate_levers(cfg, model_cfg, accum_steps):
-    """The recipe levers' settings, checked before any data or model is built."""
-    problems = []
-    if cfg.row_pool < 0 or (cfg.row_pool and cfg.data_order != "stream"):
-        problems.append(f"--row_pool={cfg.row_pool} needs --data_order=stream (shuffled data is already fully mixed) and >= 0")
-    try:
-        weights, ends, phases = floats(cfg.mtp_weights), floats(cfg.mtp_fade), batch_warmup_phases(cfg)
-    except ValueError as e:
-        raise ValueError(f"--mtp_weights, --mtp_fade and --batch_warmup are numbers like 0.5,0.25 / 0.45,0.2 / 0.25@0.06 ({e})")
-    if len(weights) != model_cfg.mtp_extra or len(ends) != model_cfg.mtp_extra:
-        problems.append(f"--mtp_weights and --mtp_fade need one value per extra target (--mtp_extra={model_cfg.mtp_extra}), "
-                        f"got {len(weights)} and {len(ends)}")
-    if any(not 0 < e <= 1 for e in ends) or ends != sorted(ends, reverse=True) or len(set(ends)) != len(ends):
-        problems.append(f"--mtp_fade={cfg.mtp_fade!r}: progress points in (0, 1], decreasing (the farthest target fades first)")
-    for fraction, until in phases:
-        micro = fraction * accum_steps
-        if not (0 < until < 1 and 0 < fraction < 1 and abs(micro - round(micro)) < 1e-9 and round(micro) >= 1):
-            problems.append(f"--batch_warmup phase {fraction}@{until}: the fraction of the step's {accum_steps} micro-batch(es) "
-                            f"must be a whole number >= 1 and 0 < progress < 1; lower --batch_size for more micro-batches per step")
-    if [u for _, u in phases] != sorted(u for _, u in phases):
-        problems.append(f"--batch_warmup={cfg.batch_warmup!r}: phases in order of progress")
-    if not (0 <= cfg.ema_decay < 1 and cfg.ema_every >= 1 and 0 <= cfg.ema_blend <= 1):
-        problems.append("--ema_decay in [0, 1), --ema_every >= 1, --ema_blend in [0, 1]")
-    if problems:
-        raise ValueError("invalid recipe: " + "; ".join(problems))
-
-
 def apply_schedule(optimizers, values, model=None):
-    """Writes this step's values into the 0-d device tensors the optimizers read (and the model's MTP
-    weights), each by a copy from a host tensor. Nothing in the step then takes a Python number that
-    changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
+    """Writes this step's values into the 0-d device tensors the optimizers read (and the model's
+    extra_loss_weights), each by a copy from a host tensor. Nothing in the step then takes a Python number
+    that changes from step to step: on Neuron a changed scalar argument re-traces and recompiles (a competitor
     measured 408 vs 918 steps in 900 s on Trn2 until their hyperparameters became device tensors)."""
     for o in optimizers:
         for group in o.param_groups:
@@ -205,8 +168,8 @@ def apply_schedule(optimizers, values, model=None):
             if isinstance(o, optim.Muon):
                 group["momentum"].copy_(torch.tensor(values["momentum"]), non_blocking=True)
                 group["weight_decay"].copy_(torch.tensor(values["weight_decay"]), non_blocking=True)
-    if model is not None and model.mtp_weights.numel():
-        model.mtp_weights.copy_(torch.tensor(values["mtp_weights"]), non_blocking=True)
+    if model is not None and model.extra_loss_weights.numel():
+        model.extra_loss_weights.copy_(torch.tensor(values["extra_loss_weights"]), non_blocking=True)
 
 
 def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=False):
@@ -289,101 +252,86 @@ def evaluate(model, batches, token_bytes, device, autocast, stop=None, group=Non
 # -----------------------------------------------------------------------------
 # the data
 
+def kit_corpus(cfg):
+    """The kit's own corpora and tokenizers (data.KitCorpus); a submission reads the contest's data only."""
+    import data  # imported here: the one-file submission leaves data.py (and its downloads) out
 
-class KitCorpus:
-    """The kit's own corpora and tokenizers (data.py): shards prepared once by rank 0, then read by every
-    rank, and a held-out split for val_bpb."""
+    return data.KitCorpus(cfg)
 
-    def __init__(self, cfg):
-        import data  # the kit's data path; a submission reads the contest's data through prepare.py
 
-        self.data, self.cfg = data, cfg
-        self.enc = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir)
-        self.vocab_size, self.decode, self.bos_id = self.enc.n_vocab, self.enc.decode, self.enc.eot_token
-
-    def load(self, batch_size, sequence_len, rank, world_size, device, master):
-        cfg, data = self.cfg, self.data
-        if not master and dist.is_initialized():
-            dist.barrier()  # released below, once rank 0 has the shards
-        path = data.prepare(cfg.dataset, cfg.tokenizer, cfg.data_dir)
-        if master and dist.is_initialized():
-            dist.barrier()
-        self.loader = data.TokenLoader(data.shard_paths(path, "train"), batch_size, sequence_len, rank, world_size,
-                                       cfg.seed, self.vocab_size, shuffle=cfg.data_order == "shuffled",
-                                       row_pool=cfg.row_pool, ignore_target=self.bos_id if cfg.mask_bos_targets else None)
-        self.val_batches = data.eval_batches(data.shard_paths(path, "val"), batch_size, sequence_len,
-                                             cfg.eval_tokens, rank, world_size, self.vocab_size)
-        self.token_bytes = data.token_bytes(self.enc).to(device)
-
-    def tokens_per_epoch(self):
-        return self.loader.tokens_per_epoch()
-
-    def next_batch(self):
-        return next(self.loader)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state):
-        self.loader.load_state_dict(state)
+def open_corpus(cfg, model_cfg, prepare):
+    """The contest's data and tokenizer where its prepare.py was found, else the kit's own corpus (data.py);
+    the model's vocabulary is the tokenizer's."""
+    corpus = contest.ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else kit_corpus(cfg)
+    model_cfg.vocab_size = corpus.vocab_size
+    return corpus
 
 
 # -----------------------------------------------------------------------------
-# the training run
+# the loop, its clock and its speed
+
+class ChargedClock:
+    """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
+    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them):
+    wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
+    start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
+    is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
+    `already` carries the charged time of the run a checkpoint resumes."""
+
+    def __init__(self, budget_s, excluded_steps, startup_cap_s, already=0.0, process_start=PROCESS_START,
+                 now=time.monotonic):
+        self.budget_s, self.excluded_steps, self.startup_cap_s = budget_s, excluded_steps, startup_cap_s
+        self.already, self.process_start, self.now = already, process_start, now
+        self.started = None
+        self.startup_s = self.excluded_s = 0.0
+
+    def steps_done(self, steps_this_run):
+        """Called after each synchronised step (and with 0 before the first)."""
+        if self.started is None and steps_this_run >= self.excluded_steps:
+            now = self.now()
+            self.startup_s = now - self.process_start
+            self.started = now - max(0.0, self.startup_s - self.startup_cap_s)
+
+    def exclude(self, seconds):
+        self.excluded_s += seconds
+
+    def charged(self):
+        running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
+        return self.already + running
+
+    def out_of_time(self, charged, next_step_s, reserve_s):
+        """True when one more step and the final save would not fit in the budget (`charged`: the value the
+        ranks agreed on)."""
+        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
 
 
-def find_data(cfg, model_cfg):
-    """(prepare.py, corpus): the contest's data, tokenizer and rules where its prepare.py is found, else the
-    kit's own corpus (data.py); the model's vocabulary is the tokenizer's."""
-    prepare = contest.find_prepare(cfg)
-    if prepare is not None:
-        contest.apply_contest_rules(cfg, prepare)
-    corpus = contest.ContestCorpus(prepare, cfg.mask_bos_targets) if prepare is not None else KitCorpus(cfg)
-    model_cfg.vocab_size = corpus.vocab_size
-    model_cfg.validate()
-    return prepare, corpus
+class SpeedMeter:
+    """Tokens per second and MFU over the timed steps since the last read (start-up steps are not timed).
+    The peak is measured (on a CPU) when the meter is made, before the clock starts."""
+
+    def __init__(self, raw_model, cfg, ranks):
+        peak = runtime.peak_flops(ranks.device_type, runtime.compute_dtype(cfg), cfg.peak_tflops) * ranks.world_size
+        self.flops_per_peak = raw_model.flops_per_token() / peak
+        self.seconds, self.tokens, self.last = 0.0, 0, {"tokens_per_s": 0.0, "mfu": 0.0}
+
+    def add(self, seconds, tokens):
+        self.seconds, self.tokens = self.seconds + seconds, self.tokens + tokens
+
+    def read(self):
+        """The interval's speed as text, starting the next interval; fields() then gives its numbers."""
+        timed = self.seconds > 0
+        tokens_per_s = self.tokens / self.seconds if timed else 0.0
+        self.last = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_peak}
+        self.seconds, self.tokens = 0.0, 0
+        return f"{tokens_per_s:,.0f} tok/s | MFU {100 * self.last['mfu']:.1f}%" if timed else "start-up step"
+
+    def fields(self):
+        return self.last
 
 
-def check_batch(cfg, model_cfg, world_size, prepare):
-    """(tokens per step, micro-batches per step), refused unless whole, and the recipe levers checked, before
-    any data or model is built."""
-    micro_tokens = cfg.batch_size * model_cfg.sequence_len * world_size
-    total_tokens = cfg.total_batch_tokens or micro_tokens
-    if total_tokens % micro_tokens:
-        raise ValueError(
-            f"total_batch_tokens={total_tokens} is not a multiple of batch_size * sequence_len * world_size = "
-            f"{cfg.batch_size} * {model_cfg.sequence_len} * {world_size} = {micro_tokens}"
-        )
-    validate_levers(cfg, model_cfg, total_tokens // micro_tokens)
-    if prepare is not None and cfg.row_pool:
-        raise ValueError("--row_pool reorders the kit's loader; the contest's make_dataloader streams its own rows. "
-                         "Pass --row_pool=0 in competition mode")
-    return total_tokens, total_tokens // micro_tokens
-
-
-def log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason):
-    sharded = " (optimizer sharded)" if memory.shards_optimizer(cfg, ranks.world_size) else ""
-    log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
-        f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {accum_steps} micro-step(s) of {total_tokens // accum_steps:,} "
-        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
-        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
-
-
-def epoch_plan(cfg, train_tokens, total_tokens):
-    """(line, log fields), before training: the epochs --max_steps plans, else the step the data repeats from."""
-    if train_tokens is None:
-        return ("training data: the token count is not known (the contest's make_dataloader streams its shards and exposes "
-                "none); the organiser's loader may repeat its shards", dict(train_tokens=None, epoch_steps=None, planned_epochs=None))
-    epoch_steps, epochs = train_tokens / total_tokens, cfg.max_steps * total_tokens / train_tokens if cfg.max_steps else None
-    text = f"training data: {train_tokens:,} tokens, one epoch is {epoch_steps:,.1f} steps of {total_tokens:,} tokens; "
-    if epochs is None:
-        text += f"the data starts repeating in step {train_tokens // total_tokens + 1:,}"
-    else:
-        order = "a new order" if cfg.data_order == "shuffled" or cfg.row_pool else "the same order"
-        text += f"{cfg.max_steps:,} steps are {epochs:.2f} epochs: " + (
-            f"the data is read {math.ceil(epochs)} times, each epoch in {order}" if epochs > 1 else "no window is read twice")
-    text += " (at full steps; --batch_warmup's smaller early steps read less)" if cfg.batch_warmup else ""
-    return text, dict(train_tokens=train_tokens, epoch_steps=epoch_steps, planned_epochs=epochs)
+# What the loop answers to: the contest's clock, the seconds it keeps for the final save, the stop signal
+# and the run's log.
+Watch = collections.namedtuple("Watch", "clock reserve_s stop log")
 
 
 def run_eval(raw_model, corpus, ranks, autocast, stop, log, step):
@@ -413,54 +361,78 @@ def agree(ranks, charged, next_step_s, loss, nonfinite, stopping):
     return decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
 
 
-def train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, accum_steps, total_tokens, ranks, autocast,
-               clock, reserve_s, stop, log, prepare, run_side_work):
+def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_side_work):
     """Steps from `step` until the step limit, the budget (keeping the final save's reserve) or a stop
     signal; returns (step, why it ended). Each step is synchronised with the device before the clock is
     read, as the contest's clock is. `run_side_work(step)`: the periodic evaluation and checkpoint."""
-    steps_this_run, step_times, charged, meter = 0, [], clock.charged(), runtime.SpeedMeter(raw_model, cfg, ranks)
+    clock, meter = watch.clock, SpeedMeter(trainee.raw_model, cfg, ranks)
+    steps_this_run, step_times, charged = 0, [], clock.charged()
     clock.steps_done(0)
     while not (cfg.max_steps and step >= cfg.max_steps):
         t0 = time.monotonic()
         progress = max(step / cfg.max_steps if cfg.max_steps else 0.0, charged / cfg.time_budget_s if cfg.time_budget_s else 0.0)
         scheduled = schedule(cfg, step, progress)
-        apply_schedule(optimizers, scheduled, raw_model)
-        micro_batches = [corpus.next_batch() for _ in range(round(accum_steps * scheduled["batch_fraction"]))]
-        loss, grad_norm = train_step(model, raw_model, optimizers, micro_batches, ranks.device, autocast, cfg.grad_clip, sharding)
+        apply_schedule(trainee.optimizers, scheduled, trainee.raw_model)
+        micro_batches = [corpus.next_batch() for _ in range(round(batch.micro_steps * scheduled["batch_fraction"]))]
+        loss, grad_norm = train_step(trainee.model, trainee.raw_model, trainee.optimizers, micro_batches, ranks.device,
+                                     autocast, cfg.grad_clip, trainee.sharding)
         runtime.synchronize(ranks.device_type)
         step, steps_this_run = step + 1, steps_this_run + 1
-        if ema and step % cfg.ema_every == 0:
-            ema.update()
-        if prepare is not None:  # the contest's own record of the step just finished (0-based, as the baseline)
-            prepare.record_step_boundary(step - 1)
+        if trainee.ema and step % cfg.ema_every == 0:
+            trainee.ema.update()
+        corpus.record_step(step)
         loss_value, norm_value = torch.stack([loss, grad_norm.to(loss)]).tolist()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         dt = time.monotonic() - t0
         clock.steps_done(steps_this_run)
         if steps_this_run > cfg.startup_steps:
             step_times.append(dt)
-            meter.add(dt, total_tokens * len(micro_batches) // accum_steps)  # fewer tokens during a batch warm-up
+            meter.add(dt, batch.tokens * len(micro_batches) // batch.micro_steps)  # fewer tokens during a batch warm-up
         if finite:  # evaluations and checkpoints: never of a non-finite model
             t_side = time.monotonic()
             run_side_work(step)
             if not cfg.charge_evals:
                 clock.exclude(time.monotonic() - t_side)
         charged, next_step_s, loss_value, nonfinite, stopping = agree(
-            ranks, clock.charged(), next_step_estimate(step_times), loss_value, not finite, stop.received)
+            ranks, clock.charged(), next_step_estimate(step_times), loss_value, not finite, watch.stop.received)
         if nonfinite:
             raise FloatingPointError(
                 f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
                 f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
                 f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
         if step % cfg.log_every == 0 or step == cfg.max_steps or steps_this_run == 1:
-            log("train", f"step {step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {meter.read()} | "
-                f"charged {charged:.1f}s", step=step, loss=loss_value, grad_norm=norm_value, lr_scale=scheduled["lr_scale"],
-                train_time=charged, startup_time=clock.startup_s, **meter.fields())
+            watch.log("train", f"step {step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {meter.read()} | "
+                      f"charged {charged:.1f}s", step=step, loss=loss_value, grad_norm=norm_value, lr_scale=scheduled["lr_scale"],
+                      train_time=charged, startup_time=clock.startup_s, **meter.fields())
         if stopping:
             return step, "signal"
-        if clock.out_of_time(charged, next_step_s, reserve_s):
+        if clock.out_of_time(charged, next_step_s, watch.reserve_s):
             return step, "budget"
     return step, "steps"
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+# What a step trains: the module it calls (compiled, DDP-wrapped), the model itself, its optimizers, the
+# optimizer's sharding over the ranks and the weights' EMA (each None when off).
+Trainee = collections.namedtuple("Trainee", "model raw_model optimizers sharding ema")
+
+
+def make_trainee(cfg, model_cfg, ranks, corpus, state):
+    """(Trainee, step, charged time so far): the model and its optimizers (sharded over the ranks or not),
+    a checkpoint's `state` put back (the data position too), the EMA started from those weights, and the
+    module the step calls."""
+    raw_model = GPT(model_cfg).to(ranks.device)
+    sharded = memory.shards_optimizer(cfg, ranks.world_size)
+    sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
+    optimizers = optim.make_optimizers(raw_model, cfg, ranks.device_type, runtime.compute_dtype(cfg),
+                                       share=sharding.share if sharded else None)
+    step, charged = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
+    ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
+    tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=ranks.device)
+    model = wrap_for_training(raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens), sharded)
+    return Trainee(model, raw_model, optimizers, sharding, ema), step, charged
 
 
 def final_save(cfg, step, raw_model, ema, ranks, clock):
@@ -491,10 +463,11 @@ def main(argv):
     logging.basicConfig(format="%(name)s: %(message)s")
     with runtime.StopSignal() as stop:
         try:
-            # checks that need no data, model or device, cheapest first
-            runtime.validate_config(cfg, model_cfg)
+            # checks that need no data, model or device, cheapest first, on the config the contest's rules made
+            prepare = contest.competition_mode(cfg)
+            flags.validate_config(cfg, model_cfg)
             runtime.configure_determinism(cfg)
-            prepare, corpus = find_data(cfg, model_cfg)
+            corpus = open_corpus(cfg, model_cfg, prepare)
             device_type = runtime.device_type(cfg.device)
             if cfg.export_submission:
                 return contest.export_submission(cfg, model_cfg, argv, corpus.vocab_size, prepare, getattr(corpus, "tokenizer", None))
@@ -506,7 +479,7 @@ def main(argv):
             dtype_reason = runtime.choose_dtype(cfg, device_type, ranks.control)
             if master:  # kernels.py says once, at INFO, why an operation runs on PyTorch instead of NKI
                 logging.getLogger("kernels").setLevel(logging.INFO)
-            total_tokens, accum_steps = check_batch(cfg, model_cfg, ranks.world_size, prepare)
+            batch = flags.check_batch(cfg, model_cfg, ranks.world_size, prepare)
             state = checkpoint.resume_state(cfg, model_cfg) if cfg.resume else None
             memory.check_memory(cfg, model_cfg, ranks.world_size, device_type)  # refuses what cannot fit
             torch.manual_seed(cfg.seed)
@@ -518,29 +491,21 @@ def main(argv):
                 raise runtime.Stopped("stopped by a signal while preparing data; nothing was trained, nothing to save")
 
             # the model, its optimizers, the step
-            raw_model = GPT(model_cfg).to(device)
-            sharded = memory.shards_optimizer(cfg, ranks.world_size)
-            sharding = optim.Sharding(raw_model, cfg, ranks.rank, ranks.world_size) if sharded else None
-            optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg),
-                                               share=sharding.share if sharded else None)
-            step, charged_before = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
+            trainee, step, charged_before = make_trainee(cfg, model_cfg, ranks, corpus, state)
             del state  # its tensors now live in the model and optimizers
-            ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
-            tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=device)
-            model = wrap_for_training(raw_model, cfg, device_type, device, (tokens, tokens), sharded)
-            autocast = runtime.autocast_context(cfg, device_type)
+            raw_model, autocast = trainee.raw_model, runtime.autocast_context(cfg, device_type)
             log = runtime.Logger(cfg.out_dir, master, append=bool(cfg.resume))
-            log_config(log, cfg, raw_model, ranks, accum_steps, total_tokens, dtype_reason)
-            plan, plan_fields = epoch_plan(cfg, corpus.tokens_per_epoch(), total_tokens)
+            runtime.log_config(log, cfg, trainee, ranks, batch, dtype_reason)
+            plan, plan_fields = runtime.epoch_plan(cfg, corpus.tokens_per_epoch(), batch.tokens)
             log("data", plan, **plan_fields)
 
             # the loop, on the contest's clock
             reserve_s = checkpoint.measure_final_save(cfg, raw_model, ranks)
-            clock = contest.ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, charged_before)
+            clock = ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, charged_before)
             evaluating = corpus.val_batches is not None
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
             first_eval = evaluate_now(step) if evaluating else None
-            checkpoints = checkpoint.Checkpoints(cfg, raw_model, optimizers, sharding, corpus, ranks, log)
+            checkpoints = checkpoint.Checkpoints(cfg, raw_model, trainee.optimizers, trainee.sharding, corpus, ranks, log)
 
             def side_work(step):
                 if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
@@ -550,22 +515,20 @@ def main(argv):
 
             ended_by = "signal"
             if not stop.received:
-                step, ended_by = train_loop(cfg, step, model, raw_model, optimizers, sharding, ema, corpus, accum_steps,
-                                            total_tokens, ranks, autocast, clock, reserve_s, stop, log, prepare, side_work)
+                watch = Watch(clock, reserve_s, stop, log)
+                step, ended_by = train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, side_work)
 
             # the end: the final save inside the budget, then off the clock the final evaluation and a sample
             if ended_by == "signal":
                 path = checkpoints.write(step, clock.charged())
                 log("stopped", f"stopped by a signal at step {step}; {path} written, resume with --resume=latest", step=step)
                 return {"first_eval": first_eval, "final_eval": None, "step": step}
-            charged = final_save(cfg, step, raw_model, ema, ranks, clock)
+            charged = final_save(cfg, step, raw_model, trainee.ema, ranks, clock)
             final_eval = evaluate_now(step) if evaluating and not stop.received else None
-            if stop.received:  # a signal during the evaluation: final.pt is safe, the numbers would be partial
-                final_eval = None
-            log("done", summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
+            final_eval = None if stop.received else final_eval  # a signal during it: final.pt is safe, the numbers partial
+            log("done", runtime.summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval), step=step,
                 train_time=charged, startup_time=clock.startup_s, ended_by=ended_by, **(final_eval or {}))
-            fallbacks = runtime.cpu_fallbacks(device_type)  # on neuron: which ops TorchNeuron ran on the CPU
-            if fallbacks:
+            if fallbacks := runtime.cpu_fallbacks(device_type):  # on neuron: which ops TorchNeuron ran on the CPU
                 log("cpu_fallbacks", fallbacks)
             if master and cfg.sample_tokens and corpus.decode and not stop.received:
                 sample(cfg, raw_model, corpus, device, autocast)
@@ -573,14 +536,6 @@ def main(argv):
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval):
-    text = (f"{step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; "
-            f"start-up {clock.startup_s:.1f}s, reserve kept {reserve_s:.1f}s)")
-    if final_eval and first_eval:
-        text += f"; val_bpb {first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
-    return text
 
 
 if __name__ == "__main__":

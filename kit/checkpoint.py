@@ -25,10 +25,12 @@ from model import GPT, GPTConfig
 # -----------------------------------------------------------------------------
 # checkpoints
 
-def replace_atomically(path, write):
+def replace_atomically(path, write, kept="the previous file there and earlier checkpoints are intact",
+                       then="--resume=latest if the run stopped"):
     """write(f) into a temporary file, fsync, rename over the target, fsync the folder: a crash at any
     moment leaves the old file or the new one, never a torn one. A failed write (a full disk, no
-    permission) removes the temporary file and names the file and the cause."""
+    permission) removes the temporary file and names the file, the cause, what is `kept` and the fix, and
+    what to do `then` (data.py's files: prepare the data again)."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -49,8 +51,7 @@ def replace_atomically(path, write):
         else:
             reason += f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
             fix = "free space"
-        raise OSError(f"cannot write {path} ({reason}); the previous file there and earlier checkpoints are intact: "
-                      f"{fix}, then --resume=latest if the run stopped") from e
+        raise OSError(f"cannot write {path} ({reason}); {kept}: {fix}, then {then}") from e
 
 
 def write_atomically(path, payload):

@@ -1,20 +1,17 @@
 """
-The contest's contract (AWS Trainium Frontier): its prepare.py as the data source and the rule book, its
-clock, the presets with their sources, and the exporter that writes this kit as the one train.py the
-contest takes.
+The contest's contract (AWS Trainium Frontier): its prepare.py as the data source and the rule book, the
+presets with their sources, and the exporter that writes this kit as the one train.py the contest takes
+(the contest's clock is train.py's ChargedClock, beside the loop it times).
 """
-import time
+import ast
+import dataclasses
+import importlib.util
+import os
+import sys
 
-PROCESS_START = time.monotonic()  # the contest charges start-up from the process's start; train.py imports this first
+import torch
 
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-
-import torch  # noqa: E402
-
-from model import GPT  # noqa: E402
+from model import GPT
 
 
 # One-flag configurations, applied before any other --field=value.
@@ -39,7 +36,7 @@ BASELINE = dict(
     mlp="relu2", logit_softcap=15.0,  # ReLU^2 MLP 4x, tanh softcap 15 [R; K, P: LOGIT_SOFTCAP = 15.0]
     sequence_len=1024,  # [L: seq_len 1024; K: SEQ_LEN = 1024]; the scorer evaluates at 1024
     rope_base=100000.0,  # [K, P: ROPE_BASE = 100000]
-    wte_init_std=0.8, matrix_init_scale=0.68,  # wte N(0, 0.8) [K: FF_WTE_STD 0.8], q/k/v/fc init x0.68 [issue 16]; head N(0, 0.001) is the kit's too [K: FF_HEAD_STD]
+    wte_init_std=0.8, matrix_init_scale=0.68,  # wte N(0, 0.8) [K: FF_WTE_STD 0.8], q/k/v/fc init x0.68 [?: reported for the baseline, no public line found]; head N(0, 0.001) is the kit's too [K: FF_HEAD_STD]
     total_batch_tokens=65536,  # 52.4M tokens / 800 steps [L]
     batch_size=8,  # sequences per rank per micro-step: 8 ranks x 8 x 1024 = one micro-step per step [K: FF_MB 8; K's repo docs/FINDINGS.md "one 65,536-token micro-batch"]
     embedding_lr=0.3, head_lr=0.006, scalar_lr=0.2,  # AdamW [K: 0.30, 0.006, 0.20; P: 0.3, 0.006, 0.2]
@@ -47,9 +44,9 @@ BASELINE = dict(
     # [K, P], eps 1e-10, no weight decay [A; K's small decays are tuned] (fixed in make_optimizers)
     residual_scalars=True,  # per-layer resid/x0 scalars: the README's AdamW "scalars" [R]; K builds them in every
     # block (init 1 and 0.05; the kit keeps nanochat's 0.1 [?]) and trains them at scalar_lr with the other scalars
-    adamw_width_lr_scaling=True,  # embedding and head lr x (640/768)^-0.5 [R lineage: nanochat's dmodel_lr_scale; issue 16]
+    adamw_width_lr_scaling=True,  # embedding and head lr x (640/768)^-0.5 [R lineage: nanochat's dmodel_lr_scale]
     matrix_lr=0.025,  # Muon [K: MATRIX_LR = 0.025, an untouched constant; P has 0.02, which that team tuned]
-    matrix_optimizer="muon", muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,  # [P: MUON_MOMENTUM_WARMUP_STEPS = 300; issue 16]
+    matrix_optimizer="muon", muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,  # [P: MUON_MOMENTUM_WARMUP_STEPS = 300]
     muon_beta2=0.9,  # NorMuon [P: MUON_BETA2 = 0.9]; Polar Express, cautious WD, lr x sqrt(max(1, rows/cols)): the kit's Muon
     weight_decay=0.2,  # cautious, decayed linearly to 0 [P: WEIGHT_DECAY = 0.2, WD_DECAY_TO_ZERO = True; A: 0.2; K's 0.02 is tuned]
     warmup_steps=0,  # [P: WARMUP_STEPS = 0; A: WARMUP_RATIO = 0.0; K's 20 is tuned]
@@ -121,20 +118,39 @@ PRESETS = {
 }
 
 
+def load_prepare(folder):
+    """The contest's prepare.py in `folder`, imported as the module `prepare`, the name the contest's own code
+    imports it by, so that the run and the contest share one module (a prepare.py from another folder replaces
+    it). It is autoresearch's descendant: ensure_tokenizer() (or Tokenizer.from_directory()) gives a Tokenizer
+    holding a tiktoken Encoding (.enc) and its BOS id, and DATA_DIR holds the parquet shards it downloaded,
+    VAL_FILENAME the one held out for validation."""
+    path = os.path.realpath(os.path.join(folder, "prepare.py"))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no contest prepare.py in {os.path.dirname(path)}; pass --competition_dir=FOLDER with it")
+    loaded = sys.modules.get("prepare")
+    if loaded is not None and os.path.realpath(getattr(loaded, "__file__", "") or "") == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("prepare", path)
+    module = sys.modules["prepare"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def competition_mode(cfg):
+    """The contest's prepare.py (find_prepare) with its rules applied to cfg over any flag, or None."""
+    prepare = find_prepare(cfg)
+    if prepare is not None:
+        apply_contest_rules(cfg, prepare)
+    return prepare
+
+
 def find_prepare(cfg):
     """The contest's prepare.py as a module, or None. Looked for in --competition_dir, else beside train.py
     (KIT_ROOT), which is where the organiser's kit keeps it; with it there a bare `train.py` (the contest's
     launch string takes no flags) trains on the contest's data."""
-    folder = cfg.competition_dir or KIT_ROOT
-    if not os.path.isfile(os.path.join(folder, "prepare.py")):
-        if cfg.competition_dir:
-            raise FileNotFoundError(f"--competition_dir={cfg.competition_dir} has no prepare.py")
-        return None
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import prepare
-
-    return prepare
+    if cfg.competition_dir or os.path.isfile(os.path.join(KIT_ROOT, "prepare.py")):
+        return load_prepare(cfg.competition_dir or KIT_ROOT)
+    return None
 
 
 class ContestCorpus:
@@ -163,6 +179,9 @@ class ContestCorpus:
             y = y.masked_fill(y == self.bos_id, -1)
         return x, y
 
+    def record_step(self, step):  # the contest's own record of the step just finished (0-based, as the baseline's)
+        self.prepare.record_step_boundary(step - 1)
+
     def state_dict(self):  # the organiser's loader has no position to save: a resumed run starts it anew
         return None
 
@@ -187,48 +206,13 @@ def announce(cfg, prepare):
               f"no evaluation inside the run; final.pt goes to {cfg.out_dir}", flush=True)
 
 
-class ChargedClock:
-    """The contest's training clock (prepare.py's TRAIN_* constants, as the baseline-derived train.py files
-    of FrontierForge, recipes/K82s4/train.py, and poojith's ledger apply them):
-    wall-clock seconds from the end of the `excluded_steps`-th step of this process, plus whatever of the
-    start-up before it (from the process's start) exceeds `startup_cap_s`. Everything after that moment
-    is charged (steps, evaluations, checkpoints, the final save) except what `exclude` takes off.
-    `already` carries the charged time of the run a checkpoint resumes."""
-
-    def __init__(self, budget_s, excluded_steps, startup_cap_s, already=0.0, process_start=PROCESS_START,
-                 now=time.monotonic):
-        self.budget_s, self.excluded_steps, self.startup_cap_s = budget_s, excluded_steps, startup_cap_s
-        self.already, self.process_start, self.now = already, process_start, now
-        self.started = None
-        self.startup_s = self.excluded_s = 0.0
-
-    def steps_done(self, steps_this_run):
-        """Called after each synchronised step (and with 0 before the first)."""
-        if self.started is None and steps_this_run >= self.excluded_steps:
-            now = self.now()
-            self.startup_s = now - self.process_start
-            self.started = now - max(0.0, self.startup_s - self.startup_cap_s)
-
-    def exclude(self, seconds):
-        self.excluded_s += seconds
-
-    def charged(self):
-        running = self.now() - self.started - self.excluded_s if self.started is not None else 0.0
-        return self.already + running
-
-    def out_of_time(self, charged, next_step_s, reserve_s):
-        """True when one more step and the final save would not fit in the budget (`charged`: the value the
-        ranks agreed on)."""
-        return bool(self.budget_s) and self.started is not None and charged + next_step_s + reserve_s >= self.budget_s
-
-
 # The kit's root, where train.py and prepare.py's usual place are; in the one-file submission, that file's folder.
 KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
 # What the one-file submission leaves out: the kit's own data path (and with it data.py and its downloads)
 # and the exporter, each replaced by a stand-in that says why ("" = nothing left refers to it).
 KIT_ONLY = {
-    "KitCorpus": "def KitCorpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
+    "kit_corpus": "def kit_corpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
                  "trains on the contest's data only\")\n",
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
@@ -244,11 +228,12 @@ KIT_ONLY = {
     "module_text": "",
     "KIT_ONLY": "",
 }
-# The files the submission is made of, in the order they are inlined: each before its first importer.
-# contest first, so its PROCESS_START is taken before the others import torch; a module's names are used at
-# its import only by the modules after it (model.py's kernels.KERNEL_MODES ...)
-BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "optim": "kit/optim.py",
-           "runtime": "kit/runtime.py", "memory": "kit/memory.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
+# The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
+# its clock's start): each before its first importer, as a module's names are used at its import only by the
+# modules after it (model.py's kernels.KERNEL_OPS ...)
+BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
+           "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
+           "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 
 def defined_names(node):

@@ -1,7 +1,7 @@
 """
-What every entry point (train.py, bench.py, evaluate.py) needs first: the Neuron compiler's flags, flags and
-config checks, the device, its dtype and peak, distributed start-up and ranks, the run's log, speed and stop
-signals. (cf. nanochat's nanochat/common.py)
+What every entry point (train.py, bench.py, evaluate.py) needs first: the Neuron compiler's flags, the device,
+its dtype and peak, distributed start-up and ranks, the run's log (with what it says at start and end) and
+stop signals. (cf. nanochat's nanochat/common.py)
 """
 import os
 
@@ -20,115 +20,19 @@ os.environ.setdefault("NEURON_CC_FLAGS", "--optlevel=1 --auto-cast=none")
 os.environ.setdefault("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
 
 import collections  # noqa: E402
-import dataclasses  # noqa: E402
-import difflib  # noqa: E402
 import errno  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from contextlib import nullcontext, suppress  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model import TYPE_NAMES  # noqa: E402
-
-
-# -----------------------------------------------------------------------------
-# flags and config checks
-
-def split_flags(argv):
-    """[(name, value)] from --name=value and --name value alike (the convention of data.py's argparse);
-    --help stays a lone flag."""
-    pairs, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            pairs.append(("help", None))
-        elif not arg.startswith("--") or arg == "--":
-            sys.exit(f"error: arguments are --field=value or --field value, got {arg!r}")
-        elif "=" in arg:
-            pairs.append(tuple(arg[2:].split("=", 1)))
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            pairs.append((arg[2:], argv[i + 1]))
-            i += 1
-        else:
-            sys.exit(f"error: {arg} needs a value: {arg}=VALUE or {arg} VALUE")
-        i += 1
-    return pairs
-
-
-def print_help(doc, configs, presets):
-    print(doc)
-    rows = [("--preset=NAME", f"apply a preset first: {', '.join(presets)}")]
-    for title, cls in configs.items():
-        rows.append((f"{title}:", ""))
-        rows += [(f"--{f.name}={str(f.default).lower() if isinstance(f.default, bool) else f.default}", f.metadata["help"])
-                 for f in dataclasses.fields(cls)]
-    width = max(len(flag) for flag, _ in rows)
-    for flag, text in rows:
-        print(f"  {flag:<{width}}  {text}" if text else f"\n{flag}")
-
-
-def parse_flags(argv, configs, presets, doc):
-    """{title: config} for `configs` ({title: dataclass}) from --field=value (or --field value) for any of
-    their fields, after the fields of --preset=NAME if given; unknown names get a close match suggested.
-    --help prints `doc` and every field with its default and help."""
-    pairs = split_flags(argv)
-    if ("help", None) in pairs:
-        print_help(doc, configs, presets)
-        sys.exit(0)
-    for name in [v for k, v in pairs if k == "preset"]:
-        if name not in presets:
-            sys.exit(f"error: unknown --preset={name}; presets: {', '.join(presets)}")
-        pairs = [(k, str(v)) for k, v in presets[name].items()] + pairs
-    owners = {f.name: (title, f) for title, cls in configs.items() for f in dataclasses.fields(cls)}
-    values = {title: {} for title in configs}
-    for key, value in pairs:
-        if key == "preset":
-            continue
-        if key not in owners:
-            near = difflib.get_close_matches(key, owners, n=1)
-            sys.exit(f"error: unknown config field --{key}" + (f"; did you mean --{near[0]}?" if near else "") + " (--help lists all)")
-        title, f = owners[key]
-        kind = type(f.default)
-        try:
-            values[title][key] = {"true": True, "false": False}[value.lower()] if kind is bool else kind(value)
-        except (KeyError, ValueError):
-            sys.exit(f"error: --{key}={value!r} is not a valid {kind.__name__} (default {f.default!r})")
-    # built from all values at once, so GPTConfig resolves n_kv_head=0 against the final n_head
-    return {title: cls(**values[title]) for title, cls in configs.items()}
-
-
-def validate_config(cfg, model_cfg):
-    """Every field's type, and its range or choices as its `opt` declares them, all problems in one message
-    with the fix. Needs no data, model or device, so train.py's main calls it first. (The tokenizer is
-    checked when it is loaded.)"""
-    problems = []
-    for f in dataclasses.fields(cfg):
-        value, kind = getattr(cfg, f.name), type(f.default)
-        low, high = f.metadata.get("bounds", (None, None))
-        choices = f.metadata.get("choices")
-        if not isinstance(value, (int, float) if kind is float else kind) or (kind is not bool and isinstance(value, bool)):
-            problems.append(f"--{f.name}={value!r} must be {TYPE_NAMES[kind]}")
-        elif low is not None and not (low <= value and (high is None or value <= high) and math.isfinite(value)):
-            problems.append(f"--{f.name}={value} must be " + (f"between {low} and {high}" if high is not None else f">= {low}"))
-        elif choices and value not in choices:
-            problems.append(f"--{f.name}={value!r}: use {' or '.join(choices)}")
-    if not problems:
-        if not (cfg.max_steps or cfg.time_budget_s):
-            problems.append("set --max_steps or --time_budget_s (or both), otherwise training never stops")
-        if cfg.muon_momentum >= 1 or cfg.muon_momentum_start >= 1 or cfg.muon_beta2 >= 1:
-            problems.append("Muon's momenta and --muon_beta2 must be below 1 (a decay of 1 never forgets)")
-        if not cfg.out_dir:
-            problems.append("--out_dir must name a folder")
-    if problems:
-        raise ValueError("; ".join(problems) + " (--help lists every field)")
-    model_cfg.validate()
 
 
 # -----------------------------------------------------------------------------
@@ -327,7 +231,7 @@ def say(text):
 
 
 # -----------------------------------------------------------------------------
-# the run's log, its speed and stop signals
+# the run's log, what it says at start and end, and stop signals
 
 class Logger:
     """Prints on rank 0 and appends one JSON object per event to <out_dir>/log.jsonl. Each line goes out
@@ -372,30 +276,6 @@ class Logger:
             self._write({"event": event, **fields})
 
 
-class SpeedMeter:
-    """Tokens per second and MFU over the timed steps since the last read (start-up steps are not timed).
-    The peak is measured (on a CPU) when the meter is made, before the clock starts."""
-
-    def __init__(self, raw_model, cfg, ranks):
-        peak = peak_flops(ranks.device_type, compute_dtype(cfg), cfg.peak_tflops) * ranks.world_size
-        self.flops_per_peak = raw_model.flops_per_token() / peak
-        self.seconds, self.tokens, self.last = 0.0, 0, {"tokens_per_s": 0.0, "mfu": 0.0}
-
-    def add(self, seconds, tokens):
-        self.seconds, self.tokens = self.seconds + seconds, self.tokens + tokens
-
-    def read(self):
-        """The interval's speed as text, starting the next interval; fields() then gives its numbers."""
-        timed = self.seconds > 0
-        tokens_per_s = self.tokens / self.seconds if timed else 0.0
-        self.last = {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * self.flops_per_peak}
-        self.seconds, self.tokens = 0.0, 0
-        return f"{tokens_per_s:,.0f} tok/s | MFU {100 * self.last['mfu']:.1f}%" if timed else "start-up step"
-
-    def fields(self):
-        return self.last
-
-
 class StopSignal:
     """SIGTERM (what schedulers send) or Ctrl-C asks the run to stop at its next safe point (after the
     current step, evaluation batch or save) with a resumable checkpoint or a finished final.pt; a second
@@ -417,3 +297,37 @@ class StopSignal:
 
 class Stopped(Exception):
     """A stop signal arrived before there was anything worth saving."""
+
+
+def log_config(log, cfg, trainee, ranks, batch, dtype_reason):
+    """The run's start-up line: the model, the ranks, the batch and the compute dtype."""
+    raw_model, sharded = trainee.raw_model, " (optimizer sharded)" if trainee.sharding is not None else ""
+    log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
+        f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {batch.micro_steps} micro-step(s) of {batch.tokens // batch.micro_steps:,} "
+        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
+        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
+
+
+def epoch_plan(cfg, train_tokens, total_tokens):
+    """(line, log fields), before training: the epochs --max_steps plans, else the step the data repeats from."""
+    if train_tokens is None:
+        return ("training data: the token count is not known (the contest's make_dataloader streams its shards and exposes "
+                "none); the organiser's loader may repeat its shards", dict(train_tokens=None, epoch_steps=None, planned_epochs=None))
+    epoch_steps, epochs = train_tokens / total_tokens, cfg.max_steps * total_tokens / train_tokens if cfg.max_steps else None
+    text = f"training data: {train_tokens:,} tokens, one epoch is {epoch_steps:,.1f} steps of {total_tokens:,} tokens; "
+    if epochs is None:
+        text += f"the data starts repeating in step {train_tokens // total_tokens + 1:,}"
+    else:
+        order = "a new order" if cfg.data_order == "shuffled" or cfg.row_pool else "the same order"
+        text += f"{cfg.max_steps:,} steps are {epochs:.2f} epochs: " + (
+            f"the data is read {math.ceil(epochs)} times, each epoch in {order}" if epochs > 1 else "no window is read twice")
+    text += " (at full steps; --batch_warmup's smaller early steps read less)" if cfg.batch_warmup else ""
+    return text, dict(train_tokens=train_tokens, epoch_steps=epoch_steps, planned_epochs=epochs)
+
+
+def summary(cfg, step, charged, clock, reserve_s, first_eval, final_eval):
+    text = (f"{step} steps, {charged:.1f}s charged of a {cfg.time_budget_s:.0f}s budget (final save included; "
+            f"start-up {clock.startup_s:.1f}s, reserve kept {reserve_s:.1f}s)")
+    if final_eval and first_eval:
+        text += f"; val_bpb {first_eval['val_bpb']:.4f} -> {final_eval['val_bpb']:.4f}"
+    return text

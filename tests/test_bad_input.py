@@ -1,6 +1,7 @@
 """Foreseeable mistakes and failures end in one line that names the flag or file and the fix, with no
 traceback, and nothing already saved is lost: bad flags, used out_dirs, resuming another run, bad
 checkpoints of every kind, a full disk, a torn log, shards that do not match their manifest, bad input files."""
+import dataclasses
 import errno
 import json
 import logging
@@ -18,7 +19,7 @@ import data
 import evaluate
 import kernels
 import train
-from kit import checkpoint, runtime
+from kit import checkpoint, flags, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,13 +111,13 @@ def log_events(out_dir):
 def test_bad_values_are_refused_with_the_fix_before_any_work(argv, message):
     cfg, model_cfg = train.parse_args(argv)
     with pytest.raises(ValueError, match=re.escape(message)):
-        runtime.validate_config(cfg, model_cfg)
+        flags.validate_config(cfg, model_cfg)
 
 
 def test_wrong_types_from_code_are_refused():
     cfg, model_cfg = train.TrainConfig(batch_size="8", compile="yes"), train.GPTConfig(n_layer=2.5)
     with pytest.raises(ValueError, match="--batch_size='8' must be an integer; --compile='yes' must be true or false"):
-        runtime.validate_config(cfg, model_cfg)
+        flags.validate_config(cfg, model_cfg)
     with pytest.raises(ValueError, match="n_layer=2.5 must be an integer"):
         model_cfg.validate()
 
@@ -125,7 +126,7 @@ def test_both_flag_conventions_and_n_kv_head_following_n_head():
     cfg, model_cfg = train.parse_args(["--n_layer", "3", "--dtype=float32", "--seed", "7", "--n_head", "8", "--n_embd=256"])
     assert (model_cfg.n_layer, cfg.dtype, cfg.seed) == (3, "float32", 7)
     assert model_cfg.n_kv_head == 8  # the default 0 means "same as n_head"
-    runtime.validate_config(cfg, model_cfg)
+    flags.validate_config(cfg, model_cfg)
     assert train.parse_args(["--n_kv_head=2", "--n_head=8"])[1].n_kv_head == 2
     with pytest.raises(SystemExit, match="--max_steps needs a value"):
         train.parse_args(["--max_steps"])
@@ -135,7 +136,7 @@ def test_help_describes_every_field_in_aligned_columns(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
-    names = {f.name for cls in (train.TrainConfig, train.GPTConfig) for f in runtime.dataclasses.fields(cls)}
+    names = {f.name for cls in (train.TrainConfig, train.GPTConfig) for f in dataclasses.fields(cls)}
     assert {row.split()[0].split("=")[0][2:] for row in rows} == names | {"preset"}
     starts = [re.match(r"  \S+\s+", row).end() for row in rows]  # where each description starts
     assert len(set(starts)) == 1 and all(len(row[start:]) > 10 for row, start in zip(rows, starts))

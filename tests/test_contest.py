@@ -28,7 +28,7 @@ class FakeTime:
 
 def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_the_cap():
     now = FakeTime()
-    clock = contest.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=now)
+    clock = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=now)
     clock.steps_done(0)
     now.t = 104.0
     clock.steps_done(1)
@@ -40,7 +40,7 @@ def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_t
     assert clock.charged() == 30.0
 
     slow = FakeTime()
-    late = contest.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
+    late = train.ChargedClock(budget_s=60, excluded_steps=2, startup_cap_s=10, process_start=100.0, now=slow)
     slow.t = 125.0
     late.steps_done(2)
     assert late.charged() == 15.0  # 25 s of start-up, 15 s over the cap
@@ -48,7 +48,7 @@ def test_the_clock_starts_after_the_excluded_steps_and_charges_start_up_beyond_t
 
 def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     now = FakeTime()
-    clock = contest.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    clock = train.ChargedClock(budget_s=100, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
     clock.steps_done(0)
     now.t = 185.0
     assert not clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 85 + 4 + 10 < 100
@@ -56,7 +56,7 @@ def test_the_clock_stops_a_run_so_that_one_more_step_and_the_final_save_fit():
     assert clock.out_of_time(clock.charged(), next_step_s=4.0, reserve_s=10.0)  # 87 + 4 + 10 >= 100
     clock.exclude(5.0)  # e.g. an evaluation kept off the clock
     assert clock.charged() == 82.0 and not clock.out_of_time(clock.charged(), 4.0, 10.0)
-    resumed = contest.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
+    resumed = train.ChargedClock(100, 0, 900, already=40.0, process_start=100.0, now=now)
     resumed.steps_done(0)
     assert resumed.charged() == 40.0
 
@@ -67,7 +67,7 @@ def test_jittered_steps_never_run_the_charged_time_past_the_budget(budget_s):
     machine), a final save of 0.05 s and the reserve train.py keeps for it (twice that, plus 1 s). The
     median of recent steps let a slow step run past the end; the slowest recent step does not."""
     now = FakeTime()
-    clock = contest.ChargedClock(budget_s, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
+    clock = train.ChargedClock(budget_s, excluded_steps=0, startup_cap_s=900, process_start=100.0, now=now)
     save_s, step_times = 0.05, []
     reserve_s = 2 * save_s + 1.0
     clock.steps_done(0)

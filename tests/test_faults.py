@@ -12,6 +12,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+import data
 import train
 from kit import checkpoint, runtime
 from tiny import TINY_RUN
@@ -114,7 +115,7 @@ def test_a_signal_in_any_phase_leaves_a_final_pt_or_a_resumable_checkpoint(tmp_p
     """SIGTERM outside the training loop: before anything is trained the run says so and saves nothing;
     during the first evaluation it writes a checkpoint to resume from; during the final one final.pt is
     already safe. No phase ends in a traceback or a lost run."""
-    real_evaluate, real_load, evaluations = train.evaluate, train.KitCorpus.load, []
+    real_evaluate, real_load, evaluations = train.evaluate, data.KitCorpus.load, []
 
     def evaluate(*args, **kwargs):
         evaluations.append(1)
@@ -128,7 +129,7 @@ def test_a_signal_in_any_phase_leaves_a_final_pt_or_a_resumable_checkpoint(tmp_p
             signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(train, "evaluate", evaluate)
-    monkeypatch.setattr(train.KitCorpus, "load", load)
+    monkeypatch.setattr(data.KitCorpus, "load", load)
     args = TINY + ["--max_steps=3", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
     if phase == "preparing data":
         with pytest.raises(runtime.Stopped, match="nothing was trained"):

@@ -78,7 +78,7 @@ def test_muon_matches_a_per_matrix_reference_over_three_steps(compiled, monkeypa
 def test_schedule_warms_momentum_and_decays_weight_decay():
     cfg = train.TrainConfig(muon_momentum_start=0.85, muon_momentum=0.95, muon_momentum_warmup_steps=300,
                             weight_decay=0.2, warmup_steps=0, warmdown_frac=0.5)
-    assert train.schedule(cfg, 0, 0.0) == {"lr_scale": 1.0, "momentum": 0.85, "weight_decay": 0.2, "mtp_weights": (),
+    assert train.schedule(cfg, 0, 0.0) == {"lr_scale": 1.0, "momentum": 0.85, "weight_decay": 0.2, "extra_loss_weights": (),
                                            "batch_fraction": 1.0}
     mid = train.schedule(cfg, 150, 0.75)
     assert mid["momentum"] == pytest.approx(0.90) and mid["weight_decay"] == pytest.approx(0.05)
@@ -142,7 +142,7 @@ def test_a_step_sees_no_changed_python_number_when_hyperparameters_change(recipe
     assert len(records[0]) > 50
     if recipe == "frontier":  # 1, 2 and 4 micro-batches: the same set of ops, each with the same constants
         assert [train.schedule(cfg, s, p)["batch_fraction"] for s, p in points] == [0.25, 0.5, 1.0]
-        assert 0 < train.schedule(cfg, 13, 0.15)["mtp_weights"][1] < 0.25
+        assert 0 < train.schedule(cfg, 13, 0.15)["extra_loss_weights"][1] < 0.25
         assert set(records[0]) == set(records[1]) == set(records[2])
     else:
         assert records[0] == records[1] == records[2]

@@ -8,7 +8,7 @@ import torch
 
 import data
 import train
-from kit import contest, optim
+from kit import contest, flags, optim
 from model import GPT, GPTConfig
 
 
@@ -64,12 +64,12 @@ def test_frontier_is_the_baseline_plus_every_lever():
     for name in ("total_batch_tokens", "matrix_lr", "head_lr", "embedding_lr", "weight_decay", "warmdown_frac"):
         assert getattr(cfg, name) == getattr(base_cfg, name)
     for ranks in (1, 4, 8):  # the batch warm-up's quarter steps are whole micro-batches at 1, 4 or 8 ranks
-        train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * 1024 * ranks))
+        flags.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * 1024 * ranks))
 
 
 def test_mtp_weights_fade_farthest_target_first():
     cfg, _ = resolved("frontier")
-    fade = {p: train.schedule(cfg, 0, p)["mtp_weights"] for p in (0.0, 0.1, 0.2, 0.325, 0.45, 0.9)}
+    fade = {p: train.schedule(cfg, 0, p)["extra_loss_weights"] for p in (0.0, 0.1, 0.2, 0.325, 0.45, 0.9)}
     expected = {0.0: (0.5, 0.25), 0.1: (0.5, 0.125), 0.2: (0.5, 0.0), 0.325: (0.25, 0.0), 0.45: (0.0, 0.0), 0.9: (0.0, 0.0)}
     for p, weights in expected.items():
         assert fade[p] == pytest.approx(weights)
@@ -88,7 +88,7 @@ def test_chunked_softcap_loss_matches_plain_loss_and_gradients():
         torch.manual_seed(1)
         model = GPT(tiny(mtp_extra=2, loss_chunks=chunks))
         torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # logits big enough for the softcap to bend
-        model.mtp_weights.copy_(torch.tensor([0.5, 0.25]))
+        model.extra_loss_weights.copy_(torch.tensor([0.5, 0.25]))
         idx = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(2))
         loss = model(idx, targets)
         loss.backward()
@@ -109,7 +109,7 @@ def test_mtp_adds_later_targets_in_training_only():
     idx = torch.randint(0, 50, (2, 16))
     targets = torch.roll(idx, -1, dims=1)
     assert torch.allclose(model(idx, targets), plain(idx, targets))  # weights 0: the plain next-token loss
-    model.mtp_weights.copy_(torch.tensor([0.5, 0.25]))
+    model.extra_loss_weights.copy_(torch.tensor([0.5, 0.25]))
     assert model(idx, targets) > plain(idx, targets) + 0.5  # t+2 and t+3 are much harder to guess
     model.eval(), plain.eval()
     torch.testing.assert_close(model(idx, targets, loss_reduction="none"), plain(idx, targets, loss_reduction="none"))
@@ -178,7 +178,7 @@ def test_bos_targets_are_masked_in_training_batches(shard):
 def test_bad_lever_settings_name_the_fix(overrides, message):
     cfg, model_cfg = train.parse_args(overrides)
     with pytest.raises(ValueError, match=message):
-        train.validate_levers(cfg, model_cfg, accum_steps=4)
+        flags.validate_levers(cfg, model_cfg, accum_steps=4)
 
 
 def test_weight_ema_blends_the_average_into_the_model():
@@ -205,7 +205,7 @@ def test_every_ablation_row_is_a_valid_run():
     assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in contest.FRONTIER_LEVERS}
     for name, args in rows.items():
         cfg, model_cfg = train.parse_args([*args, *bench.ABLATION_SHAPE, "--max_steps=80"])
-        train.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
+        flags.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
         assert cfg.muon_momentum_warmup_steps == 10 and (cfg.ema_every, cfg.ema_decay) in ((1, 0.0), (1, 0.7397))
     frontier_cfg, frontier_model = train.parse_args(rows["frontier"])
     assert (frontier_cfg, frontier_model) == train.parse_args(["--preset=frontier", "--compile=false", "--batch_size=8",
@@ -222,7 +222,7 @@ def test_model_levers_compile_to_one_graph_that_the_mtp_fade_does_not_recompile(
     idx, targets = torch.randint(0, 50, (2, 16)), torch.randint(-1, 50, (2, 16))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for weights in ([0.5, 0.25], [0.3, 0.0]):
-        model.mtp_weights.copy_(torch.tensor(weights))
+        model.extra_loss_weights.copy_(torch.tensor(weights))
         torch.testing.assert_close(compiled(idx, targets), model(idx, targets))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 

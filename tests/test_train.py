@@ -11,7 +11,7 @@ import data
 import evaluate
 import kernels
 import train
-from kit import checkpoint, runtime
+from kit import checkpoint, flags, runtime
 from model import GPTConfig, opt
 from tiny import TINY_RUN
 
@@ -95,14 +95,14 @@ def test_lr_schedule_warms_up_holds_and_warms_down():
 
 def test_the_epoch_plan_says_how_often_the_data_is_read():
     cfg = train.TrainConfig(max_steps=1000)
-    text, fields = train.epoch_plan(cfg, 220_000, 512)
+    text, fields = runtime.epoch_plan(cfg, 220_000, 512)
     assert text == ("training data: 220,000 tokens, one epoch is 429.7 steps of 512 tokens; 1,000 steps are 2.33 "
                     "epochs: the data is read 3 times, each epoch in a new order")
     assert fields == {"train_tokens": 220_000, "epoch_steps": 220_000 / 512, "planned_epochs": 1000 * 512 / 220_000}
-    assert train.epoch_plan(dataclasses.replace(cfg, data_order="stream"), 220_000, 512)[0].endswith("in the same order")
-    assert train.epoch_plan(cfg, 512_000, 512)[0].endswith("1,000 steps are 1.00 epochs: no window is read twice")
-    assert train.epoch_plan(train.TrainConfig(), 220_000, 512)[0].endswith("the data starts repeating in step 430")
-    text, fields = train.epoch_plan(cfg, None, 512)
+    assert runtime.epoch_plan(dataclasses.replace(cfg, data_order="stream"), 220_000, 512)[0].endswith("in the same order")
+    assert runtime.epoch_plan(cfg, 512_000, 512)[0].endswith("1,000 steps are 1.00 epochs: no window is read twice")
+    assert runtime.epoch_plan(train.TrainConfig(), 220_000, 512)[0].endswith("the data starts repeating in step 430")
+    text, fields = runtime.epoch_plan(cfg, None, 512)
     assert "not known" in text and "may repeat its shards" in text and fields["planned_epochs"] is None
 
 
@@ -196,13 +196,13 @@ def test_a_config_field_is_declared_once_on_its_line(capsys):
         return {"model": GPTConfig, "training": extended}
 
     configs = config_with(opt(0, "tokens of a new warm-up", bounds=(0, None)))
-    cfg = runtime.parse_flags(["--warmup_tokens=5"], configs, {}, "")["training"]
+    cfg = flags.parse_flags(["--warmup_tokens=5"], configs, {}, "")["training"]
     assert cfg.warmup_tokens == 5
-    runtime.validate_config(cfg, GPTConfig())
+    flags.validate_config(cfg, GPTConfig())
     with pytest.raises(ValueError, match="--warmup_tokens=-1 must be >= 0"):
-        runtime.validate_config(runtime.parse_flags(["--warmup_tokens=-1"], configs, {}, "")["training"], GPTConfig())
+        flags.validate_config(flags.parse_flags(["--warmup_tokens=-1"], configs, {}, "")["training"], GPTConfig())
     with pytest.raises(SystemExit):
-        runtime.parse_flags(["--help"], configs, {}, "")
+        flags.parse_flags(["--help"], configs, {}, "")
     assert "--warmup_tokens=0" in capsys.readouterr().out
     saved = {"train_config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(GPTConfig())}
     changed = dataclasses.replace(cfg, warmup_tokens=6)
