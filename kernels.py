@@ -2,23 +2,17 @@
 The three operations a GPT spends its time in: causal attention, the MLP and RMSNorm.
 
 model.py calls only `attention`, `mlp` and `rms_norm` from this file. Each takes `mode`, the model's
-`kernels` setting (--kernels): one mode for every op, or a mode per op ("attention:nki,mlp:torch"; ops not
-named take "auto", or the mode written first: "torch,attention:nki"; `parse_kernels`). Each op picks its
-path with `_use_nki`:
+`kernels` setting: one mode, or one per op (`parse_kernels`). Each op picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
   CPU; F.rms_norm; plain matmuls).
-- "auto": the NKI kernel on a Trainium ("neuron") device where it takes the shapes and the per-engine cost
-  model expects it to beat the compiled plain ops (`_mlp_cost_problem`; docs/results.md has the estimates
-  behind each rule); otherwise the PyTorch path, logging why once per operation and reason.
+- "auto": the NKI kernel on a Trainium ("neuron") device where it takes the shapes and the cost model
+  expects it to beat the compiled plain ops (`_mlp_cost_problem`; docs/results.md); otherwise the PyTorch
+  path, logging why once per operation and reason.
 - "nki": the NKI kernel or a clear error. Off Trainium the kernel runs on the CPU under `nki.simulate`
   (in the tests: the project's NKI emulator), which is how the kernels and their glue are tested here.
-- "prefer": the NKI kernel wherever NKI is usable and the kernel takes the shapes, on any device and
-  whatever the cost model says; else PyTorch, logged once as a warning. Scoring runs an op that trained on
-  NKI this way (kit's load_for_eval), so a scorer's shape the kernel refuses falls back instead of failing.
-
-`preview_fallbacks` makes every choice of a forward before compilation, logs the fallbacks and returns
-what each op chose: the per-op record a checkpoint keeps.
+- "prefer": the NKI kernel wherever NKI is usable and the kernel takes the shapes, on any device; else
+  PyTorch, logged once as a warning. Scoring runs an op that trained on NKI so.
 
 Layouts follow PyTorch conventions at this boundary; a kernel that wants another layout (NKI attention
 wants the head dim on the partition axis) changes it inside its own wrapper.
@@ -80,10 +74,9 @@ MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 
 
 def parse_kernels(setting):
-    """{op: mode} for every op in KERNEL_OPS from a kernels setting: a mode ("auto"), op:mode pairs
-    ("attention:nki,mlp:torch", the ops not named "auto"), or both, the mode first ("torch,attention:nki").
-    A bad setting raises ValueError naming the flag, what is wrong and the fix. Plain string operations, so
-    that torch.compile can trace the call each op makes."""
+    """{op: mode} from a kernels setting: a mode ("auto"), op:mode pairs ("attention:nki,mlp:torch", the
+    others "auto"), or both, the mode first ("torch,attention:nki"); else ValueError with the fix. Plain
+    string operations: torch.compile traces it."""
     usage = (f"write one mode of {', '.join(KERNEL_MODES)} for every op, or op:mode pairs for the ops "
              f"{', '.join(KERNEL_OPS)} (e.g. --kernels=attention:nki,mlp:torch)")
     if not isinstance(setting, str):
@@ -114,12 +107,11 @@ _choices = None  # while preview_fallbacks runs: {op: {"nki" or "torch": [reason
 def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
     """Whether `op_name` runs its NKI kernel, for kernels=`setting` (parse_kernels) on tensors of `device_type`.
 
-    shape_problem: None when the kernel takes these shapes, else a sentence saying which limit they break
-    and how to fix it. cost_problem: None when the cost model expects the kernel to beat the compiled plain
-    ops at these shapes, else why not; only "auto" heeds it. "nki" raises when the kernel cannot run
-    (RuntimeError without NKI, ValueError on shapes); "auto" and "prefer" fall back to PyTorch and log why,
-    once per (op, reason): as a warning on a neuron device or under "prefer", where the fallback costs speed
-    or differs from training, and as info elsewhere, where it is expected.
+    shape_problem: None when the kernel takes these shapes, else which limit they break and the fix.
+    cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
+    "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on shapes); "auto" and
+    "prefer" fall back to PyTorch and log why, once per (op, reason): a warning on a neuron device or under
+    "prefer", info elsewhere.
     """
     mode = parse_kernels(setting)[op_name]
     if mode == "torch":
@@ -153,8 +145,7 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
 
 
 def _chose(op_name, use_nki, reason):
-    """Returns use_nki, noting the choice while preview_fallbacks collects them (never inside a compiled
-    region: a write to a global there would be guarded on)."""
+    """use_nki, noted while preview_fallbacks collects the choices (never in a compiled region)."""
     if not torch.compiler.is_compiling() and _choices is not None:  # in that order: no guard on the global
         reasons = _choices.setdefault(op_name, {}).setdefault("nki" if use_nki else "torch", [])
         if reason not in reasons:
@@ -169,8 +160,8 @@ def preview_fallbacks(module, *inputs):
     `_use_nki` cannot log (torch.compile(fullgraph=True) refuses a graph break), and a global it wrote there
     would be guarded on and cost a recompilation.
 
-    Returns what ran, per op called: {op: {"ran": "nki", "torch" or "nki and torch", "why": reasons}}, the
-    record a checkpoint keeps so that scoring runs each op as training did (`scoring_kernels`)."""
+    Returns per op what ran, {op: {"ran": "nki", "torch" or "nki and torch", "why": reasons}}: the record
+    checkpoints keep for scoring (`scoring_kernels`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     global _choices
@@ -185,9 +176,8 @@ def preview_fallbacks(module, *inputs):
 
 
 def scoring_kernels(record):
-    """The kernels setting that runs each op as the per-op `record` (preview_fallbacks) says training did:
-    "prefer" for an op that ran NKI (PyTorch only where the scorer's shapes are refused), "torch" for one
-    that did not; ops the record does not name (a checkpoint from before it was kept) take "auto"."""
+    """The kernels setting that runs each op as `record` (preview_fallbacks) says training did: "prefer"
+    where it ran NKI, "torch" where not; ops it does not name "auto"."""
     modes = {op: "prefer" if "nki" in record[op]["ran"] else "torch" for op in KERNEL_OPS if op in record}
     if len(modes) == len(KERNEL_OPS) and len(set(modes.values())) == 1:
         return modes[KERNEL_OPS[0]]
@@ -1611,12 +1601,9 @@ def _mlp_shape_problem(x, w_up, dtype):
     return None
 
 
-# Fewest tokens per call from which the cost model expects the NKI MLP to beat the compiled plain ops in
-# training (forward + backward), by how wide its weights are: d, or 1.5 d gated (three projections to two).
-# From bench.py --kernels (the kernel by its emulated trace, the fallback as compiled_ops prices it; the
-# table is in docs/results.md): below them the weights' DMA traffic is not paid back (d 512 at 128 tokens:
-# 69.6 us against 65.2). One rule for the forward and the backward, as _mlp_shape_problem's: a forward alone
-# near a threshold may lose up to 6% (d 2048 at 512 tokens), and runs the kernels training runs.
+# Fewest tokens per call from which the cost model expects the NKI MLP (forward + backward) to beat the
+# compiled plain ops, by width: d, or 1.5 d gated. From bench.py --kernels (docs/results.md): below them
+# the weights' DMA traffic is not paid back. One rule for forward and backward, as _mlp_shape_problem's.
 MLP_MIN_TOKENS = ((256, 128), (768, 256), (2048, 512))  # (width up to, tokens from); 2048: the kernels' widest d
 
 
@@ -1627,9 +1614,8 @@ def _mlp_cost_problem(tokens, dim, gated):
     if tokens >= fewest:
         return None
     return (f"at {tokens} tokens per call and d={dim}{' (gated)' if gated else ''} the cost model expects the "
-            f"compiled PyTorch MLP to be faster (the NKI kernels pay off from {fewest} tokens: docs/results.md; "
-            "bench.py --kernels compares both); use more tokens per call (--batch_size), or --kernels=mlp:nki "
-            "to run the kernel anyway")
+            f"compiled PyTorch MLP to be faster (NKI pays off from {fewest} tokens: bench.py --kernels); use a "
+            "larger --batch_size, or --kernels=mlp:nki")
 
 
 def _rms_norm_shape_problem(x):

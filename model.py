@@ -229,7 +229,7 @@ class GPT(nn.Module):
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.kernels_ran = None  # per op, NKI or PyTorch in training and why (kernels.preview_fallbacks); checkpoints keep it
+        self.kernels_ran = None  # per op, what ran in training (kernels.preview_fallbacks); checkpoints keep it
         # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
         # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
         self.register_buffer("extra_loss_weights", torch.zeros(config.mtp_extra), persistent=False)

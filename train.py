@@ -176,8 +176,8 @@ def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=Fals
     """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun unless the
     optimizer is sharded (optim.Sharding then exchanges the gradients itself). `example`:
     arguments of one forward call (their shapes, dtypes and devices: the kernels' fallbacks are decided and
-    logged on them before compilation, as they cannot be from inside the compiled graph; what each op runs
-    becomes raw_model.kernels_ran, which the checkpoints keep so that scoring runs each op as training did)."""
+    logged on them before compilation, as they cannot be from inside the compiled graph, and kept in
+    raw_model.kernels_ran for the checkpoints)."""
     model = raw_model
     with runtime.autocast_context(cfg, device_type):  # what each kernel op runs, logged and kept for scoring
         raw_model.kernels_ran = preview_fallbacks(raw_model, *example)

@@ -304,8 +304,7 @@ def consolidated_optimizer_state(model, optimizers, sharding, group):
 def save_final(path, model, model_cfg, train_cfg, step, train_time):
     """final.pt: the weights and the configs, no optimizer state (a third of a resumable checkpoint); the
     scorer's load_for_eval reads the weights and model config, evaluate.py the tokenizer named in the run
-    config, and `kernels`, per op what ran in training (NKI or PyTorch, and why: model.kernels_ran), which
-    scoring follows. Refuses non-finite weights rather than write a model that scores NaN."""
+    config, and `kernels`, per op what ran in training (model.kernels_ran). Refuses non-finite weights rather than write a model that scores NaN."""
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
@@ -488,12 +487,9 @@ def load_checkpoint(path, keys=CHECKPOINT_KEYS, mmap=False, verify=True):
 
 
 def inference_model(weights, model_config, device, kernels_ran=None, autocast_dtype=None):
-    """A single-device GPT in eval mode for evaluation and sampling, each kernel op run as training ran it:
-    `kernels_ran` is the checkpoint's per-op record (kernels.preview_fallbacks), and kernels.scoring_kernels
-    turns it into the setting: an op that trained on NKI runs NKI wherever the kernel takes the scorer's shapes
-    (PyTorch elsewhere, logged once), an op that trained on PyTorch runs PyTorch. Without a record (a
-    checkpoint from before it was kept) "nki" becomes "auto" and "torch" stays. autocast_dtype: the forward
-    computes under this autocast, as training did (AutocastGPT), the weights staying fp32."""
+    """A single-device GPT in eval mode for evaluation and sampling, each kernel op as training ran it (the
+    per-op record `kernels_ran`, through kernels.scoring_kernels); without one, "nki" becomes "auto".
+    autocast_dtype: the forward computes under it, as training did (AutocastGPT)."""
     if kernels_ran:
         setting = kernels.scoring_kernels(kernels_ran)
     else:
@@ -506,9 +502,8 @@ def inference_model(weights, model_config, device, kernels_ran=None, autocast_dt
 
 
 class AutocastGPT(GPT):
-    """A GPT whose forward runs under the autocast its training ran under (bf16 matmuls, fp32 weights,
-    norms, residual stream and logits), for a scorer that applies no autocast of its own. The autocast is a
-    context around each call, so the forward stays pure and stateless."""
+    """A GPT whose forward runs under its training's autocast (fp32 weights, norms and logits), for a scorer
+    that applies none; a context around each call, so the forward stays pure and stateless."""
 
     def __init__(self, config, autocast_dtype):
         super().__init__(config)
@@ -522,11 +517,9 @@ class AutocastGPT(GPT):
 def load_for_eval(checkpoint_path, device="cpu"):
     """The contest's scoring hook: a frozen, single-device model whose forward(idx) returns causal
     next-token logits (B, T, vocab) for any T (rotary tables grow on demand), from final.pt or any
-    checkpoint this script wrote. It computes as training did: each kernel op on the path it trained on
-    (the checkpoint's `kernels` record; inference_model), and, for a run that trained in bf16, under bf16
-    autocast inside its forward with fp32 weights (AutocastGPT), since the scorer applies no autocast.
-    (A whole-model bf16 cast instead would put the norms, residual stream and logits in bf16, which
-    training never did: docs/results.md measures both.)"""
+    checkpoint this script wrote. It computes as training did: each kernel op on its trained path (the
+    `kernels` record) and a bf16 run under bf16 autocast inside the forward (AutocastGPT; a whole-model
+    bf16 cast moved val_bpb by 2.3e-4 at the baseline's shapes: docs/results.md)."""
     device = torch.device(device)
     state = load_checkpoint(checkpoint_path, keys=("model", "model_config"))
     trained_in = state.get("train_config", {}).get("dtype")

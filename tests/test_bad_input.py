@@ -461,7 +461,7 @@ def test_an_offline_gpt2_tokenizer_is_one_error(monkeypatch):
 def test_a_bad_kernels_setting_is_one_line_naming_the_flag_and_the_fix(setting, problem):
     cfg, model_cfg = train.parse_args([f"--kernels={setting}"])
     with pytest.raises(ValueError) as error:
-        runtime.validate_config(cfg, model_cfg)
+        flags.validate_config(cfg, model_cfg)
     message = str(error.value)
     assert f"--kernels={setting}: {problem}" in message and "\n" not in message
     assert "e.g. --kernels=attention:nki,mlp:torch" in message and "attention, mlp, rms_norm" in message
