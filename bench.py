@@ -304,36 +304,79 @@ def emulate(call, inputs, backward):
     return counts
 
 
-def measure_kernels(cfg, model_cfg, device_type, device):
+def _compiled_fallback(model_cfg, name, batch_size, backward):
+    """The compiled plain ops of one call of kernel op `name` at these shapes, priced as the step estimate prices
+    them (compiled_ops): estimate_s, serial_s, engines, bottleneck."""
+    ops = compiled_ops(name, model_cfg, batch_size)
+    estimate = compiled_estimate(ops["forward"] + (ops["backward"] if backward else []))
+    return {**estimate, "serial_s": sum(estimate["engines"].values())}
+
+
+def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS):
+    """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
+    the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
+    PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
+    (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
+    compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
+    fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
+    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure."""
     dtype = runtime.compute_dtype(cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
     for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
+        if name.split()[0] not in ops:
+            continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
-            row = {"kernel": name, "direction": direction, "flops": flops}
+            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops}
             inputs = make_inputs()
-            seconds = time_call(lambda *a: call(*a, "torch"), inputs, backward, device_type)
+            torch_call = lambda *a: call(*a, "torch")  # noqa: E731
+            if on_trainium:  # the fallback as training runs it: one compiled graph
+                torch_call = torch.compile(torch_call, backend="neuron", fullgraph=True)
+            seconds = time_call(torch_call, inputs, backward, device_type)
             row.update(torch_s=seconds, torch_flops_per_s=flops / seconds, torch_fraction_of_peak=flops / seconds / peak)
             if name == "rms_norm":  # no matmul work: its figure of merit is bandwidth
                 x = inputs[0]
                 row["torch_bytes_per_s"] = (5 if backward else 2) * x.numel() * x.element_size() / seconds
             if on_trainium:
-                seconds = time_call(lambda *a: call(*a, "nki"), make_inputs(), backward, device_type)
-                row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak)
+                try:
+                    nki_call = torch.compile(lambda *a: call(*a, "nki"), backend="neuron", fullgraph=True)
+                    seconds = time_call(nki_call, make_inputs(), backward, device_type)
+                except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
+                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch")
+                else:
+                    row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak,
+                               choice="nki" if seconds < row["torch_s"] else "torch")
             else:
                 # estimated for Trn2 as training runs there: bf16 inputs, whatever this CPU computes in
+                row["compiled"] = _compiled_fallback(model_cfg, row["op"], cfg.batch_size, backward)
                 cpu_inputs = [t.detach().cpu().to(torch.bfloat16).requires_grad_() if t is not None else None
                               for t in make_inputs()]
                 try:
                     counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
                 except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
-                    row["nki_unavailable"] = str(e).splitlines()[0]
+                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch", priced="compiled",
+                               **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
                 else:
-                    row.update(kernel_estimate(counts))
+                    row.update(kernel_estimate(counts), priced="nki")
+                    row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
+            row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
             rows.append(row)
     return rows
+
+
+def auto_choice(row, model_cfg, tokens):
+    """What kernels=auto runs on a Trn2 at the row's shapes: the kernel where it takes them, unless its cost
+    rule (kernels._mlp_cost_problem, the only op that has one) declines them."""
+    gated = model_cfg.mlp == "swiglu"
+    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, gated) is not None
+    return "torch" if "nki_unavailable" in row or declined else "nki"
+
+
+def kernels_choice(rows):
+    """The --kernels=... value the rows imply: per op, the faster path forward + backward, as training runs."""
+    return ",".join(f"{r['op']}:{r['choice']}" for r in rows if r["direction"] == "fwd+bwd")
 
 
 ENGINE_LETTERS = {"tensor": "T", "vector": "V", "scalar": "S", "gpsimd": "G", "dma": "D"}
@@ -341,13 +384,14 @@ ENGINE_LETTERS = {"tensor": "T", "vector": "V", "scalar": "S", "gpsimd": "G", "d
 
 def print_kernels(rows, on_trainium):
     if not on_trainium:
-        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py): "
-              "us busy per engine (T TensorE, V VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap "
-              "bound (busiest engine) and the serial bound (sum)")
+        print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py), and "
+              "the compiled PyTorch fallback priced as plain ops (compiled_ops): us busy per engine (T TensorE, V "
+              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (busiest engine) and the "
+              "serial bound (sum); 'torch ms' is this machine's PyTorch path")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
-          + ("NKI ms  TFLOP/s  of peak" if on_trainium else
+          + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
              f"{'est us':>7} {'serial':>7}  {'bound':<7}" + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
-             + "  TensorE use"))
+             + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
         if r["flops"]:
             rate = f"{r['torch_flops_per_s'] / 1e12:>8.3f} {100 * r['torch_fraction_of_peak']:>7.1f}%"
@@ -356,15 +400,23 @@ def print_kernels(rows, on_trainium):
         else:
             rate = " " * 17
         line = f"{r['kernel']:<16} {r['direction']:<8} {1e3 * r['torch_s']:>9.3f} {rate}   "
-        if on_trainium:
-            line += f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
-        elif "nki_unavailable" in r:
+        if "nki_unavailable" in r:
             line += f"n/a: {r['nki_unavailable']}"
+        elif on_trainium:
+            line += (f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
+                     f"  {r['choice']}")
         else:
             line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
                      + "".join(f"{1e6 * r['engines'][e]:>8.1f}" for e in ENGINE_LETTERS)
-                     + f"  {100 * r['tensore_utilisation']:.0f}%")
+                     + f"  {100 * r['tensore_utilisation']:>10.0f}%")
+        if not on_trainium:
+            line += f"   {1e6 * r['compiled']['estimate_s']:>11.1f}  {r['compiled']['bottleneck']:<7} {r['choice']}"
         print(line)
+    how = "measured here" if on_trainium else "by the cost model's estimates, not measured"
+    print(f"\nfaster at these shapes ({how}): --kernels={kernels_choice(rows)}")
+    differ = [r["op"] for r in rows if r["direction"] == "fwd+bwd" and r["auto"] != r["choice"]]
+    print(f"kernels=auto runs {'the same' if not differ else 'otherwise for ' + ', '.join(differ)} on a Trn2 at "
+          "these shapes (its rules: kernels.py, _mlp_cost_problem; docs/results.md)")
 
 
 # -----------------------------------------------------------------------------
@@ -443,24 +495,73 @@ def _linear(tokens, fan_in, fan_out):
             "backward": _gemm(tokens, fan_out, fan_in) + _gemm(fan_out, tokens, fan_in)}
 
 
-def _op_seconds(op):
-    """An op's time: its busiest engine, over (count, instruction) pairs."""
+def _engine_seconds(op):
+    """{engine: busy seconds} of an op, over (count, instruction) pairs."""
     engines = dict.fromkeys(ENGINE_LETTERS, 0.0)
     for count, instruction in op:
         engines[instruction.engine] += count * nki_emulator.instruction_seconds(instruction, "trn2")
-    return max(engines.values())
+    return engines
 
 
-def kernel_step_costs(model_cfg):
+def _op_seconds(op):
+    """An op's time: its busiest engine."""
+    return max(_engine_seconds(op).values())
+
+
+def compiled_ops(name, c, sequences, norm_elements=None):
+    """{"forward": ops, "backward": ops} of kernel op `name` (one of kernels.KERNEL_OPS) compiled as plain
+    ops instead (STEP_ASSUMPTIONS), for one layer and `sequences` sequences; each op a list of (count,
+    instruction). RMSNorm is priced over `norm_elements` values (default: the sequences' residual stream)."""
+    T, C, H, D = c.sequence_len, c.n_embd, c.n_head, c.head_dim
+    N, hidden, n_up = sequences * T, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    if name == "attention":  # full T x T scores: q k^T and p v forward; dP (a qk), dV, dQ, dK (pv's) backward
+        scores = sequences * H * T * T
+        qk, pv = _gemm(T, D, T, sequences * H), _gemm(T, T, D, sequences * H)
+        return {"forward": [qk, pv, _passes(scores, one_input=3, two_input=1, scalar=1)],  # mask, max, exp, normalise, cast
+                "backward": [qk, pv, pv, pv, _passes(scores, one_input=1, two_input=1)]}
+    if name == "mlp":  # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
+        up, down = _linear(N, C, hidden), _linear(N, hidden, C)
+        return {"forward": [up["forward"]] * n_up + [down["forward"], _passes(N * hidden, one_input=2, dtype="bfloat16")],
+                "backward": [up["backward"]] * n_up + [down["backward"],
+                                                        _passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16")]}
+    if name == "rms_norm":  # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
+        elements = N * C if norm_elements is None else norm_elements
+        return {"forward": [_passes(elements, one_input=3)], "backward": [_passes(elements, one_input=4, two_input=1)]}
+    if name == "add_rms_norm":  # the residual add as a two-input pass, then the norm of the sum; backward: the
+        # norm's passes and the sum of the two gradients that reach the sum
+        norm = compiled_ops("rms_norm", c, sequences)
+        return {direction: [_passes(N * C, two_input=1)] + norm[direction] for direction in ("forward", "backward")}
+    if name == "softcap_cross_entropy":
+        return {direction: [_passes(N * c.vocab_size, *vector, scalar)]
+                for direction, (vector, scalar) in HEAD_PASSES.items()}
+    raise ValueError(f"no compiled pricing for kernel op {name!r}")
+
+
+def compiled_estimate(ops):
+    """A sequence of ops run one after another: estimate_s (the sum of each op's busiest engine), the engines'
+    busy seconds summed over the ops, and the bottleneck (the busiest engine overall)."""
+    engines = dict.fromkeys(ENGINE_LETTERS, 0.0)
+    for op in ops:
+        for engine, seconds in _engine_seconds(op).items():
+            engines[engine] += seconds
+    return {"estimate_s": sum(_op_seconds(op) for op in ops), "engines": engines,
+            "bottleneck": max(engines, key=engines.get)}
+
+
+def kernel_step_costs(model_cfg, tokens_per_call):
     """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s), or None where
-    the kernel does not run (kernels=torch, or shapes it refuses): the kernel part of step_estimate."""
+    the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
+    cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
         raise ValueError("the Trn2 estimates run the kernels under the NKI emulator, which stands in for nki only "
                          "where the Neuron SDK is not installed; run them on a machine without it")
-    costs = {}
+    modes, costs = kernels.parse_kernels(model_cfg.kernels), {}
     for name, _, _, make_inputs, call in kernel_cases(model_cfg, 1, "cpu", torch.bfloat16):
         name = name.split()[0]
-        if model_cfg.kernels == "torch":
+        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd,
+                                                               model_cfg.mlp == "swiglu") is not None
+        mode = modes["rms_norm" if name == "rms_norm_fp32" else name]  # the stream's norms are rms_norm's op
+        if mode == "torch" or (mode == "auto" and declined):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
@@ -473,8 +574,8 @@ def kernel_step_costs(model_cfg):
 
 def _layer_ops(c, sequences, kernel_costs):
     """{component: seconds} of one micro-step of `sequences` sequences through all blocks, forward + backward."""
-    T, C, H, D, L = c.sequence_len, c.n_embd, c.n_head, c.head_dim, c.n_layer
-    N, kv, hidden, n_up = sequences * T, c.n_kv_head * c.head_dim, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    T, C, L = c.sequence_len, c.n_embd, c.n_layer
+    N, kv = sequences * T, c.n_kv_head * c.head_dim
     seconds = {}
 
     def add(component, op, times=L):
@@ -498,28 +599,16 @@ def _layer_ops(c, sequences, kernel_costs):
         seconds["kernels: add_rms_norm"] = fused_adds * sequences * kernel_costs["add_rms_norm"]
     stream_norm_elements = stream_norms * N * C
     norm_elements = stream_norm_elements + L * (N * C + N * kv)  # and QK-norm
-    if kernel_costs["rms_norm"] is not None:
-        seconds["kernels: rms_norm"] = (kernel_costs["rms_norm_fp32"] * stream_norm_elements
-                                        + kernel_costs["rms_norm"] * L * (N * C + N * kv)) / (T * C)
-    else:
-        # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
-        add("rms_norm (compiled)", _passes(norm_elements, one_input=3) + _passes(norm_elements, one_input=4, two_input=1), 1)
-    if kernel_costs["attention"] is not None:
-        seconds["kernels: attention"] = L * sequences * kernel_costs["attention"]
-    else:  # full T x T scores: q k^T and p v forward; dV, dP, dQ, dK backward
-        scores = sequences * H * T * T
-        qk, pv = _gemm(T, D, T, sequences * H), _gemm(T, T, D, sequences * H)  # dP is a qk, dV, dQ, dK are pv's
-        for op in [qk, pv, qk, pv, pv, pv, _passes(scores, one_input=3, two_input=1, scalar=1),
-                   _passes(scores, one_input=1, two_input=1)]:
-            add("attention (compiled)", op)
-    if kernel_costs["mlp"] is not None:
-        seconds["kernels: mlp"] = L * sequences * kernel_costs["mlp"]
-    else:
-        for op in [*_linear(N, C, hidden).values()] * n_up + [*_linear(N, hidden, C).values()]:
-            add("mlp (compiled)", op)
-        # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
-        add("mlp (compiled)", _passes(N * hidden, one_input=2, dtype="bfloat16")
-            + _passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16"))
+    for name in ("rms_norm", "attention", "mlp"):
+        if kernel_costs[name] is None:
+            ops = compiled_ops(name, c, sequences, norm_elements)
+            for op in ops["forward"] + ops["backward"]:
+                add(f"{name} (compiled)", op, 1 if name == "rms_norm" else L)
+        elif name == "rms_norm":
+            seconds["kernels: rms_norm"] = (kernel_costs["rms_norm_fp32"] * stream_norm_elements
+                                            + kernel_costs["rms_norm"] * L * (N * C + N * kv)) / (T * C)
+        else:
+            seconds[f"kernels: {name}"] = L * sequences * kernel_costs[name]
     return seconds
 
 
@@ -527,7 +616,7 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
     """One optimizer step of train.py on `ranks` LNC=1 Trn2 NeuronCores, estimated (STEP_ASSUMPTIONS):
     {component: seconds per step}, step_s, tokens_per_s (the job's), params."""
     c = model_cfg
-    kernel_costs = kernel_step_costs(c) if kernel_costs is None else kernel_costs
+    kernel_costs = kernel_step_costs(c, cfg.batch_size * c.sequence_len) if kernel_costs is None else kernel_costs
     with torch.device("meta"):  # shapes only
         model = GPT(dataclasses.replace(c))
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -1342,7 +1431,10 @@ def main(argv):
     parser.add_argument("--bench_warmup", type=int, default=3, help="untimed steps first (compilation)")
     parser.add_argument("--check", action="store_true", help="first-hour check: kernels, compiled Block, training "
                         "and causality, NKI against PyTorch; exit code 1 if anything fails")
-    parser.add_argument("--kernels", action="store_true", help="time each kernel against its PyTorch fallback")
+    parser.add_argument("--kernels", nargs="?", const=True, default=False, help="alone: each kernel against its "
+                        "compiled PyTorch fallback at the run's shapes, and the --kernels=... choice that implies; "
+                        "with a value (--kernels=auto, torch, nki or per op, attention:nki,mlp:torch): the model's "
+                        "kernels setting, as train.py takes it")
     parser.add_argument("--sweep", action="store_true", help="measure MFU over a grid of shape choices (off "
                         "Trainium also ranked by estimated Trn2 tokens/s)")
     parser.add_argument("--step_estimate", action="store_true", help="estimate one training step on Trn2 from the "
@@ -1366,6 +1458,8 @@ def main(argv):
     parser.add_argument("--first_hour_step", help=argparse.SUPPRESS)  # one step of --first_hour, in its child process
     parser.add_argument("--first_hour_checkpoint", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
+    if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
+        rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
     if args.first_hour:  # before any device work: the steps do it, each in its own process
         rows, paid_run, seconds = run_first_hour(rest, None)
         print_first_hour(rows, paid_run, seconds)

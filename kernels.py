@@ -4,14 +4,18 @@ next to them fused into kernels of its own: the residual add with the RMSNorm af
 softcap with its cross-entropy.
 
 model.py calls only `attention`, `mlp`, `rms_norm`, `add_rms_norm` and `softcap_cross_entropy` from this
-file. Each takes `mode`, the model's `kernels` setting, and picks its path with `_use_nki`:
+file. Each takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
+picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
   CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy).
-- "auto": the NKI kernel on a Trainium ("neuron") device when the shapes fit; otherwise the PyTorch path,
-  logging why once per operation and reason.
+- "auto": the NKI kernel on a Trainium ("neuron") device where it takes the shapes and the cost model
+  expects it to beat the compiled plain ops (`_mlp_cost_problem`; docs/results.md); otherwise the PyTorch
+  path, logging why once per operation and reason.
 - "nki": the NKI kernel or a clear error. Off Trainium the kernel runs on the CPU under `nki.simulate`
   (in the tests: the project's NKI emulator), which is how the kernels and their glue are tested here.
+- "prefer": the NKI kernel wherever NKI is usable and the kernel takes the shapes, on any device; else
+  PyTorch, logged once as a warning. Scoring runs an op that trained on NKI so.
 
 Layouts follow PyTorch conventions at this boundary; a kernel that wants another layout (NKI attention
 wants the head dim on the partition axis) changes it inside its own wrapper.
@@ -63,28 +67,59 @@ except ImportError:
 
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
 
-KERNEL_MODES = ("auto", "nki", "torch")
+KERNEL_MODES = ("auto", "nki", "torch", "prefer")
+KERNEL_OPS = ("attention", "mlp", "rms_norm", "add_rms_norm", "softcap_cross_entropy")  # what a per-op kernels
+# setting may name; a new kernel adds its op
+AUTO_NKI_DEVICES = ("neuron",)  # where kernels=auto runs NKI kernels (the tests add "cpu" to run auto emulated)
 MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 
 # -----------------------------------------------------------------------------
 # dispatch and registration, shared by every NKI kernel
 
 
+def parse_kernels(setting):
+    """{op: mode} from a kernels setting: a mode ("auto"), op:mode pairs ("attention:nki,mlp:torch", the
+    others "auto"), or both, the mode first ("torch,attention:nki"); else ValueError with the fix. Plain
+    string operations: torch.compile traces it."""
+    usage = (f"write one mode of {', '.join(KERNEL_MODES)} for every op, or op:mode pairs for the ops "
+             f"{', '.join(KERNEL_OPS)} (e.g. --kernels=attention:nki,mlp:torch)")
+    if not isinstance(setting, str):
+        raise ValueError(f"--kernels={setting!r} is not a string; {usage}")
+    modes, named = dict.fromkeys(KERNEL_OPS, "auto"), []
+    for position, item in enumerate(setting.split(",")):
+        op, colon, mode = item.strip().rpartition(":")
+        if mode not in KERNEL_MODES:
+            raise ValueError(f"--kernels={setting}: {mode!r} is not a mode; {usage}")
+        if not colon:
+            if position:
+                raise ValueError(f"--kernels={setting}: the mode for every op ({mode}) must come first; {usage}")
+            modes = dict.fromkeys(KERNEL_OPS, mode)
+        elif op not in KERNEL_OPS:
+            raise ValueError(f"--kernels={setting}: {op!r} is not an op; {usage}")
+        elif op in named:
+            raise ValueError(f"--kernels={setting}: {op} is given twice; {usage}")
+        else:
+            modes[op] = mode
+            named.append(op)
+    return modes
+
+
 _fallbacks_logged = set()
+_choices = None  # while preview_fallbacks runs: {op: {"nki" or "torch": [reasons]}}
 
 
-def _use_nki(op_name, mode, device_type, shape_problem=None):
-    """Whether `op_name` runs its NKI kernel, for kernels=`mode` on tensors of `device_type`.
+def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
+    """Whether `op_name` runs its NKI kernel, for kernels=`setting` (parse_kernels) on tensors of `device_type`.
 
-    shape_problem: None when the kernel takes these shapes, else a sentence saying which limit they break
-    and how to fix it. "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on
-    shapes); "auto" falls back to PyTorch and logs why, once per (op, reason): as a warning on a neuron
-    device, where the fallback costs speed, and as info elsewhere, where it is expected.
+    shape_problem: None when the kernel takes these shapes, else which limit they break and the fix.
+    cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
+    "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on shapes); "auto" and
+    "prefer" fall back to PyTorch and log why, once per (op, reason): a warning on a neuron device or under
+    "prefer", info elsewhere.
     """
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{op_name}: kernels={mode!r} is not one of {KERNEL_MODES}")
+    mode = parse_kernels(setting)[op_name]
     if mode == "torch":
-        return False
+        return _chose(op_name, False, "kernels=torch")
     if nki is None:
         if mode == "nki":
             raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not usable ({NKI_IMPORT_ERROR}); "
@@ -95,19 +130,31 @@ def _use_nki(op_name, mode, device_type, shape_problem=None):
             raise ValueError(f"{op_name}: kernels='nki' cannot run the NKI kernel: {shape_problem}; or use "
                              "kernels='auto' to fall back to PyTorch for such shapes")
         reason = shape_problem
-    elif mode == "auto" and device_type != "neuron":
+    elif mode == "auto" and device_type not in AUTO_NKI_DEVICES:
         reason = f"tensors are on {device_type}, not on a Trainium 'neuron' device"
+    elif mode == "auto" and cost_problem is not None:
+        reason = cost_problem
     else:
-        return True
+        return _chose(op_name, True, f"kernels={mode}: the NKI kernel takes these shapes"
+                      + (" and the cost model expects it faster" if mode == "auto" else ""))
     if torch.compiler.is_compiling():  # a log call would break the graph: preview_fallbacks said it before
         return False
     # NKI missing holds for every op alike: said once per process, not once per op
     key = reason if nki is None else (op_name, reason)
     if key not in _fallbacks_logged:
         _fallbacks_logged.add(key)
-        level = logging.WARNING if device_type == "neuron" else logging.INFO
+        level = logging.WARNING if device_type == "neuron" or mode == "prefer" else logging.INFO
         logger.log(level, "%s: using the PyTorch path: %s", "all kernels" if nki is None else op_name, reason)
-    return False
+    return _chose(op_name, False, reason)
+
+
+def _chose(op_name, use_nki, reason):
+    """use_nki, noted while preview_fallbacks collects the choices (never in a compiled region)."""
+    if not torch.compiler.is_compiling() and _choices is not None:  # in that order: no guard on the global
+        reasons = _choices.setdefault(op_name, {}).setdefault("nki" if use_nki else "torch", [])
+        if reason not in reasons:
+            reasons.append(reason)
+    return use_nki
 
 
 def preview_fallbacks(module, *inputs):
@@ -115,11 +162,30 @@ def preview_fallbacks(module, *inputs):
     the call runs on fake tensors (shapes, dtypes and devices only), so it takes the very branches that
     torch.compile traces. Call it before compiling, under the same autocast: inside a compiled region
     `_use_nki` cannot log (torch.compile(fullgraph=True) refuses a graph break), and a global it wrote there
-    would be guarded on and cost a recompilation."""
+    would be guarded on and cost a recompilation.
+
+    Returns per op what ran, {op: {"ran": "nki", "torch" or "nki and torch", "why": reasons}}: the record
+    checkpoints keep for scoring (`scoring_kernels`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        module(*inputs)
+    global _choices
+    _choices = {}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            module(*inputs)
+        return {op: {"ran": " and ".join(ran), "why": "; ".join(r for reasons in ran.values() for r in reasons)}
+                for op, ran in _choices.items()}
+    finally:
+        _choices = None
+
+
+def scoring_kernels(record):
+    """The kernels setting that runs each op as `record` (preview_fallbacks) says training did: "prefer"
+    where it ran NKI, "torch" where not; ops it does not name "auto"."""
+    modes = {op: "prefer" if "nki" in record[op]["ran"] else "torch" for op in KERNEL_OPS if op in record}
+    if len(modes) == len(KERNEL_OPS) and len(set(modes.values())) == 1:
+        return modes[KERNEL_OPS[0]]
+    return ",".join(["auto"] + [f"{op}:{mode}" for op, mode in modes.items()])
 
 
 def _logical_core_degree():
@@ -1885,6 +1951,23 @@ def _mlp_shape_problem(x, w_up, dtype):
     return None
 
 
+# Fewest tokens per call from which the cost model expects the NKI MLP (forward + backward) to beat the
+# compiled plain ops, by width: d, or 1.5 d gated. From bench.py --kernels (docs/results.md): below them
+# the weights' DMA traffic is not paid back. One rule for forward and backward, as _mlp_shape_problem's.
+MLP_MIN_TOKENS = ((256, 128), (768, 256), (2048, 512))  # (width up to, tokens from); 2048: the kernels' widest d
+
+
+def _mlp_cost_problem(tokens, dim, gated):
+    """None where the cost model expects the NKI MLP to beat the compiled plain ops, else why not."""
+    width = dim * 3 // 2 if gated else dim
+    fewest = next((count for widest, count in MLP_MIN_TOKENS if width <= widest), MLP_MIN_TOKENS[-1][1])
+    if tokens >= fewest:
+        return None
+    return (f"at {tokens} tokens per call and d={dim}{' (gated)' if gated else ''} the cost model expects the "
+            f"compiled PyTorch MLP to be faster (NKI pays off from {fewest} tokens: bench.py --kernels); use a "
+            "larger --batch_size, or --kernels=mlp:nki")
+
+
 def _rms_norm_shape_problem(x):
     """None if the NKI RMSNorm takes x, else what stops it."""
     if x.dtype not in _KERNEL_DTYPES:
@@ -2025,7 +2108,8 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
         raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
     dtype = _matmul_dtype(x)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
-    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype)):
+    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
         rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
         weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
         y, _, _ = _mlp_op(rows, *weights, activation, training)

@@ -71,8 +71,9 @@ class GPTConfig:
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)", bounds=(0, None))
     rope_base: float = opt(10000.0, "RoPE base frequency (10000 is usual)", above=1)
     logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables", bounds=(0, None))
-    kernels: str = opt("auto", "auto (NKI on Trainium where shapes fit) | nki (NKI or an error) | torch (never NKI)",
-                       choices=kernels.KERNEL_MODES)
+    kernels: str = opt("auto", "auto (NKI on Trainium where the shapes fit and the cost model expects it faster) | nki "
+                       "(NKI or an error) | torch (never NKI) | prefer (NKI wherever it fits); or per op, e.g. "
+                       "attention:nki,mlp:torch (ops: " + ", ".join(kernels.KERNEL_OPS) + ")")
     # initialisation
     wte_init_std: float = opt(1.0, "std of the token embedding's normal init", above=0)
     matrix_init_scale: float = opt(1.0, "multiplies the 1/sqrt(fan_in) init of q, k, v and the MLP's input matrices", above=0)
@@ -116,10 +117,15 @@ class GPTConfig:
             problems.append(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head} (set n_kv_head to a divisor of n_head, or 0 for n_head)")
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.kernels == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
+        try:
+            attention_mode = kernels.parse_kernels(self.kernels)["attention"]
+        except ValueError as e:
+            problems.append(str(e))
+            attention_mode = None
+        if attention_mode == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
             problems.append(f"kernels='nki' needs head_dim <= {kernels.ATTENTION_MAX_HEAD_DIM} (NKI attention contracts "
                             f"it in two 128-partition pieces), got {self.head_dim}; raise n_head or use kernels='auto'")
-        if self.kernels == "nki" and self.sequence_len % 128:
+        if attention_mode == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")
         if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
@@ -231,6 +237,7 @@ class GPT(nn.Module):
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.kernels_ran = None  # per op, what ran in training (kernels.preview_fallbacks); checkpoints keep it
         # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
         # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
         self.register_buffer("extra_loss_weights", torch.zeros(config.mtp_extra), persistent=False)

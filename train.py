@@ -176,11 +176,12 @@ def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=Fals
     """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun unless the
     optimizer is sharded (optim.Sharding then exchanges the gradients itself). `example`:
     arguments of one forward call (their shapes, dtypes and devices: the kernels' fallbacks are decided and
-    logged on them before compilation, as they cannot be from inside the compiled graph)."""
+    logged on them before compilation, as they cannot be from inside the compiled graph, and kept in
+    raw_model.kernels_ran for the checkpoints)."""
     model = raw_model
+    with runtime.autocast_context(cfg, device_type):  # what each kernel op runs, logged and kept for scoring
+        raw_model.kernels_ran = preview_fallbacks(raw_model, *example)
     if cfg.compile:
-        with runtime.autocast_context(cfg, device_type):
-            preview_fallbacks(raw_model, *example)
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
     if dist.is_initialized() and not sharded:
@@ -449,7 +450,7 @@ def final_save(cfg, step, raw_model, ema, ranks, clock):
 def sample(cfg, raw_model, corpus, device, autocast):
     """Prints cfg.sample_tokens of text from the trained model, from a document's start."""
     prompt = torch.tensor([[corpus.bos_id]], device=device)
-    sampler = checkpoint.inference_model(raw_model.state_dict(), asdict(raw_model.config), device)
+    sampler = checkpoint.inference_model(raw_model.state_dict(), asdict(raw_model.config), device, raw_model.kernels_ran)
     with autocast:
         out = sampler.generate(prompt, cfg.sample_tokens, temperature=0.8, generator=torch.Generator().manual_seed(cfg.seed))
     print("-" * 40 + "\n" + corpus.decode(out[0, 1:].tolist()) + "\n" + "-" * 40)

@@ -17,6 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import kernels
 from kit import optim, runtime
 from model import GPT, GPTConfig
 
@@ -199,7 +200,7 @@ def save_checkpoint(path, model, optimizers, step, train_time, loader_state, tra
     """One file with everything a run needs to continue exactly: weights, optimizer state, step, charged
     time, data position, RNG and both configs."""
     write_atomically(path, {"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers),
-                            **run_state(step, train_time, loader_state, train_cfg, model_cfg)})
+                            **run_state(step, train_time, loader_state, train_cfg, model_cfg), "kernels": model.kernels_ran})
 
 
 class CheckpointWriteError(OSError):
@@ -256,7 +257,7 @@ def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
 
         def finish():
             if writer:
-                write_atomically(os.path.join(tmp, "meta.pt"), run)
+                write_atomically(os.path.join(tmp, "meta.pt"), {**run, "kernels": model.kernels_ran})
                 write_folder_digests(tmp)
                 if os.path.exists(path):  # the same step written before: this one replaces it
                     shutil.rmtree(path)
@@ -303,12 +304,13 @@ def consolidated_optimizer_state(model, optimizers, sharding, group):
 def save_final(path, model, model_cfg, train_cfg, step, train_time):
     """final.pt: the weights and the configs, no optimizer state (a third of a resumable checkpoint); the
     scorer's load_for_eval reads the weights and model config, evaluate.py the tokenizer named in the run
-    config. Refuses non-finite weights rather than write a model that scores NaN."""
+    config, and `kernels`, per op what ran in training (model.kernels_ran). Refuses non-finite weights rather than write a model that scores NaN."""
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
     write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
-                            "train_config": asdict(train_cfg), "step": step, "train_time": train_time})
+                            "train_config": asdict(train_cfg), "step": step, "train_time": train_time,
+                            "kernels": model.kernels_ran})
 
 
 def check_disk_space(out_dir, n_params, keep_checkpoints):
@@ -484,26 +486,45 @@ def load_checkpoint(path, keys=CHECKPOINT_KEYS, mmap=False, verify=True):
     return state
 
 
-def inference_model(weights, model_config, device):
-    """A single-device GPT in eval mode for evaluation and sampling, on the kernels the run trained with,
-    except that "nki" becomes "auto": prompts come in any length, and "nki" would refuse one that is not a
-    multiple of 128 (or a machine without NKI) where "auto" falls back to PyTorch for it and logs why once.
-    A --kernels=torch run is scored on PyTorch, paying no NKI compilation for the scorer's shapes."""
-    kernels = "torch" if model_config.get("kernels") == "torch" else "auto"
-    model = GPT(GPTConfig(**{**model_config, "kernels": kernels}))
+def inference_model(weights, model_config, device, kernels_ran=None, autocast_dtype=None):
+    """A single-device GPT in eval mode for evaluation and sampling, each kernel op as training ran it (the
+    per-op record `kernels_ran`, through kernels.scoring_kernels); without one, "nki" becomes "auto".
+    autocast_dtype: the forward computes under it, as training did (AutocastGPT)."""
+    if kernels_ran:
+        setting = kernels.scoring_kernels(kernels_ran)
+    else:
+        setting = "torch" if model_config.get("kernels") == "torch" else "auto"
+    config = GPTConfig(**{**model_config, "kernels": setting})
+    model = GPT(config) if autocast_dtype is None else AutocastGPT(config, autocast_dtype)
     model.load_state_dict(weights)
+    model.kernels_ran = kernels_ran
     return model.to(device).eval()
+
+
+class AutocastGPT(GPT):
+    """A GPT whose forward runs under its training's autocast (fp32 weights, norms and logits), for a scorer
+    that applies none; a context around each call, so the forward stays pure and stateless."""
+
+    def __init__(self, config, autocast_dtype):
+        super().__init__(config)
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        with torch.autocast(idx.device.type, dtype=self.autocast_dtype):
+            return super().forward(idx, targets, loss_reduction)
 
 
 def load_for_eval(checkpoint_path, device="cpu"):
     """The contest's scoring hook: a frozen, single-device model whose forward(idx) returns causal
     next-token logits (B, T, vocab) for any T (rotary tables grow on demand), from final.pt or any
-    checkpoint this script wrote. The scorer applies no autocast, so on Trainium and GPUs
-    the weights themselves are bf16 and the model computes in bf16; on a CPU it stays fp32."""
-    device, state = torch.device(device), load_checkpoint(checkpoint_path, keys=("model", "model_config"))
-    model = inference_model(state["model"], state["model_config"], "cpu")
-    if device.type in ("cuda", "neuron"):
-        model = model.to(torch.bfloat16)
+    checkpoint this script wrote. It computes as training did: each kernel op on its trained path (the
+    `kernels` record) and a bf16 run under bf16 autocast inside the forward (AutocastGPT; a whole-model
+    bf16 cast moved val_bpb by 2.3e-4 at the baseline's shapes: docs/results.md)."""
+    device = torch.device(device)
+    state = load_checkpoint(checkpoint_path, keys=("model", "model_config"))
+    trained_in = state.get("train_config", {}).get("dtype")
+    model = inference_model(state["model"], state["model_config"], "cpu", state.get("kernels"),
+                            torch.bfloat16 if trained_in == "bfloat16" else None)
     return model.to(device).requires_grad_(False)
 
 

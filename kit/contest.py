@@ -232,7 +232,7 @@ KIT_ONLY = {
 }
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
 # its clock's start): each before its first importer, as a module's names are used at its import only by the
-# modules after it (model.py's kernels.KERNEL_MODES ...)
+# modules after it (model.py's kernels.KERNEL_OPS ...)
 BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
            "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
            "checkpoint": "kit/checkpoint.py", "train": "train.py"}

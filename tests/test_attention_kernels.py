@@ -267,12 +267,12 @@ def test_kernels_imported_with_nki_0_3_say_which_version_to_install(monkeypatch)
 
 def test_unknown_mode_is_refused():
     q = torch.randn(1, 2, 128, 64)
-    with pytest.raises(ValueError, match="kernels='fast' is not one of"):
+    with pytest.raises(ValueError, match="--kernels=fast: 'fast' is not a mode"):
         kernels.attention(q, q, q, mode="fast")
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"kernels": "fast"}, "kernels='fast': use auto or nki or torch"),
+    ({"kernels": "fast"}, "--kernels=fast: 'fast' is not a mode"),
     ({"kernels": "nki", "sequence_len": 200}, "sequence_len to be a multiple of 128"),
     ({"kernels": "nki", "n_embd": 1536, "n_head": 4, "n_kv_head": 4}, "head_dim <= 256"),
 ])

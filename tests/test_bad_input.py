@@ -454,6 +454,55 @@ def test_an_offline_gpt2_tokenizer_is_one_error(monkeypatch):
 
 # --- information, not noise ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("setting, problem", [
+    ("attention:nkx", "'nkx' is not a mode"), ("attn:nki", "'attn' is not an op"),
+    ("mlp:torch,auto", "the mode for every op (auto) must come first"), ("mlp:torch,mlp:nki", "mlp is given twice"),
+])
+def test_a_bad_kernels_setting_is_one_line_naming_the_flag_and_the_fix(setting, problem):
+    cfg, model_cfg = train.parse_args([f"--kernels={setting}"])
+    with pytest.raises(ValueError) as error:
+        flags.validate_config(cfg, model_cfg)
+    message = str(error.value)
+    assert f"--kernels={setting}: {problem}" in message and "\n" not in message
+    assert "e.g. --kernels=attention:nki,mlp:torch" in message and "attention, mlp, rms_norm" in message
+
+
+def test_a_kernels_setting_gives_every_op_a_mode():
+    assert kernels.parse_kernels("auto") == {op: "auto" for op in kernels.KERNEL_OPS}
+    assert kernels.parse_kernels("attention:nki, mlp:torch") == {"attention": "nki", "mlp": "torch", "rms_norm": "auto",
+                                                                 "add_rms_norm": "auto", "softcap_cross_entropy": "auto"}
+    assert kernels.parse_kernels("torch,rms_norm:prefer") == {"attention": "torch", "mlp": "torch", "rms_norm": "prefer",
+                                                              "add_rms_norm": "torch", "softcap_cross_entropy": "torch"}
+
+
+def test_auto_declines_the_nki_mlp_where_the_cost_model_expects_the_compiled_ops_faster(monkeypatch, caplog):
+    """On a neuron device: below MLP_MIN_TOKENS the MLP falls back, with the reason, once; a gated MLP counts
+    as 1.5x as wide; kernels=nki or prefer take the kernel; on a CPU "auto" falls back for the device."""
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+    few, many = kernels._mlp_cost_problem(128, 512, False), kernels._mlp_cost_problem(256, 512, False)
+    assert many is None and kernels._mlp_cost_problem(128, 256, False) is None
+    assert kernels._mlp_cost_problem(128, 256, True) is not None and kernels._mlp_cost_problem(256, 256, True) is None
+    assert kernels._mlp_cost_problem(256, 2048, False) is not None and kernels._mlp_cost_problem(512, 2048, False) is None
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        for _ in range(2):
+            assert not kernels._use_nki("mlp", "auto", "neuron", None, few)
+        assert kernels._use_nki("mlp", "auto", "neuron", None, many)
+        assert kernels._use_nki("mlp", "prefer", "cpu", None, few) and kernels._use_nki("mlp", "nki", "cpu", None, few)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"mlp: using the PyTorch path: {few}")]
+    assert "128 tokens per call and d=512" in few and "--kernels=mlp:nki" in few
+
+
+def test_prefer_falls_back_only_for_shapes_the_kernel_refuses_and_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+    x = torch.randn(2, 100, 64)  # rows of 64 fit RMSNorm; a sequence of 100 does not fit attention's tiles
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        assert kernels._use_nki("rms_norm", "prefer", "cpu", kernels._rms_norm_shape_problem(x))
+        for _ in range(2):
+            assert not kernels._use_nki("attention", "prefer", "cpu", kernels._attention_shape_problem(x[:, None], x[:, None], x[:, None]))
+    assert [(r.levelno, "not a multiple of 128" in r.getMessage()) for r in caplog.records] == [(logging.WARNING, True)]
+
+
 def test_missing_nki_is_said_once_for_all_kernels(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "nki", None)
     monkeypatch.setattr(kernels, "_fallbacks_logged", set())

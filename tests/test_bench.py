@@ -88,6 +88,32 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
     assert {(r["kernel"], r["direction"]) for r in rows} >= {("attention", "fwd+bwd"), ("rms_norm", "forward")}
     for r in rows:
         assert r["bottleneck"] in r["engines"] and 0 < r["estimate_s"] <= r["serial_s"]
+        compiled = r["compiled"]  # the fallback, priced as the step estimate prices it
+        assert compiled["bottleneck"] in compiled["engines"] and 0 < compiled["estimate_s"] <= compiled["serial_s"]
+        assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"
+
+
+def test_bench_kernels_with_a_value_is_the_model_setting_and_alone_the_measurement(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "print_memory", lambda cfg, model_cfg, world_size: seen.append(model_cfg.kernels))
+    bench.main(["--memory", "--kernels=torch,attention:nki"])
+    assert seen == ["torch,attention:nki"]
+    with pytest.raises(ValueError, match="--kernels=atention:nki: 'atention' is not an op"):
+        bench.main(["--memory", "--kernels=atention:nki"])
+
+
+@pytest.mark.parametrize("tokens, faster", [(128, "torch"), (512, "nki")])
+def test_auto_runs_the_mlp_the_way_the_cost_model_expects_faster_in_training(tokens, faster, capsys):
+    """kernels._mlp_cost_problem is a cheap shape rule; bench --kernels prices the kernel by its emulated trace
+    and the fallback as compiled plain ops. At d=512 they must agree, either side of the rule's threshold."""
+    cfg, model_cfg = train.parse_args(["--n_layer=1", "--n_embd=512", "--n_head=4", f"--sequence_len={tokens}",
+                                       "--batch_size=1", "--compile=false", "--dtype=float32", "--vocab_size=256"])
+    rows = bench.measure_kernels(cfg, model_cfg, "cpu", "cpu", ops=("mlp",))
+    by_direction = {r["direction"]: r for r in rows}
+    assert by_direction["fwd+bwd"]["choice"] == by_direction["fwd+bwd"]["auto"] == faster
+    assert by_direction["forward"]["auto"] == faster  # one rule for both: the forward runs what training runs
+    bench.print_kernels(rows, on_trainium=False)
+    assert f"--kernels=mlp:{faster}" in capsys.readouterr().out
 
 
 def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monkeypatch):

@@ -132,7 +132,8 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
         contest_dir, **budget)
     final = contest_dir / "out" / "final.pt"
     state = torch.load(final, weights_only=True)
-    assert set(state) == {"model", "model_config", "train_config", "step", "train_time", "sha256"}  # no optimizer state
+    assert set(state) == {"model", "model_config", "train_config", "step", "train_time", "sha256", "kernels"}  # no optimizer state
+    assert set(state["kernels"]) == {"attention", "mlp", "rms_norm"}  # what each op ran on, for scoring
     boundaries = [line.split() for line in step_log.read_text().splitlines()]
     assert [int(i) for i, _ in boundaries] == list(range(state["step"]))  # one record per step
     clock_start = float(boundaries[1][1])  # end of the second (last excluded) step

@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 import data
+import evaluate
+import kernels
 import train
 from kit import checkpoint, flags, runtime
 from model import GPTConfig, opt
@@ -63,7 +66,10 @@ def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, dat
     state = torch.load(tmp_path / "final.pt", weights_only=True)
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
-    # a run on NKI is scored on "auto": NKI where the kernels take the shapes, PyTorch (logged) elsewhere
+    assert state["kernels"] == {op: {"ran": "torch", "why": "kernels=torch"}
+                                for op in ("rms_norm", "attention", "add_rms_norm", "mlp", "softcap_cross_entropy")}
+    # a run from before the per-op record is scored on "auto": NKI where the kernels take the shapes, PyTorch
+    # (logged) elsewhere
     trained_on_nki = checkpoint.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
     assert trained_on_nki.config.kernels == "auto"
     reference = train.GPT(train.GPTConfig(**state["model_config"]))
@@ -120,6 +126,54 @@ def test_help_lists_every_field(capsys):
         train.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "--matrix_lr=0.02" in out and "--n_kv_head=" in out and "--time_budget_s=" in out
+
+
+def score(path, sequence_len, batch_size, tokens):
+    """val_bpb of a checkpoint as evaluate.py bpb computes it: load_for_eval on the run's held-out split."""
+    return evaluate.main(["bpb", f"--checkpoint={path}", f"--sequence_len={sequence_len}", f"--batch_size={batch_size}",
+                          f"--tokens={tokens}", "--device=cpu"])["val_bpb"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_load_for_eval_scores_the_final_model_as_training_evaluated_it(tmp_path, data_dir, dtype):
+    """fp32 weights; a bf16 run's forward computes under bf16 autocast inside the module (the scorer applies
+    none), so scoring reproduces the training run's own final val_bpb."""
+    result = run(tmp_path, data_dir, "--max_steps=3", f"--dtype={dtype}")
+    model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
+    assert isinstance(model, checkpoint.AutocastGPT) == (dtype == "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with torch.no_grad():  # the logits of a bf16 run carry bf16 rounding from the autocast inside
+        plain = checkpoint.inference_model(model.state_dict(), dataclasses.asdict(model.config), "cpu")
+        idx = torch.randint(0, 257, (2, 64))
+        assert (model(idx) == plain(idx)).all() == (dtype == "float32")
+        compiled = torch.compile(model, backend="eager", fullgraph=True)  # a scorer may compile it: one graph
+        torch.testing.assert_close(compiled(idx), model(idx), rtol=0, atol=0)
+    assert score(tmp_path / "final.pt", 64, 4, 2048) == pytest.approx(result["final_eval"]["val_bpb"], abs=1e-4)
+
+
+def test_an_auto_run_whose_mlp_fell_back_in_training_is_scored_on_the_pytorch_mlp(tmp_path, data_dir, monkeypatch):
+    """kernels=auto as on Trainium (the kernels emulated here): at 128 tokens per call the cost rule keeps a
+    gated MLP of d=256 on PyTorch while attention and the norms run NKI. Scoring ("prefer" would take the
+    kernel for the MLP's forward) follows the checkpoint's per-op record: NKI norms, the PyTorch MLP."""
+    monkeypatch.setattr(kernels, "AUTO_NKI_DEVICES", ("neuron", "cpu"))
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+    result = run(tmp_path, data_dir, "--max_steps=2", "--kernels=auto", "--sequence_len=128", "--n_embd=256",
+                 "--mlp=swiglu", "--batch_size=1", "--eval_tokens=256")
+    record = torch.load(tmp_path / "final.pt", weights_only=True)["kernels"]
+    assert {op: entry["ran"] for op, entry in record.items()} == {"rms_norm": "nki", "attention": "nki", "mlp": "torch",
+                                                                  "add_rms_norm": "nki", "softcap_cross_entropy": "nki"}
+    assert "128 tokens per call and d=256 (gated)" in record["mlp"]["why"]
+    calls = []
+    for op in ("_mlp_op", "_rms_norm_op"):
+        monkeypatch.setattr(kernels, op, functools.partial(lambda run_op, name, *a: calls.append(name) or run_op(*a),
+                                                          getattr(kernels, op), op))
+    model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
+    assert model.config.kernels == ("auto,attention:prefer,mlp:torch,rms_norm:prefer,add_rms_norm:prefer,"
+                                    "softcap_cross_entropy:prefer")
+    with torch.no_grad():
+        model(torch.randint(0, 257, (1, 128)))
+    assert "_mlp_op" not in calls and "_rms_norm_op" in calls
+    assert score(tmp_path / "final.pt", 128, 1, 256) == pytest.approx(result["final_eval"]["val_bpb"], abs=1e-4)
 
 
 def test_batch_that_does_not_divide_is_refused_before_training(tmp_path, data_dir):

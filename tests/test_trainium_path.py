@@ -125,6 +125,30 @@ def test_every_model_compiles_to_one_graph_under_bf16_autocast(model, mode, capl
     assert fallbacks == ([f"{op}: {reason}" for op in ops] if mode == "auto" else [])  # frontier: the chunked loss
 
 
+def test_a_per_op_kernels_setting_runs_each_op_its_way_in_one_graph_and_previews_the_record(caplog):
+    """attention on NKI, the MLP and the norms on PyTorch: one graph, forward and backward; the MLP under
+    "auto" on a CPU falls back and says why once, before compilation; preview_fallbacks returns per op what ran."""
+    setting = "torch,attention:nki,mlp:auto"
+    model = GPT(config("default", setting))
+    idx = torch.randint(0, TINY.vocab_size, (1, TINY.sequence_len))
+    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="kernels"):
+        record = kernels.preview_fallbacks(model, idx, idx)
+    assert {op: entry["ran"] for op, entry in record.items()} == {"attention": "nki", "mlp": "torch", "rms_norm": "torch",
+                                                                  "add_rms_norm": "torch", "softcap_cross_entropy": "torch"}
+    assert "tensors are on cpu" in record["mlp"]["why"] and record["rms_norm"]["why"] == "kernels=torch"
+    assert kernels.scoring_kernels(record) == ("auto,attention:prefer,mlp:torch,rms_norm:torch,add_rms_norm:torch,"
+                                              "softcap_cross_entropy:torch")
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        run = compile_for_trainium(model, idx, idx, backend="eager")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(idx, idx)
+        loss.backward()
+    assert loss.isfinite() and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert model.blocks[0].attn.c_proj.weight.grad.abs().sum() > 0  # through the NKI attention
+    assert [r.getMessage() for r in caplog.records if r.name == "kernels"] == [
+        "mlp: using the PyTorch path: tensors are on cpu, not on a Trainium 'neuron' device"]
+
+
 def test_value_embeddings_keep_attention_in_bf16():
     """The value-embedding table is fp32: mixed into v unconverted, it turned v (and attention) fp32 under
     autocast, which the NKI kernels refuse."""
