@@ -233,7 +233,7 @@ KIT_ONLY = {
 # modules after it (model.py's kernels.KERNEL_OPS ...)
 BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
            "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
-           "checkpoint": "kit/checkpoint.py", "train": "train.py"}
+           "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 
 def defined_names(node):
