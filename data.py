@@ -65,7 +65,7 @@ import tiktoken
 import torch
 import torch.distributed as dist
 
-from kit.checkpoint import replace_atomically
+from kit.checkpoint_io import replace_atomically
 
 SHARD_MAGIC = b"GPTTOKS\0"
 SHARD_VERSION = 1

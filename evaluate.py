@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 import data
 import train
-from kit import checkpoint, contest, runtime
+from kit import checkpoint, checkpoint_io, contest, runtime
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's EVAL_BUNDLE_URL
 # nanochat publishes no checksum; this sha256 is the one several independent public projects recorded for
@@ -341,8 +341,8 @@ def load_checkpoint_and_tokenizer(path, device, data_dir=None):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}; train one (python train.py writes out/final.pt) or pass --checkpoint=PATH")
     try:  # memory-mapped: reading the config costs no second copy of the weights (load_for_eval checks the digests)
-        train_config = checkpoint.load_checkpoint(path, keys=("train_config",), mmap=True, verify=False)["train_config"]
-    except checkpoint.CheckpointError as e:
+        train_config = checkpoint_io.load_checkpoint(path, keys=("train_config",), mmap=True, verify=False)["train_config"]
+    except checkpoint_io.CheckpointError as e:
         raise ValueError(f"{path} is not a checkpoint written by train.py ({e}); pass the final.pt or ckpt_*.pt "
                          "of a training run") from None
     model = checkpoint.load_for_eval(path, device)  # before the config is used: damaged bytes are named first
@@ -407,7 +407,7 @@ def run_bpb(args):
                                        max_tokens=args.tokens)["val_bpb"]
         source = f"{prepare.__file__}'s evaluate_bpb, public validation shard"
     else:
-        saved = checkpoint.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True, verify=False)["train_config"]
+        saved = checkpoint_io.load_checkpoint(args.checkpoint, keys=("train_config",), mmap=True, verify=False)["train_config"]
         names = {f.name for f in dataclasses.fields(train.TrainConfig)}
         cfg = train.TrainConfig(**{k: v for k, v in saved.items() if k in names})
         cfg.eval_tokens, cfg.batch_size = args.tokens, args.batch_size

@@ -1463,16 +1463,13 @@ def _broadcast_to_partitions(vector):
 
 # -----------------------------------------------------------------------------
 # residual add + RMSNorm: NKI kernels, s = x + branch and y = s / sqrt(mean(s^2) + eps), forward and backward
-#
-# In a pre-norm block every residual add is followed by the RMSNorm of its result (the next sub-block's
-# input). Apart, the add reads x and the branch and writes s, and the norm reads s again and writes y;
-# fused, s never makes the extra round trip through HBM, and in the backward the gradient arriving at s
-# from later in the stream is added in the same pass instead of in one of its own.
+# (fused, s makes no extra round trip through HBM; backward, s's later gradient is added in the same pass)
 
 
 def add_rms_norm_fwd_kernel(x, branch, eps):
-    """Residual add and the RMSNorm after it. x (N, d), the residual stream, bf16 or fp32; branch (N, d),
-    the sub-block's output, bf16 or fp32. Returns s = x + branch (N, d) in x's dtype and
+    """Residual add and the RMSNorm after it, one pass over the rows.
+
+    x (N, d), the residual stream, bf16 or fp32; branch (N, d), the sub-block's output, bf16 or fp32. Returns s = x + branch (N, d) in x's dtype and
     y = s * rstd(s) (N, d) in branch's dtype: the dtype of the matmul that made the branch, which is the
     one the next matmul takes (under bf16 autocast: the rounding autocast would apply to y anyway).
 
@@ -1510,7 +1507,9 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
 
 
 def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
-    """Backward of add_rms_norm_fwd_kernel. total (N, d), the s the forward returned; d_normed (N, d), the
+    """Backward of add_rms_norm_fwd_kernel.
+
+    total (N, d), the s the forward returned; d_normed (N, d), the
     gradient of y, in y's dtype; d_total (N, d), the gradient that reached s from later in the stream, in
     s's dtype, or None when nothing read s. Returns dx (N, d) in s's dtype, the gradient of both x and
     branch, and, where y's dtype differs from s's, the same values once more in y's dtype for the branch
@@ -1569,18 +1568,16 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
 
 # -----------------------------------------------------------------------------
 # the head's loss: NKI kernels, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap), forward and backward
-#
-# Apart, the softcap and the cross-entropy make several fp32 passes over the (tokens, vocab) logits through
-# HBM each way (the tanh, its scaling, the logsumexp, the gather; in the backward the softmax, the one-hot,
-# the tanh's derivative, the cast). Fused, the logits are read once forward, and once read and once
-# written backward; every intermediate stays in SBUF.
+# (apart: several fp32 passes over the logits through HBM each way; fused: the logits read once each way)
 
 VOCAB_CHUNK = 2048  # logits columns per step: 4 KiB rows of bf16 per DMA, ~40 KiB of SBUF per partition
 
 
 def _vocab_iota():
-    """[128, VOCAB_CHUNK] fp32 tile whose every row is 0, 1, ..., VOCAB_CHUNK - 1: the column index within a
-    chunk, which one compare against a row's target (shifted by the chunk's start) turns into the one-hot."""
+    """[128, VOCAB_CHUNK] fp32 tile whose every row is 0, 1, ..., VOCAB_CHUNK - 1.
+
+    The column index within a chunk, which one compare against a row's target (shifted by the chunk's
+    start) turns into the one-hot."""
     columns = nl.ndarray((TILE, VOCAB_CHUNK), nl.float32, buffer=nl.sbuf)
     nisa.iota(dst=columns, pattern=[[1, VOCAB_CHUNK]], offset=0, channel_multiplier=0)
     return columns
@@ -1605,7 +1602,9 @@ def _chunk_target(target, start):
 
 
 def softcap_cross_entropy_fwd_kernel(logits, targets, vocab, cap):
-    """Softcap cross-entropy forward. logits (N, V_padded) bf16 or fp32, the head's raw output; columns from
+    """Softcap cross-entropy forward: each row's loss and logsumexp, the logits read once.
+
+    logits (N, V_padded) bf16 or fp32, the head's raw output; columns from
     `vocab` on are padding and ignored; targets (N, 1) int32, -1 = ignored; cap > 0. Returns nll (N, 1) fp32,
     the loss of each row (0 where ignored), and lse (N, 1) fp32, the logsumexp of its capped logits, which the
     backward needs.
@@ -1673,7 +1672,9 @@ def softcap_cross_entropy_fwd_kernel(logits, targets, vocab, cap):
 
 
 def softcap_cross_entropy_bwd_kernel(logits, targets, lse, d_nll, vocab, cap):
-    """Softcap cross-entropy backward. logits, targets, vocab, cap as for the forward; lse (N, 1) from it;
+    """Softcap cross-entropy backward: d_logits, the logits read once and it written once.
+
+    logits, targets, vocab, cap as for the forward; lse (N, 1) from it;
     d_nll (N, 1) fp32, the gradient of each row's loss. Returns d_logits (N, V_padded) in the logits' dtype,
     zero in the padding columns and in ignored rows.
 
@@ -2136,8 +2137,9 @@ def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
 
 
 def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
-    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0), as
-    F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
+    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
+
+    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
     each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
     first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
     On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
@@ -2157,8 +2159,9 @@ def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mo
 
 
 def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
-    """A residual add and the RMSNorm (no weight) of its result: (s, rms_norm(s)) with s = x + branch, in
-    one pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
+    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
+
+    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
     The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
     dtype, which is what the matmul reading the norm would round it to anyway."""
     if _use_nki("add_rms_norm", mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):

@@ -211,9 +211,11 @@ class Block(nn.Module):
         self.norm_output = norm_output  # whether what reads the block's output first is its norm
 
     def forward(self, x, cos, sin, ve=None, normed=None):
-        """x: the residual stream; normed: norm(x) if the block before made it. Returns the new stream and,
-        with norm_output, its norm (the next block's input, or the final norm), else None. A residual add
-        followed by a norm of its sum runs as one op, kernels.add_rms_norm (one pass over the rows on NKI)."""
+        """The new residual stream and, with norm_output, its norm; else None.
+
+        x: the residual stream; normed: norm(x) if the block before made it. The norm returned is the next
+        block's input, or the final norm. A residual add followed by a norm of its sum runs as one op,
+        kernels.add_rms_norm (one pass over the rows on NKI)."""
         normed = norm(x, self.kernels) if normed is None else normed
         x, normed = kernels.add_rms_norm(x, self.attn(normed, cos, sin, ve), mode=self.kernels)
         if not self.norm_output:

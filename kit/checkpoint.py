@@ -1,166 +1,23 @@
 """
-Checkpoints: written atomically, read safely (tensors only), restored on any number of ranks; periodic
-checkpoints and the final save; resume and the output folder; `load_for_eval`, the contest's scoring hook.
+Checkpoints: what each holds (weights, optimizer state keyed by parameter name, the run's position and the
+per-op kernels record), restored on any number of ranks; periodic checkpoints and the final save; resume and
+the output folder; `load_for_eval`, the contest's scoring hook. The bytes are written and read, digests
+included, by kit/checkpoint_io.py.
 (cf. nanochat's nanochat/checkpoint_manager.py)
 """
 import dataclasses
 import glob
-import hashlib
 import os
-import pickle
 import shutil
 import time
-import zipfile
-from contextlib import suppress
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 import kernels
-from kit import optim, runtime
+from kit import checkpoint_io, optim, runtime
 from model import GPT, GPTConfig
-
-
-# -----------------------------------------------------------------------------
-# checkpoints
-
-def replace_atomically(path, write, kept="the previous file there and earlier checkpoints are intact",
-                       then="--resume=latest if the run stopped"):
-    """write(f) into a temporary file, fsync, rename over the target, fsync the folder: a crash at any
-    moment leaves the old file or the new one, never a torn one. A failed write (a full disk, no
-    permission) removes the temporary file and names the file, the cause, what is `kept` and the fix, and
-    what to do `then` (data.py's files: prepare the data again)."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        os.fsync(dir_fd)  # make the rename itself durable
-        os.close(dir_fd)
-    except (OSError, RuntimeError) as e:  # a full disk shows as either, depending on where the write stops
-        with suppress(OSError):  # the half-written file would only take space
-            os.remove(tmp)
-        folder = os.path.dirname(os.path.abspath(path))
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        if isinstance(e, PermissionError):
-            fix = f"make {folder} writable"
-        else:
-            reason += f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
-            fix = "free space"
-        raise OSError(f"cannot write {path} ({reason}); {kept}: {fix}, then {then}") from e
-
-
-def write_atomically(path, payload):
-    """torch.save of `payload` with its digests (`payload_digests`) beside it, written atomically
-    (replace_atomically): the file proves its own bytes wherever it is copied."""
-    payload = tree_to_cpu(payload)  # hashed and written from one host copy
-    payload = {**payload, DIGESTS: payload_digests(payload)}
-    replace_atomically(path, lambda f: torch.save(payload, f))
-
-
-# -----------------------------------------------------------------------------
-# digests: every checkpoint proves its bytes (torch.load checks no checksum of the zip archive's records)
-
-DIGESTS = "sha256"  # a .pt's key of its digests
-FOLDER_DIGESTS = "SHA256SUMS"  # a sharded folder's digests of its files, `sha256sum -c` format, written last
-EVERYTHING_ELSE = "its configs, counters and structure"  # the digest of a payload's plain values
-
-
-def tree_to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: tree_to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(tree_to_cpu(v) for v in value)
-    return value
-
-
-def tensor_sha256(t):
-    """sha256 of a CPU tensor's dtype, shape and bytes (hashlib reads the buffer in place: no copy)."""
-    digest = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
-    digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-def payload_digests(payload):
-    """{path: sha256} of every tensor of a checkpoint's payload (its keys joined by "/"), and under
-    EVERYTHING_ELSE one of the rest: the repr of the structure with each tensor replaced by its path."""
-    tensors = {}
-
-    def walk(value, path):
-        if isinstance(value, torch.Tensor):
-            tensors[path] = value
-            return f"<tensor {path}>"
-        if isinstance(value, dict):
-            return {k: walk(v, f"{path}/{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v, f"{path}/{i}") for i, v in enumerate(value))
-        return value
-
-    rest = hashlib.sha256(repr(walk(payload, "")).encode()).hexdigest()
-    return {**{path: tensor_sha256(t) for path, t in tensors.items()}, EVERYTHING_ELSE: rest}
-
-
-def file_sha256(path):
-    """sha256 of a file, read a MiB at a time (as data.py's, which the one-file submission leaves out)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def note_unverified(what):
-    runtime.say(f"note: {what} carries no sha256 digests (written before checkpoints had them): its bytes are not checked")
-
-
-def check_payload(path, state):
-    """Removes the digests from a loaded payload and checks them against its contents; a mismatch raises
-    CheckpointError naming the file, the tensor, and the digest expected and found."""
-    expected = state.pop(DIGESTS, None)
-    if expected is None:
-        return note_unverified(f"checkpoint {path}")
-    found = payload_digests(state)
-    if not isinstance(expected, dict):
-        expected = {}
-    for key in list(expected) + [k for k in found if k not in expected]:
-        if expected.get(key) != found.get(key):
-            what = f"{key} have" if key == EVERYTHING_ELSE else f"tensor {key} has"
-            raise CheckpointError(f"checkpoint {path} is damaged: {what} sha256 {found.get(key, 'none (missing)')}, "
-                                  f"expected {expected.get(key, 'none (not written)')}; use another checkpoint "
-                                  "(--resume=latest takes the newest intact one)")
-
-
-def write_folder_digests(folder):
-    """FOLDER_DIGESTS of every other file in `folder`, written last: its presence says the rest is complete."""
-    names = sorted(n for n in os.listdir(folder) if n != FOLDER_DIGESTS)
-    text = "".join(f"{file_sha256(os.path.join(folder, n))}  {n}\n" for n in names)
-    replace_atomically(os.path.join(folder, FOLDER_DIGESTS), lambda f: f.write(text.encode()))
-
-
-def check_folder(folder):
-    """Every file a sharded checkpoint's FOLDER_DIGESTS lists is there with its sha256; raises CheckpointError
-    naming the first that is not."""
-    listing = os.path.join(folder, FOLDER_DIGESTS)
-    if not os.path.exists(listing):
-        return note_unverified(f"sharded checkpoint {folder}")
-    with open(listing, "rb") as f:
-        lines = f.read().decode("utf-8", "replace").splitlines()
-    expected = dict(reversed(line.split("  ", 1)) for line in lines if "  " in line)
-    if not expected or len(expected) != len(lines):
-        raise CheckpointError(f"sharded checkpoint {folder} is damaged: its {FOLDER_DIGESTS} is not a list of digests; "
-                              "use another checkpoint (--resume=latest takes the newest intact one)")
-    for name, want in expected.items():
-        file = os.path.join(folder, name)
-        got = file_sha256(file) if os.path.isfile(file) else "none (the file is missing)"
-        if got != want:
-            raise CheckpointError(f"sharded checkpoint {folder} is damaged: {name} has sha256 {got}, expected {want}; "
-                                  "use another checkpoint (--resume=latest takes the newest intact one)")
 
 
 def optimizer_state(model, optimizers, sharding=None, distributed=False):
@@ -199,7 +56,7 @@ def run_state(step, train_time, loader_state, train_cfg, model_cfg):
 def save_checkpoint(path, model, optimizers, step, train_time, loader_state, train_cfg, model_cfg):
     """One file with everything a run needs to continue exactly: weights, optimizer state, step, charged
     time, data position, RNG and both configs."""
-    write_atomically(path, {"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers),
+    checkpoint_io.write_atomically(path, {"model": model.state_dict(), "optimizers": optimizer_state(model, optimizers),
                             **run_state(step, train_time, loader_state, train_cfg, model_cfg), "kernels": model.kernels_ran})
 
 
@@ -241,7 +98,7 @@ def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
     """A folder written by every rank through torch.distributed.checkpoint: the weights (identical on every
     rank, written once) and each rank's own optimizer state, keyed by parameter name so that any number of
     ranks can load it; `run` (run_state) goes beside it in meta.pt, and last the digests of every file
-    (FOLDER_DIGESTS), written by rank 0. It is written as PATH.tmp and renamed when complete, so a crash
+    (checkpoint_io.FOLDER_DIGESTS), written by rank 0. It is written as PATH.tmp and renamed when complete, so a crash
     leaves the previous checkpoints as they were. A failure on any rank, in building the DTensors, in
     torch.distributed.checkpoint or in the files, raises CheckpointWriteError on every rank (each step
     ends in the ranks' agreement, `on_every_rank`) and removes PATH.tmp."""
@@ -257,8 +114,8 @@ def save_sharded_checkpoint(path, model, optimizers, sharding, group, run):
 
         def finish():
             if writer:
-                write_atomically(os.path.join(tmp, "meta.pt"), {**run, "kernels": model.kernels_ran})
-                write_folder_digests(tmp)
+                checkpoint_io.write_atomically(os.path.join(tmp, "meta.pt"), {**run, "kernels": model.kernels_ran})
+                checkpoint_io.write_folder_digests(tmp)
                 if os.path.exists(path):  # the same step written before: this one replaces it
                     shutil.rmtree(path)
                 os.replace(tmp, path)
@@ -308,7 +165,7 @@ def save_final(path, model, model_cfg, train_cfg, step, train_time):
     bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise FloatingPointError(f"not writing {path}: parameters {bad[:3]} hold non-finite values")
-    write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
+    checkpoint_io.write_atomically(path, {"model": model.state_dict(), "model_config": asdict(model_cfg),
                             "train_config": asdict(train_cfg), "step": step, "train_time": train_time,
                             "kernels": model.kernels_ran})
 
@@ -346,7 +203,7 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
         dcp.load({"model": raw_model.state_dict(), "optimizers": optimizer_state(raw_model, optimizers, sharding, distributed)},
                  checkpoint_id=state["folder"], process_group=ranks.control, no_dist=ranks.control is None)
     elif not isinstance(state["optimizers"], dict):
-        raise CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
+        raise checkpoint_io.CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
                               "start the run again, or train it on with the kit that wrote it")
     else:
         raw_model.load_state_dict(state["model"])
@@ -374,7 +231,7 @@ def write_checkpoint(cfg, raw_model, optimizers, sharding, corpus, ranks, step, 
     elif sharding is not None:
         states = consolidated_optimizer_state(raw_model, optimizers, sharding, ranks.control)
         if ranks.rank == 0:
-            write_atomically(path, {"model": raw_model.state_dict(), "optimizers": states,
+            checkpoint_io.write_atomically(path, {"model": raw_model.state_dict(), "optimizers": states,
                                     **run_state(step, charged, corpus.state_dict(), cfg, raw_model.config)})
     elif ranks.rank == 0:
         save_checkpoint(path, raw_model, optimizers, step, charged, corpus.state_dict(), cfg, raw_model.config)
@@ -435,57 +292,6 @@ def periodic_checkpoints(out_dir):
                   key=os.path.basename)
 
 
-class CheckpointError(ValueError):
-    """A file that is not a usable checkpoint; the message names it and says why."""
-
-
-RUN_KEYS = ("step", "train_time", "loader", "rng", "train_config", "model_config")
-CHECKPOINT_KEYS = ("model", "optimizers") + RUN_KEYS
-
-
-def load_checkpoint(path, keys=CHECKPOINT_KEYS, mmap=False, verify=True):
-    """Tensors and plain containers only (weights_only=True): a checkpoint file can never run code. Every way a
-    file can be unusable (empty, cut short, not a checkpoint, a pickled object, keys missing, bytes that no
-    longer match their digests) raises CheckpointError naming it; torch's own advice for some of these
-    (weights_only=False) would be unsafe. verify: check the digests (`check_payload`, `check_folder`); a
-    checkpoint written before they existed loads with a note. Tensors load on the CPU; mmap: map them
-    instead of reading them. A sharded checkpoint's folder gives its meta.pt, and "folder", its path, for
-    `restore` to read the tensors from. (torch.distributed.checkpoint reads the folder's .metadata with
-    pickle, torch/distributed/checkpoint/filesystem.py: resume only from folders you wrote.)"""
-    if str(path).endswith(".dcp") and os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, ".metadata")):
-            raise CheckpointError(f"sharded checkpoint {path} lacks its .metadata: it was not completely written; "
-                                  "use another checkpoint")
-        if verify:
-            check_folder(path)
-        return {**load_checkpoint(os.path.join(path, "meta.pt"), RUN_KEYS, mmap, verify=False), "folder": path}
-    size = os.path.getsize(path)  # a missing file raises FileNotFoundError, which names it
-    if size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never written; use another checkpoint")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive whose directory is at its end
-        raise CheckpointError(f"checkpoint {path} ({size:,} bytes) is not a PyTorch checkpoint: truncated, or another "
-                              "kind of file; use another checkpoint")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: not for a file like this
-        what = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "unknown content")
-        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain containers, refused "
-                              f"unloaded ({what}); only load files you trust") from e
-    except RuntimeError as e:  # the zip reader's errors: a damaged archive whose directory survived
-        raise CheckpointError(f"checkpoint {path} is damaged ({str(e).splitlines()[0]}); use another checkpoint") from e
-    if verify and isinstance(state, dict):
-        check_payload(path, state)
-    elif isinstance(state, dict):
-        state.pop(DIGESTS, None)
-    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
-    if "optimizers" in missing and isinstance(state, dict) and {"model", "model_config"} <= state.keys():
-        raise CheckpointError(f"checkpoint {path} holds the weights only (a final.pt, for evaluation); resume from "
-                              "a ckpt_*.pt (written with --checkpoint_every or by a stop signal)")
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this train.py")
-    return state
-
-
 def inference_model(weights, model_config, device, kernels_ran=None, autocast_dtype=None):
     """A single-device GPT in eval mode for evaluation and sampling, each kernel op as training ran it (the
     per-op record `kernels_ran`, through kernels.scoring_kernels); without one, "nki" becomes "auto".
@@ -521,7 +327,7 @@ def load_for_eval(checkpoint_path, device="cpu"):
     `kernels` record) and a bf16 run under bf16 autocast inside the forward (AutocastGPT; a whole-model
     bf16 cast moved val_bpb by 2.3e-4 at the baseline's shapes: docs/results.md)."""
     device = torch.device(device)
-    state = load_checkpoint(checkpoint_path, keys=("model", "model_config"))
+    state = checkpoint_io.load_checkpoint(checkpoint_path, keys=("model", "model_config"))
     trained_in = state.get("train_config", {}).get("dtype")
     model = inference_model(state["model"], state["model_config"], "cpu", state.get("kernels"),
                             torch.bfloat16 if trained_in == "bfloat16" else None)
@@ -555,10 +361,10 @@ def resume_state(cfg, model_cfg):
     never resumed from. The configs are compared first, from the memory-mapped file, so that only a
     candidate is hashed."""
     def load(path):
-        state = load_checkpoint(path, mmap=True, verify=False)
+        state = checkpoint_io.load_checkpoint(path, mmap=True, verify=False)
         incompatible, other = config_differences(state, cfg, model_cfg)
         if not incompatible and (cfg.resume != "latest" or not other or cfg.resume_any_config):
-            state = load_checkpoint(path, mmap=True)  # hashed only once its configs fit
+            state = checkpoint_io.load_checkpoint(path, mmap=True)  # hashed only once its configs fit
         return state, incompatible, other
 
     if cfg.resume != "latest":
@@ -566,7 +372,7 @@ def resume_state(cfg, model_cfg):
             raise FileNotFoundError(f"--resume={cfg.resume}: no such checkpoint")
         state, incompatible, other = load(cfg.resume)
         if incompatible:
-            raise CheckpointError(f"{cfg.resume} holds a different model or optimizer: {'; '.join(incompatible)}; "
+            raise checkpoint_io.CheckpointError(f"{cfg.resume} holds a different model or optimizer: {'; '.join(incompatible)}; "
                                   "pass the flags it was trained with")
         if other:
             runtime.say(f"resuming from {cfg.resume}, which was trained with other settings: {'; '.join(other)}")
@@ -578,7 +384,7 @@ def resume_state(cfg, model_cfg):
     for path in reversed(found):
         try:
             state, incompatible, other = load(path)
-        except CheckpointError as e:  # a damaged newest checkpoint must not hide a good older one
+        except checkpoint_io.CheckpointError as e:  # a damaged newest checkpoint must not hide a good older one
             skipped.append(f"{path}: {e}")
             unusable += 1
             continue
@@ -589,11 +395,11 @@ def resume_state(cfg, model_cfg):
                     + "".join(f"\n  skipped {s}" for s in skipped))
         return state
     if unusable == len(found):
-        raise CheckpointError(f"--resume=latest: every checkpoint in {cfg.out_dir} is damaged or unreadable, none is "
+        raise checkpoint_io.CheckpointError(f"--resume=latest: every checkpoint in {cfg.out_dir} is damaged or unreadable, none is "
                               f"resumed from; start again with --start_over=true or pass an intact checkpoint "
                               f"(skipped {' | '.join(skipped)})")
     hint = " or --resume_any_config=true to accept other settings" if not cfg.resume_any_config else ""
-    raise CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
+    raise checkpoint_io.CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
                           f"trained with{hint} (skipped {' | '.join(skipped)})")
 
 

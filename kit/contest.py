@@ -217,8 +217,6 @@ KIT_ONLY = {
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
     "bundle_source": "",
-    "without_inner_docstrings": "",
-    "_bundle": "",
     "check_submission": "",
     "check_causality": "",
     "SUBMISSION_LIMIT_BYTES": "",
@@ -235,7 +233,7 @@ KIT_ONLY = {
 # modules after it (model.py's kernels.KERNEL_OPS ...)
 BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
            "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
-           "checkpoint": "kit/checkpoint.py", "train": "train.py"}
+           "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 
 def defined_names(node):
@@ -270,31 +268,11 @@ def is_reexport(node):
 def bundle_source(root, argv):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
     names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
-    downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments and docstrings are
-    kept, so it reads as the kit does, unless the file would then be over SUBMISSION_LIMIT_BYTES: then the
-    functions' and classes' docstrings are left out (the code and its comments stay). Raises ValueError
-    where two modules define one name."""
+    downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments are kept, so it reads as
+    the kit does; the inlined modules' docstrings keep their first paragraph (`first_paragraphs`), so the kit
+    fits the portal's limit, and their whole text stays in the kit's files. Raises ValueError where two
+    modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
-    source = _bundle(texts, argv)
-    if len(source.encode()) > SUBMISSION_LIMIT_BYTES:
-        source = _bundle({name: without_inner_docstrings(text) for name, text in texts.items()}, argv)
-    check_submission(source)
-    return source
-
-
-def without_inner_docstrings(text):
-    """`text` without the docstrings of its functions and classes (their whole lines; a body that is only a
-    docstring keeps it, as it would be empty without). The module's own docstring stays: --help prints it."""
-    drop = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and len(node.body) > 1:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                drop.update(range(first.lineno - 1, first.end_lineno))
-    return "".join(line for i, line in enumerate(text.splitlines(keepends=True)) if i not in drop)
-
-
-def _bundle(texts, argv):
     defined = {}
     for name, text in texts.items():
         for node in ast.parse(text).body:
@@ -302,8 +280,30 @@ def _bundle(texts, argv):
                 if n in defined and defined[n] != name:
                     raise ValueError(f"{n} is defined in both {BUNDLED[defined[n]]} and {BUNDLED[name]}")
                 defined[n] = name
-    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(texts[name], argv)}" for name in BUNDLED if name != "train")
-    return module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
+    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(first_paragraphs(texts[name]), argv)}"
+                      for name in BUNDLED if name != "train")
+    source = module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
+    check_submission(source)
+    return source
+
+
+def first_paragraphs(text):
+    """`text` with each function's and class's docstring cut after its first paragraph (at its first blank
+    line); the full text stays in the kit's files, where a reader of the submission can find it."""
+    lines = text.splitlines(keepends=True)
+    cuts = []
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            first, last = body[0].lineno - 1, body[0].end_lineno  # the docstring's lines
+            blank = next((i for i in range(first + 1, last) if not lines[i].strip()), None)
+            if blank is not None:
+                quote = lines[last - 1].rstrip()[-3:]
+                cuts.append((blank - 1, last, lines[blank - 1].rstrip("\n") + quote + "\n"))
+    for end_of_first, last, closed in sorted(cuts, reverse=True):  # from the bottom: earlier line numbers hold
+        lines[end_of_first:last] = [closed]
+    return "".join(lines)
 
 
 def module_text(text, argv, inline=None):

@@ -19,7 +19,7 @@ import data
 import evaluate
 import kernels
 import train
-from kit import checkpoint, flags, runtime
+from kit import checkpoint, checkpoint_io, flags, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +184,7 @@ def test_resume_latest_takes_the_newest_checkpoint_of_this_run_config(tmp_path, 
     # every checkpoint is where it was; with the override, the seed-99 checkpoint is accepted
     assert {"ckpt_0000002.pt", "ckpt_0000003.pt", "ckpt_0000004.pt"} <= set(os.listdir(tmp_path))
     os.remove(tmp_path / "ckpt_0000004.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="matrix_optimizer \\(checkpoint 'muon', now 'adamw'\\)"):
+    with pytest.raises(checkpoint_io.CheckpointError, match="matrix_optimizer \\(checkpoint 'muon', now 'adamw'\\)"):
         run(tmp_path, data_dir, "--max_steps=4", f"--resume={tmp_path / 'ckpt_0000003.pt'}", "--matrix_optimizer=adamw")
     run(tmp_path, data_dir, "--max_steps=4", "--resume=latest", "--seed=5", "--resume_any_config=true")
     assert "resuming from" in capsys.readouterr().out
@@ -192,7 +192,7 @@ def test_resume_latest_takes_the_newest_checkpoint_of_this_run_config(tmp_path, 
 
 def test_resume_latest_with_only_other_runs_checkpoints_is_refused(tmp_path, data_dir):
     run(tmp_path, data_dir, "--max_steps=1", "--checkpoint_every=1")
-    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint .* fits this run.*--resume_any_config=true.*seed "
+    with pytest.raises(checkpoint_io.CheckpointError, match=r"no checkpoint .* fits this run.*--resume_any_config=true.*seed "
                                                     r"\(checkpoint 1337, now 3\)"):
         run(tmp_path, data_dir, "--max_steps=2", "--resume=latest", "--seed=3")
 
@@ -237,25 +237,25 @@ def bad_checkpoints(directory, good):
 
 def test_each_bad_checkpoint_kind_is_named_with_the_reason(tmp_path, good_checkpoint):
     for kind, (path, message) in bad_checkpoints(tmp_path, good_checkpoint).items():
-        with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {path} .*{message}"):
-            checkpoint.load_checkpoint(path)
+        with pytest.raises(checkpoint_io.CheckpointError, match=f"checkpoint {path} .*{message}"):
+            checkpoint_io.load_checkpoint(path)
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
-        checkpoint.load_checkpoint(tmp_path / "nowhere.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="final.pt .*weights only.*ckpt_"):
-        checkpoint.load_checkpoint(good_checkpoint.parent / "final.pt")
-    assert checkpoint.load_checkpoint(good_checkpoint)["step"] == 1
+        checkpoint_io.load_checkpoint(tmp_path / "nowhere.pt")
+    with pytest.raises(checkpoint_io.CheckpointError, match="final.pt .*weights only.*ckpt_"):
+        checkpoint_io.load_checkpoint(good_checkpoint.parent / "final.pt")
+    assert checkpoint_io.load_checkpoint(good_checkpoint)["step"] == 1
 
 
 def test_an_unfinished_sharded_checkpoint_and_an_old_format_are_named(tmp_path, data_dir, good_checkpoint):
     unfinished = tmp_path / "ckpt_0000001.dcp"  # a folder whose ranks did not all finish: no .metadata
     unfinished.mkdir()
-    with pytest.raises(checkpoint.CheckpointError, match=f"sharded checkpoint {unfinished} lacks its .metadata"):
-        checkpoint.load_checkpoint(str(unfinished))
+    with pytest.raises(checkpoint_io.CheckpointError, match=f"sharded checkpoint {unfinished} lacks its .metadata"):
+        checkpoint_io.load_checkpoint(str(unfinished))
     old = torch.load(good_checkpoint, weights_only=True)
     old["optimizers"] = [{"state": {}, "param_groups": []}]  # by position, as the kit wrote it before
     del old["sha256"]  # which was before checkpoints carried digests
     torch.save(old, tmp_path / "old.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
+    with pytest.raises(checkpoint_io.CheckpointError, match="keeps its optimizer state by position.*start the run again"):
         run(tmp_path / "out", data_dir, "--max_steps=2", f"--resume={tmp_path / 'old.pt'}")
 
 
@@ -268,33 +268,33 @@ def test_damaged_checkpoints_are_named_and_never_resumed_from(tmp_path, data_dir
         (tmp_path / name).write_bytes(zero_64_bytes_at_60_percent((tmp_path / name).read_bytes()))
     for load in (lambda p: train.load_for_eval(str(p), torch.device("cpu")),
                  lambda p: evaluate.load_checkpoint_and_tokenizer(str(p), "cpu", data_dir)):
-        with pytest.raises(checkpoint.CheckpointError, match=rf"checkpoint {tmp_path}/final.pt is damaged: tensor \S+ "
+        with pytest.raises(checkpoint_io.CheckpointError, match=rf"checkpoint {tmp_path}/final.pt is damaged: tensor \S+ "
                                                              "has sha256 [0-9a-f]{64}, expected [0-9a-f]{64}"):
             load(tmp_path / "final.pt")
-    with pytest.raises(checkpoint.CheckpointError, match=f"checkpoint {tmp_path}/ckpt_0000003.pt is damaged"):
+    with pytest.raises(checkpoint_io.CheckpointError, match=f"checkpoint {tmp_path}/ckpt_0000003.pt is damaged"):
         run(tmp_path, data_dir, "--max_steps=4", f"--resume={tmp_path / 'ckpt_0000003.pt'}")
     capsys.readouterr()
     run(tmp_path, data_dir, "--max_steps=4", "--checkpoint_every=1", "--resume=latest")
     said = capsys.readouterr().out
     assert f"resuming from {tmp_path}/ckpt_0000002.pt\n  skipped {tmp_path}/ckpt_0000003.pt: checkpoint" in said
     assert [e["step"] for e in log_events(tmp_path) if e["event"] == "train"][-2:] == [3, 4]  # from step 2 on
-    assert checkpoint.load_checkpoint(tmp_path / "ckpt_0000003.pt")["step"] == 3  # written again, intact
+    assert checkpoint_io.load_checkpoint(tmp_path / "ckpt_0000003.pt")["step"] == 3  # written again, intact
 
 
 def test_digests_name_what_changed_and_old_checkpoints_load_with_a_note(tmp_path, good_checkpoint, capsys):
     state = torch.load(good_checkpoint, weights_only=True)
     state["model"]["lm_head.weight"][0, 0] += 1  # changed after the digests were taken
     torch.save(state, tmp_path / "edited.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="edited.pt is damaged: tensor model/lm_head.weight has sha256"):
-        checkpoint.load_checkpoint(tmp_path / "edited.pt")
+    with pytest.raises(checkpoint_io.CheckpointError, match="edited.pt is damaged: tensor model/lm_head.weight has sha256"):
+        checkpoint_io.load_checkpoint(tmp_path / "edited.pt")
     state = torch.load(good_checkpoint, weights_only=True)
     state["step"] = 7  # a plain value is covered too
     torch.save(state, tmp_path / "step.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="step.pt is damaged: its configs, counters and structure have"):
-        checkpoint.load_checkpoint(tmp_path / "step.pt")
+    with pytest.raises(checkpoint_io.CheckpointError, match="step.pt is damaged: its configs, counters and structure have"):
+        checkpoint_io.load_checkpoint(tmp_path / "step.pt")
     del state["sha256"]  # as written before checkpoints carried digests
     torch.save(state, tmp_path / "old.pt")
-    assert checkpoint.load_checkpoint(tmp_path / "old.pt")["step"] == 7
+    assert checkpoint_io.load_checkpoint(tmp_path / "old.pt")["step"] == 7
     assert capsys.readouterr().out == (f"note: checkpoint {tmp_path / 'old.pt'} carries no sha256 digests (written "
                                        "before checkpoints had them): its bytes are not checked\n")
 
@@ -310,20 +310,20 @@ def test_a_sharded_folder_proves_every_file(tmp_path, capsys):
                                        None, None, checkpoint.run_state(1, 0.0, None, cfg, model_cfg))
     listed = (folder / "SHA256SUMS").read_text().split()[1::2]
     assert listed == sorted(n for n in os.listdir(folder) if n != "SHA256SUMS") and "meta.pt" in listed and ".metadata" in listed
-    assert checkpoint.load_checkpoint(str(folder))["step"] == 1
+    assert checkpoint_io.load_checkpoint(str(folder))["step"] == 1
     data_file = next(folder / n for n in listed if n.endswith(".distcp"))
     content = bytearray(data_file.read_bytes())
     content[len(content) // 2] ^= 1  # one bit (the untrained model's projections are zeros, as at 60%)
     data_file.write_bytes(content)
-    with pytest.raises(checkpoint.CheckpointError, match=f"sharded checkpoint {folder} is damaged: {data_file.name} has "
+    with pytest.raises(checkpoint_io.CheckpointError, match=f"sharded checkpoint {folder} is damaged: {data_file.name} has "
                                                          "sha256 [0-9a-f]{64}, expected [0-9a-f]{64}"):
-        checkpoint.load_checkpoint(str(folder))
+        checkpoint_io.load_checkpoint(str(folder))
     data_file.unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=f"{data_file.name} has sha256 none .the file is missing"):
-        checkpoint.load_checkpoint(str(folder))
+    with pytest.raises(checkpoint_io.CheckpointError, match=f"{data_file.name} has sha256 none .the file is missing"):
+        checkpoint_io.load_checkpoint(str(folder))
     capsys.readouterr()
     (folder / "SHA256SUMS").unlink()  # a folder written before the digests: loads with a note
-    assert checkpoint.load_checkpoint(str(folder))["step"] == 1
+    assert checkpoint_io.load_checkpoint(str(folder))["step"] == 1
     assert "carries no sha256 digests" in capsys.readouterr().out
 
 
@@ -387,9 +387,9 @@ def test_a_folder_without_permission_names_the_fix(tmp_path, monkeypatch):
     def refused(path, *args, **kwargs):  # as a folder this user may not write (root ignores chmod)
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(checkpoint, "open", refused, raising=False)
+    monkeypatch.setattr(checkpoint_io, "open", refused, raising=False)
     with pytest.raises(OSError, match=f"cannot write {tmp_path}/final.pt .Permission denied.*make {tmp_path} writable"):
-        checkpoint.write_atomically(str(tmp_path / "final.pt"), {"step": 1})
+        checkpoint_io.write_atomically(str(tmp_path / "final.pt"), {"step": 1})
     assert os.listdir(tmp_path) == []
 
 

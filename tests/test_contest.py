@@ -236,3 +236,12 @@ def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
                         lambda q, k, v, mode: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="changed logits at or before it"):
         contest.check_causality(model, 100, 32, "cpu")
+
+
+def test_the_submission_keeps_each_docstrings_first_paragraph_and_all_code():
+    text = 'def f(x):\n    """Adds one.\n\n    Layouts: none.\n    """\n    return x + 1\n\n\nclass C:\n    """One line."""\n'
+    cut = contest.first_paragraphs(text)
+    assert cut == 'def f(x):\n    """Adds one."""\n    return x + 1\n\n\nclass C:\n    """One line."""\n'
+    namespace = {}
+    exec(cut, namespace)
+    assert namespace["f"](1) == 2 and namespace["f"].__doc__ == "Adds one."

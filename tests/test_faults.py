@@ -14,7 +14,7 @@ import torch
 
 import data
 import train
-from kit import checkpoint, runtime
+from kit import checkpoint, checkpoint_io, runtime
 from tiny import TINY_RUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_a_kill_during_save_leaves_a_loadable_checkpoint(tmp_path):
         time.sleep(delay)
         proc.kill()  # SIGKILL: no handler, no cleanup, possibly mid-write
         proc.wait()
-        state = checkpoint.load_checkpoint(path)
+        state = checkpoint_io.load_checkpoint(path)
         assert state["step"] >= 0 and state["model"]["wte.weight"].shape == (384, 256)
 
 
@@ -66,7 +66,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(tmp_path, data_dir):
     assert proc.returncode == 0, output
     assert "stopped by a signal" in output
     [written] = [f for f in os.listdir(out) if f.startswith("ckpt_")]
-    stopped_at = checkpoint.load_checkpoint(out / written)["step"]
+    stopped_at = checkpoint_io.load_checkpoint(out / written)["step"]
     assert stopped_at >= 1
     train.main(TINY + [f"--max_steps={stopped_at + 2}", "--resume=latest", f"--out_dir={out}", f"--data_dir={data_dir}"])
     steps = [e["step"] for e in map(json.loads, open(out / "log.jsonl")) if e["event"] == "train"]
@@ -88,13 +88,13 @@ def test_nan_at_a_known_step_stops_and_keeps_the_last_good_checkpoint(tmp_path, 
     with pytest.raises(FloatingPointError, match=r"step 4: loss nan.*lower --matrix_lr"):
         train.main(args)
     assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".pt")) == [f"ckpt_000000{i}.pt" for i in (1, 2, 3)]
-    last_good = checkpoint.load_checkpoint(tmp_path / "ckpt_0000003.pt")
+    last_good = checkpoint_io.load_checkpoint(tmp_path / "ckpt_0000003.pt")
     assert all(torch.isfinite(t).all() for t in last_good["model"].values())
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path, data_dir, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(OSError, match="GiB free but checkpoints need"):
         train.main(TINY + ["--max_steps=2", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
     assert not os.path.exists(tmp_path / "log.jsonl")
@@ -106,8 +106,8 @@ def test_checkpoints_load_tensors_only(tmp_path):
             return (os.system, ("echo pwned",))
 
     torch.save({"model": {}, "evil": Payload()}, tmp_path / "evil.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="holds objects other than tensors"):
-        checkpoint.load_checkpoint(tmp_path / "evil.pt")
+    with pytest.raises(checkpoint_io.CheckpointError, match="holds objects other than tensors"):
+        checkpoint_io.load_checkpoint(tmp_path / "evil.pt")
 
 
 @pytest.mark.parametrize("phase", ["preparing data", "first evaluation", "final evaluation"])
@@ -198,7 +198,7 @@ def test_a_failed_sharded_save_warns_and_the_run_goes_on_with_consolidated_saves
     assert warning["step"] == 2 and warning["consolidate_next"]
     assert "rank 1: " in warning["cause"] and "injected failure of the device's write" in warning["cause"]
     assert "ckpt_0000002.dcp" in warning["cause"] and "next checkpoints are consolidated" in result.stdout
-    saved = checkpoint.load_checkpoint(out / "ckpt_0000004.pt")  # its digests check out
+    saved = checkpoint_io.load_checkpoint(out / "ckpt_0000004.pt")  # its digests check out
     model = torch.load(out / "final.pt", weights_only=True)["model"]
     assert saved["step"] == 4 and set(saved["optimizers"]) == set(model)
     # a table cut in rows over the ranks, joined again (its values: tests/test_sharding.py)
@@ -222,4 +222,4 @@ def test_a_full_disk_at_one_periodic_save_warns_and_the_run_goes_on(tmp_path, da
     assert warning["step"] == 2 and not warning["consolidate_next"]
     assert re.search(f"cannot write {tmp_path}/ckpt_0000002.pt .No space left on device", warning["cause"])
     assert "warning: the checkpoint of step 2 was not written" in capsys.readouterr().out
-    assert checkpoint.load_checkpoint(tmp_path / "ckpt_0000004.pt")["step"] == 4
+    assert checkpoint_io.load_checkpoint(tmp_path / "ckpt_0000004.pt")["step"] == 4

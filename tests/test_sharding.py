@@ -107,7 +107,7 @@ def run_rank(out_path):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import train
-    from kit import checkpoint, memory, optim, runtime
+    from kit import checkpoint, checkpoint_io, memory, optim, runtime
     from model import GPT, GPTConfig
     from test_optimizer import OpRecorder
 
@@ -209,8 +209,8 @@ def run_rank(out_path):
         file_sharding = optim.Sharding(from_file, cfg, rank, world)
         file_opts = optim.make_optimizers(from_file, cfg, "cpu", dtype, share=file_sharding.share)
         folder_opts = optim.make_optimizers(from_folder, cfg, "cpu", dtype)
-        checkpoint.restore(checkpoint.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
-        checkpoint.restore(checkpoint.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
+        checkpoint.restore(checkpoint_io.load_checkpoint(saved + ".pt"), from_file, file_opts, file_sharding, NoPosition(), ranks)
+        checkpoint.restore(checkpoint_io.load_checkpoint(saved + ".dcp"), from_folder, folder_opts, None, NoPosition(), ranks)
         values = train.schedule(cfg, m["steps"], m["steps"] / cfg.max_steps)
         batches = [(torch.randint(0, 70, (2, 16), generator=data), torch.randint(0, 70, (2, 16), generator=data))
                    for _ in range(2 * world)]
