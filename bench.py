@@ -68,7 +68,7 @@ import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 from kit import contest, flags, memory, optim, runtime  # noqa: E402
-from model import GPT
+from model import GPT, rotary_tables
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
 TRN2 = nki_emulator.ENGINE_SPECS["trn2"]  # what every estimate here is for: one Trn2 NeuronCore
@@ -264,6 +264,7 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
 
     attention_flops = 2 * B * H * T * T * D  # q k^T and p v over the causal half: 2 x (2 B H T^2 D) / 2
     mlp_flops = 2 * N * C * hidden * (n_up + 1)
+    tables = [t.to(device) for t in rotary_tables(T, D, model_cfg.rope_base)]
     return [
         ("attention", attention_flops, 3.5 * attention_flops,  # backward recomputes P: 5 matmuls to forward's 2
          lambda: (tensor(B, H, T, D), tensor(B, Hkv, T, D), tensor(B, Hkv, T, D)),
@@ -282,6 +283,10 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
          lambda logits, mode: kernels.softcap_cross_entropy(
              logits, torch.arange(B * T, device=logits.device).view(B, T) % model_cfg.vocab_size,
              model_cfg.logit_softcap, model_cfg.vocab_size, "none", mode=mode)),
+        # q and k of one attention layer, as one op: the step prices them together
+        ("rope_norm", 0, 0, lambda: (tensor(B, T, H * D), tensor(B, T, Hkv * D)),
+         lambda q, k, mode: torch.cat((kernels.rope_norm(q, *tables, H, mode=mode).flatten(),
+                                       kernels.rope_norm(k, *tables, Hkv, mode=mode).flatten()))),
     ]
 
 
@@ -425,9 +430,10 @@ def print_kernels(rows, on_trainium):
 STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
     "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
     "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm, the head's softcap "
-    "cross-entropy; forward + backward) cost their "
+    "cross-entropy, RoPE fused with QK-norm; forward + backward) cost their "
     "emulated trace for one sequence at the overlap bound (busiest engine), times the sequences of a step; "
-    "RMSNorm on q and k (QK-norm) costs the same per element as on the model's rows, in bf16; on the residual "
+    "without the RoPE + QK-norm kernel, RMSNorm on q and k costs the same per element as on the model's rows, in "
+    "bf16, after the rotary's elementwise passes; on the residual "
     "stream and the embedding, which stay fp32 under autocast, the norm and the fused residual add + norm are "
     "priced on fp32 rows (a branch added to the stream is bf16)",
     "an op without its kernel (kernels=torch, or shapes the kernel refuses, e.g. head_dim > 256) is compiled as "
@@ -534,6 +540,11 @@ def compiled_ops(name, c, sequences, norm_elements=None):
     if name == "softcap_cross_entropy":
         return {direction: [_passes(N * c.vocab_size, *vector, scalar)]
                 for direction, (vector, scalar) in HEAD_PASSES.items()}
+    if name == "rope_norm":  # q and k: the rotary's bf16 passes each way, then QK-norm's
+        elements = N * (H + c.n_kv_head) * D
+        norm = compiled_ops("rms_norm", c, sequences, elements)
+        return {direction: [_passes(elements, one_input=1, two_input=3, dtype="bfloat16")] + norm[direction]
+                for direction in ("forward", "backward")}
     raise ValueError(f"no compiled pricing for kernel op {name!r}")
 
 
@@ -592,13 +603,18 @@ def _layer_ops(c, sequences, kernel_costs):
         fused_adds, plain_adds, stream_norms = L + 1, L - 1, L + 1  # the embedding, each block's input
     else:
         fused_adds, plain_adds, stream_norms = 2 * L, 0, 2  # the embedding, the first block's input
+    rope_fused = kernel_costs["rope_norm"] is not None  # else the rotary's passes, and QK-norm by rms_norm
     for direction in ("forward", "backward"):  # rotary on q and k; residuals (the kernels change layouts on chip)
-        add("elementwise", _passes(N * (C + kv), one_input=1, two_input=3, dtype="bfloat16"))
+        if not rope_fused:
+            add("elementwise", _passes(N * (C + kv), one_input=1, two_input=3, dtype="bfloat16"))
         add("elementwise", _passes(N * C, two_input=1), plain_adds)
     if fused_adds:
         seconds["kernels: add_rms_norm"] = fused_adds * sequences * kernel_costs["add_rms_norm"]
+    if rope_fused:
+        seconds["kernels: rope_norm"] = L * sequences * kernel_costs["rope_norm"]
+    qk_norm_elements = 0 if rope_fused else L * (N * C + N * kv)
     stream_norm_elements = stream_norms * N * C
-    norm_elements = stream_norm_elements + L * (N * C + N * kv)  # and QK-norm
+    norm_elements = stream_norm_elements + qk_norm_elements
     for name in ("rms_norm", "attention", "mlp"):
         if kernel_costs[name] is None:
             ops = compiled_ops(name, c, sequences, norm_elements)
@@ -606,7 +622,7 @@ def _layer_ops(c, sequences, kernel_costs):
                 add(f"{name} (compiled)", op, 1 if name == "rms_norm" else L)
         elif name == "rms_norm":
             seconds["kernels: rms_norm"] = (kernel_costs["rms_norm_fp32"] * stream_norm_elements
-                                            + kernel_costs["rms_norm"] * L * (N * C + N * kv)) / (T * C)
+                                            + kernel_costs["rms_norm"] * qk_norm_elements) / (T * C)
         else:
             seconds[f"kernels: {name}"] = L * sequences * kernel_costs[name]
     return seconds
@@ -960,6 +976,9 @@ def _kernel_checks(dtype, device, seed):
     cases.append(("softcap_cross_entropy",
                   lambda: (tensor(CHECK_BATCH, CHECK_ROWS, math.ceil(vocab / 128) * 128, scale=8.0),),
                   lambda logits, mode: kernels.softcap_cross_entropy(logits, targets, 15.0, vocab, "none", mode=mode)))
+    cos, sin = (t.to(device) for t in rotary_tables(CHECK_ROWS, head_dim, 10000.0))  # not inputs: no gradient
+    cases.append(("rope_norm", lambda: (tensor(CHECK_BATCH, CHECK_ROWS, CHECK_HEADS * head_dim),),
+                  lambda x, mode: kernels.rope_norm(x, cos, sin, CHECK_HEADS, mode=mode)))
     return cases
 
 
@@ -1010,7 +1029,7 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
     """model.Block with every kernel on NKI, compiled as train.py compiles it (the Neuron backend on
     Trainium; not at all with --compile=false), against the same Block eager on PyTorch: output and
     parameter gradients; PyTorch's own error from the Block in float64 on the CPU."""
-    from model import Block, rotary_tables
+    from model import Block
 
     results = []
     for mode, exact in (("nki", False), ("torch", False), ("torch", True)):

@@ -68,7 +68,7 @@ except ImportError:
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
 
 KERNEL_MODES = ("auto", "nki", "torch", "prefer")
-KERNEL_OPS = ("attention", "mlp", "rms_norm", "add_rms_norm", "softcap_cross_entropy")  # what a per-op kernels
+KERNEL_OPS = ("attention", "mlp", "rms_norm", "add_rms_norm", "softcap_cross_entropy", "rope_norm")  # what a per-op kernels
 # setting may name; a new kernel adds its op
 AUTO_NKI_DEVICES = ("neuron",)  # where kernels=auto runs NKI kernels (the tests add "cpu" to run auto emulated)
 MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
@@ -1567,6 +1567,190 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
 
 
 # -----------------------------------------------------------------------------
+# RoPE + QK-norm: NKI kernels, y = rope(x) / rms(rope(x)) per head, from the projection's (B, T, H*D) rows
+# straight into attention's (B, H, T, D) heads (the stores change the layout); backward through rope's inverse
+
+ROPE_BLOCK = 4 * TILE  # tokens per step: 4 consecutive tokens per partition, one contiguous run per side
+ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) tiles of fp32 within SBUF_BUDGET
+
+
+def _rope_blocks(seq_len):
+    """(start, partitions, tokens per partition) of each step over a sequence: 512 tokens as (128, 4) where
+    they make whole 128-token tiles, else 128-token tiles (the last may be partial), one token per partition."""
+    blocks = []
+    for span in _spans(0, seq_len, ROPE_BLOCK):
+        start, width = span
+        if width % TILE == 0:
+            blocks.append((start, TILE, width // TILE))
+        else:
+            for piece in _spans(start, start + width, TILE):
+                blocks.append((piece[0], piece[1], 1))
+    return blocks
+
+
+def _rope_steps(batch, seq_len):
+    """(b, start, partitions, tokens per partition) of this program's steps: every sequence's blocks, split
+    evenly between the programs of an LNC launch."""
+    steps = []
+    for b in range(batch):
+        for block in _rope_blocks(seq_len):
+            steps.append((b, block[0], block[1], block[2]))
+    per_program = math.ceil(len(steps) / nl.num_programs())
+    first = min(len(steps), nl.program_id(0) * per_program)
+    mine = []
+    for s in range(first, min(len(steps), first + per_program)):
+        mine.append(steps[s])
+    return mine
+
+
+def _load_rope_tables(cos, sin, start, parts, per_part):
+    """cos and sin of tokens start.. as (parts, per_part, D/2) tiles: loaded once, used by every head."""
+    half = cos.shape[1]
+    cos_tile = nl.ndarray((parts, per_part, half), cos.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=cos_tile, src=cos[start:start + parts * per_part, :])
+    sin_tile = nl.ndarray((parts, per_part, half), sin.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sin_tile, src=sin[start:start + parts * per_part, :])
+    return cos_tile, sin_tile
+
+
+def _rotate(dst, src, col, cos_tile, sin_tile, inverse):
+    """dst[:, :, col:col + D] = the half-split rotation of src's head at col: (x1 cos - x2 sin, x2 cos + x1 sin),
+    or with `inverse` the rotation back (sin negated). Each product and sum rounds to dst's dtype, as the
+    model's PyTorch rotary does. GpSimd takes the sin products, VectorE the rest."""
+    parts, per_part, half = cos_tile.shape
+    x1 = src[:, :, col:col + half]
+    x2 = src[:, :, col + half:col + 2 * half]
+    out1 = dst[:, :, col:col + half]
+    out2 = dst[:, :, col + half:col + 2 * half]
+    sin_x2 = nl.ndarray((parts, per_part, half), dst.dtype, buffer=nl.sbuf)
+    sin_x1 = nl.ndarray((parts, per_part, half), dst.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
+    nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
+    nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
+    nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
+
+
+def _head_rstds(tile, n_heads, eps, squares):
+    """1 / sqrt(mean(x^2) + eps) of every (token, head) of tile (parts, per_part, H * D): a fp32 (parts,
+    per_part * H) tile, column h * per_part + j for slot j of head h. ScalarE squares and sums each one
+    (`squares`, tile's shape, receives the squares); the mean and rsqrt are one instruction each for all."""
+    parts, per_part, width = tile.shape
+    dim = width // n_heads
+    sum_sq = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+    for h in range(n_heads):
+        for j in range(per_part):
+            c = h * per_part + j
+            nisa.activation_reduce(dst=squares[:, j, h * dim:(h + 1) * dim], op=nl.square,
+                                   data=tile[:, j, h * dim:(h + 1) * dim], reduce_op=nl.add, reduce_res=sum_sq[:, c:c + 1])
+    mean_sq = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
+    rstd = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
+    return rstd
+
+
+def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
+    """RoPE then RMSNorm (no weight) of each head, from projection rows into attention's head layout.
+
+    x (B, T, H * D) bf16 or fp32, a q or k projection as the matmul wrote it; cos, sin (T, D / 2) in x's
+    dtype. Returns y (B, H, T, D) in x's dtype: z = rope(x) (the half split: (x1 cos - x2 sin, x2 cos + x1 sin)),
+    y = z / sqrt(mean(z^2) + eps), z rounded to x's dtype first as the model's PyTorch path rounds it.
+
+    Per step of 512 tokens (128 partitions x 4 consecutive tokens: each partition's run is contiguous in x,
+    in y's head and in the tables; a partial 128-token tile goes one token per partition): one DMA brings
+    every head of the tokens, one brings cos and one sin for all heads; per head VectorE makes the cos
+    products and the sums, GpSimd the sin products (_rotate); ScalarE squares and sums each (token, head)
+    and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]: the layout change
+    is the store's access pattern. HBM traffic: x read once, y written once (apart: the rotary's bf16 passes
+    and the norm's read and write, ~5 round trips). SBUF per partition: 4 tiles of 4 H D values, under 64
+    KiB at H D = 2048 in fp32. PSUM, TensorE: none. Limits: H D <= 2048, D even; any T.
+    """
+    batch, seq_len, width = x.shape
+    dim = width // n_heads
+    y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
+    for step in _rope_steps(batch, seq_len):
+        b, start, parts, per_part = step
+        tokens = slice(start, start + parts * per_part)
+        x_tile = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_tile, src=x[b, tokens, :])
+        cos_tile, sin_tile = _load_rope_tables(cos, sin, start, parts, per_part)
+        rotated = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
+        for h in range(n_heads):
+            _rotate(rotated, x_tile, h * dim, cos_tile, sin_tile, False)
+        out = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
+        rstd = _head_rstds(rotated, n_heads, eps, out)
+        for h in range(n_heads):
+            for j in range(per_part):
+                c = h * per_part + j
+                nisa.activation(dst=out[:, j, h * dim:(h + 1) * dim], op=nl.copy,
+                                data=rotated[:, j, h * dim:(h + 1) * dim], scale=rstd[:, c:c + 1])
+            nisa.dma_copy(dst=y[b, h, tokens, :], src=out[:, :, h * dim:(h + 1) * dim])
+    return y
+
+
+def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
+    """Backward of rope_norm_fwd_kernel.
+
+    dy (B, H, T, D), the gradient of y in x's dtype; x, cos, sin as for the forward. Returns dx (B, T, H * D).
+    The rotation R is orthogonal, so rms(R x) = rms(x) = 1/r and y = r R x: with g = R^T dy (rope with -sin),
+    dx = r (g + c x), c = -r^2 mean(x g): RMSNorm's backward of x applied to g.
+
+    Per step (tokens as in the forward): x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate
+    dy back (_rotate); r recomputed from x (ScalarE squares and sums); GpSimd's x g over all heads at once,
+    summed per (token, head) by ScalarE's accumulator scaled by -1/D; c for all in two tiny instructions;
+    VectorE's x c per (token, head) and + g over all heads, ScalarE's r * that; one DMA stores dx. GpSimd and
+    VectorE about equally busy, ~1.4x the DMA time (the emulator, baseline q and k: 40 / 39 / 29 us). HBM
+    traffic: x and dy read, dx written, once each. SBUF per partition: 6 tiles of 4 H D values, under 200 KiB at
+    H D = 2048 in fp32 (96 KiB in bf16). PSUM, TensorE: none. Limits as for the forward.
+    """
+    batch, n_heads, seq_len, dim = dy.shape
+    width = n_heads * dim
+    dx = nl.ndarray((batch, seq_len, width), x.dtype, buffer=nl.shared_hbm)
+    for step in _rope_steps(batch, seq_len):
+        b, start, parts, per_part = step
+        tokens = slice(start, start + parts * per_part)
+        shape = (parts, per_part, width)
+        x_tile = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_tile, src=x[b, tokens, :])
+        cos_tile, sin_tile = _load_rope_tables(cos, sin, start, parts, per_part)
+        dy_tile = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+        for h in range(n_heads):
+            nisa.dma_copy(dst=dy_tile[:, :, h * dim:(h + 1) * dim], src=dy[b, h, tokens, :])
+        g = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+        for h in range(n_heads):
+            _rotate(g, dy_tile, h * dim, cos_tile, sin_tile, True)
+        scratch = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
+        rstd = _head_rstds(x_tile, n_heads, eps, scratch)
+        nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
+        neg_mean = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)  # -mean(x g)
+        for h in range(n_heads):
+            for j in range(per_part):
+                c = h * per_part + j
+                head = scratch[:, j, h * dim:(h + 1) * dim]
+                nisa.activation_reduce(dst=head, op=nl.copy, data=head, reduce_op=nl.add,
+                                       reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+        x_coef = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+        nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
+        nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
+        out = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+        for h in range(n_heads):
+            for j in range(per_part):
+                c = h * per_part + j
+                nisa.tensor_scalar(dst=out[:, j, h * dim:(h + 1) * dim], data=x_tile[:, j, h * dim:(h + 1) * dim],
+                                   op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+        nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
+        for h in range(n_heads):
+            for j in range(per_part):
+                c = h * per_part + j
+                nisa.activation(dst=out[:, j, h * dim:(h + 1) * dim], op=nl.copy,
+                                data=scratch[:, j, h * dim:(h + 1) * dim], scale=rstd[:, c:c + 1])
+        nisa.dma_copy(dst=dx[b, tokens, :], src=out)
+    return dx
+
+
+# -----------------------------------------------------------------------------
 # the head's loss: NKI kernels, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap), forward and backward
 # (apart: several fp32 passes over the logits through HBM each way; fused: the logits read once each way)
 
@@ -1865,6 +2049,43 @@ if nki is not None:
                                             _add_rms_norm_setup_context, _add_rms_norm_vjp)
 
 
+def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                       eps: float) -> torch.Tensor:
+    (y,) = _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)
+    return y
+
+
+def _rope_norm_forward_fake(x, cos, sin, n_heads, eps):
+    batch, seq_len, width = x.shape
+    return x.new_empty((batch, n_heads, seq_len, width // n_heads))
+
+
+def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    (dx,) = _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)
+    return dx
+
+
+def _rope_norm_backward_fake(dy, x, cos, sin, eps):
+    return torch.empty_like(x)
+
+
+def _rope_norm_setup_context(ctx, inputs, output):
+    x, cos, sin, _, eps = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.eps = eps
+
+
+def _rope_norm_vjp(backward_op, ctx, dy):
+    x, cos, sin = ctx.saved_tensors
+    return backward_op(dy.to(x.dtype).contiguous(), x, cos, sin, ctx.eps), None, None, None, None
+
+
+if nki is not None:
+    _rope_norm_op = _register_kernel_ops("rope_norm", _rope_norm_forward, _rope_norm_forward_fake, _rope_norm_backward,
+                                         _rope_norm_backward_fake, _rope_norm_setup_context, _rope_norm_vjp)
+
+
 def _softcap_cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
                                    cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_kernel(softcap_cross_entropy_fwd_kernel, logits, targets, vocab, cap)
@@ -1990,6 +2211,20 @@ def _add_rms_norm_shape_problem(x, branch):
     if torch.promote_types(x.dtype, branch.dtype) != x.dtype:
         return f"the residual stream ({x.dtype}) cannot hold its sum with a {branch.dtype} branch"
     return _rms_norm_shape_problem(x)
+
+
+def _rope_norm_shape_problem(x, cos, n_heads):
+    """None if the RoPE + QK-norm kernels take x (B, T, H * D) and the (T, D / 2) tables, else what stops them."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32, not {x.dtype}"
+    if x.size(-1) > ROPE_NORM_MAX_WIDTH:
+        return (f"{n_heads} heads of {x.size(-1) // n_heads} ({x.size(-1)} values a token) are over "
+                f"{ROPE_NORM_MAX_WIDTH}, what the backward's tiles hold in SBUF; use fewer or smaller heads")
+    if cos.shape != (x.size(1), x.size(-1) // n_heads // 2):
+        return f"the rotary tables {tuple(cos.shape)} are not (T, head_dim / 2) for x {tuple(x.shape)}"
+    if x.numel() == 0:
+        return "there are no tokens"
+    return None
 
 
 def _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size):
@@ -2170,3 +2405,25 @@ def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
         return total.view(x.shape), normed.view(x.shape)
     total = x + branch
     return total, rms_norm(total, eps=eps, mode=mode)
+
+
+
+def rotary(x, cos, sin):
+    """x: (B, H, T, D). Rotates the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
+    """rms_norm(rotary(heads)): RoPE, then RMSNorm (no weight) of each head, for QK-norm.
+
+    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
+    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
+    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
+    them and norms them through `rms_norm` (its own op)."""
+    batch, seq_len, width = x.shape
+    if _use_nki("rope_norm", mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
+        return _rope_norm_op(x.contiguous(), cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous(), n_heads, eps)
+    heads = x.view(batch, seq_len, n_heads, width // n_heads).transpose(1, 2)
+    return rms_norm(rotary(heads, cos, sin), eps=eps, mode=mode)

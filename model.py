@@ -155,13 +155,6 @@ def rotary_tables(seq_len, head_dim, base):
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):
-    """x: (B, H, T, D). Rotates the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, ve=False):
         super().__init__()
@@ -175,16 +168,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, ve=None):
         B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # each kv head mixes in the token's own value vector, by a gate in (0, 2) that starts at 1
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, Hkv)
             # the table is fp32 and autocast does not touch products: cast back, or v (and so attention) leaves bf16
             v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).type_as(v)
         v = v.transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k = norm(q, self.kernels), norm(k, self.kernels)  # QK-norm bounds the logits without a tuned scale
+        # RoPE, then QK-norm (it bounds the logits without a tuned scale): (B, T, H*D) -> (B, H, T, D)
+        q = kernels.rope_norm(self.c_q(x), cos, sin, self.n_head, mode=self.kernels)
+        k = kernels.rope_norm(self.c_k(x), cos, sin, self.n_kv_head, mode=self.kernels)
         y = kernels.attention(q, k, v, mode=self.kernels)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
