@@ -1567,34 +1567,26 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
 
 
 # -----------------------------------------------------------------------------
-# RoPE + QK-norm: NKI kernels, y = rope(x) / rms(rope(x)) per head, from the projection's (B, T, H*D) rows
-# straight into attention's (B, H, T, D) heads (the stores change the layout); backward through rope's inverse
+# RoPE + QK-norm: NKI kernels from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
 
-ROPE_BLOCK = 4 * TILE  # tokens per step: 4 consecutive tokens per partition, one contiguous run per side
-ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) tiles of fp32 within SBUF_BUDGET
-
-
-def _rope_blocks(seq_len):
-    """(start, partitions, tokens per partition) of each step over a sequence: 512 tokens as (128, 4) where
-    they make whole 128-token tiles, else 128-token tiles (the last may be partial), one token per partition."""
-    blocks = []
-    for span in _spans(0, seq_len, ROPE_BLOCK):
-        start, width = span
-        if width % TILE == 0:
-            blocks.append((start, TILE, width // TILE))
-        else:
-            for piece in _spans(start, start + width, TILE):
-                blocks.append((piece[0], piece[1], 1))
-    return blocks
+ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) fp32 tiles in SBUF
 
 
 def _rope_steps(batch, seq_len):
-    """(b, start, partitions, tokens per partition) of this program's steps: every sequence's blocks, split
-    evenly between the programs of an LNC launch."""
+    """This program's (b, start, partitions, tokens per partition) steps.
+
+    512 tokens go as (128, 4), 4 consecutive tokens per partition (one contiguous run in x, in each head of
+    y and in the tables), where they make whole 128-token tiles; else 128-token tiles, one token per
+    partition. The steps of all sequences are split evenly between the programs of an LNC launch."""
     steps = []
     for b in range(batch):
-        for block in _rope_blocks(seq_len):
-            steps.append((b, block[0], block[1], block[2]))
+        for span in _spans(0, seq_len, 4 * TILE):
+            start, width = span
+            if width % TILE == 0:
+                steps.append((b, start, TILE, width // TILE))
+            else:
+                for piece in _spans(start, start + width, TILE):
+                    steps.append((b, piece[0], piece[1], 1))
     per_program = math.ceil(len(steps) / nl.num_programs())
     first = min(len(steps), nl.program_id(0) * per_program)
     mine = []
@@ -1603,69 +1595,76 @@ def _rope_steps(batch, seq_len):
     return mine
 
 
-def _load_rope_tables(cos, sin, start, parts, per_part):
-    """cos and sin of tokens start.. as (parts, per_part, D/2) tiles: loaded once, used by every head."""
-    half = cos.shape[1]
-    cos_tile = nl.ndarray((parts, per_part, half), cos.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=cos_tile, src=cos[start:start + parts * per_part, :])
-    sin_tile = nl.ndarray((parts, per_part, half), sin.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=sin_tile, src=sin[start:start + parts * per_part, :])
-    return cos_tile, sin_tile
-
-
-def _rotate(dst, src, col, cos_tile, sin_tile, inverse):
-    """dst[:, :, col:col + D] = the half-split rotation of src's head at col: (x1 cos - x2 sin, x2 cos + x1 sin),
-    or with `inverse` the rotation back (sin negated). Each product and sum rounds to dst's dtype, as the
-    model's PyTorch rotary does. GpSimd takes the sin products, VectorE the rest."""
-    parts, per_part, half = cos_tile.shape
-    x1 = src[:, :, col:col + half]
-    x2 = src[:, :, col + half:col + 2 * half]
-    out1 = dst[:, :, col:col + half]
-    out2 = dst[:, :, col + half:col + 2 * half]
-    sin_x2 = nl.ndarray((parts, per_part, half), dst.dtype, buffer=nl.sbuf)
-    sin_x1 = nl.ndarray((parts, per_part, half), dst.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-    nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-    nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
-    nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
-    nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
-    nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
-
-
-def _head_rstds(tile, n_heads, eps, squares):
-    """1 / sqrt(mean(x^2) + eps) of every (token, head) of tile (parts, per_part, H * D): a fp32 (parts,
-    per_part * H) tile, column h * per_part + j for slot j of head h. ScalarE squares and sums each one
-    (`squares`, tile's shape, receives the squares); the mean and rsqrt are one instruction each for all."""
-    parts, per_part, width = tile.shape
-    dim = width // n_heads
-    sum_sq = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+def _head_slots(tile, n_heads):
+    """tile[:, j, head h] of a (P, J, H * D) tile for every head h and slot j, at index h * J + j."""
+    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
+    slots = []
     for h in range(n_heads):
         for j in range(per_part):
-            c = h * per_part + j
-            nisa.activation_reduce(dst=squares[:, j, h * dim:(h + 1) * dim], op=nl.square,
-                                   data=tile[:, j, h * dim:(h + 1) * dim], reduce_op=nl.add, reduce_res=sum_sq[:, c:c + 1])
-    mean_sq = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+            slots.append(tile[:, j, h * dim:(h + 1) * dim])
+    return slots
+
+
+def _rotate(dst, src, n_heads, cos_sin, inverse):
+    """dst = rope of each of src's n_heads heads (sin negated if `inverse`), each step rounded.
+
+    The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
+    as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
+    cos_tile, sin_tile = cos_sin
+    half = cos_tile.shape[2]
+    for h in range(n_heads):
+        lo, mid, hi = 2 * h * half, (2 * h + 1) * half, (2 * h + 2) * half
+        x1, x2, out1, out2 = src[:, :, lo:mid], src[:, :, mid:hi], dst[:, :, lo:mid], dst[:, :, mid:hi]
+        sin_x2 = nl.ndarray(cos_tile.shape, dst.dtype)
+        sin_x1 = nl.ndarray(cos_tile.shape, dst.dtype)
+        nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
+        nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
+        nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
+        nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
+
+
+def _load_rope_step(src, cos, sin, b, tokens, parts):
+    """src[b, tokens] (every head) and the tokens' cos and sin, as (parts, J, .) tiles: each once per step."""
+    tiles = []
+    for t in (src[b, tokens, :], cos[tokens, :], sin[tokens, :]):
+        tile = nl.ndarray((parts, (tokens.stop - tokens.start) // parts, t.shape[-1]), src.dtype)
+        nisa.dma_copy(dst=tile, src=t)
+        tiles.append(tile)
+    return tiles[0], (tiles[1], tiles[2])
+
+
+def _slot_rstds(slots, eps, squares):
+    """1 / sqrt(mean(x^2) + eps) of each slot, a fp32 (P, len(slots)) tile.
+
+    ScalarE squares and sums each slot (into `squares`, slots of the same shapes, unread); the mean and
+    rsqrt are one instruction each for all the slots (VectorE, GpSimd)."""
+    parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
+    sum_sq = nl.ndarray((parts, count), nl.float32)
+    for c in range(count):
+        nisa.activation_reduce(dst=squares[c], op=nl.square, data=slots[c], reduce_op=nl.add, reduce_res=sum_sq[:, c:c + 1])
+    mean_sq = nl.ndarray((parts, count), nl.float32)
     nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
-    rstd = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)
+    rstd = nl.ndarray((parts, count), nl.float32)
     nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
     return rstd
 
 
 def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
-    """RoPE then RMSNorm (no weight) of each head, from projection rows into attention's head layout.
+    """RoPE, then RMSNorm (no weight) of each head, from projection rows into attention's head layout.
 
-    x (B, T, H * D) bf16 or fp32, a q or k projection as the matmul wrote it; cos, sin (T, D / 2) in x's
-    dtype. Returns y (B, H, T, D) in x's dtype: z = rope(x) (the half split: (x1 cos - x2 sin, x2 cos + x1 sin)),
-    y = z / sqrt(mean(z^2) + eps), z rounded to x's dtype first as the model's PyTorch path rounds it.
+    x (B, T, H * D) bf16 or fp32, a q or k projection as its matmul wrote it; cos, sin (T, D / 2) in x's
+    dtype. Returns y (B, H, T, D): z = rope(x) rounded to x's dtype (as the model's PyTorch path rounds it),
+    y = z / sqrt(mean(z^2) + eps).
 
-    Per step of 512 tokens (128 partitions x 4 consecutive tokens: each partition's run is contiguous in x,
-    in y's head and in the tables; a partial 128-token tile goes one token per partition): one DMA brings
-    every head of the tokens, one brings cos and one sin for all heads; per head VectorE makes the cos
-    products and the sums, GpSimd the sin products (_rotate); ScalarE squares and sums each (token, head)
-    and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]: the layout change
-    is the store's access pattern. HBM traffic: x read once, y written once (apart: the rotary's bf16 passes
-    and the norm's read and write, ~5 round trips). SBUF per partition: 4 tiles of 4 H D values, under 64
-    KiB at H D = 2048 in fp32. PSUM, TensorE: none. Limits: H D <= 2048, D even; any T.
+    Per step (_rope_steps: 128 partitions x 4 tokens): one DMA brings every head of the tokens, one each
+    cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate); ScalarE squares and sums each
+    (token, head) and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]:
+    the layout change is the store's access pattern. HBM traffic: x read once, y written once (apart: the
+    rotary's four bf16 passes and the norm's read and write). SBUF per partition: 3 tiles of 4 H D values.
+    PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
+    k: 23 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
     """
     batch, seq_len, width = x.shape
     dim = width // n_heads
@@ -1673,79 +1672,59 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     for step in _rope_steps(batch, seq_len):
         b, start, parts, per_part = step
         tokens = slice(start, start + parts * per_part)
-        x_tile = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_tile, src=x[b, tokens, :])
-        cos_tile, sin_tile = _load_rope_tables(cos, sin, start, parts, per_part)
-        rotated = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
+        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        rotated = nl.ndarray(x_tile.shape, x.dtype)
+        _rotate(rotated, x_tile, n_heads, cos_sin, False)
+        out = nl.ndarray(x_tile.shape, x.dtype)
+        z_slots, out_slots = _head_slots(rotated, n_heads), _head_slots(out, n_heads)
+        rstd = _slot_rstds(z_slots, eps, out_slots)
+        for c in range(len(z_slots)):
+            nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
         for h in range(n_heads):
-            _rotate(rotated, x_tile, h * dim, cos_tile, sin_tile, False)
-        out = nl.ndarray((parts, per_part, width), x.dtype, buffer=nl.sbuf)
-        rstd = _head_rstds(rotated, n_heads, eps, out)
-        for h in range(n_heads):
-            for j in range(per_part):
-                c = h * per_part + j
-                nisa.activation(dst=out[:, j, h * dim:(h + 1) * dim], op=nl.copy,
-                                data=rotated[:, j, h * dim:(h + 1) * dim], scale=rstd[:, c:c + 1])
             nisa.dma_copy(dst=y[b, h, tokens, :], src=out[:, :, h * dim:(h + 1) * dim])
     return y
 
 
 def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
-    """Backward of rope_norm_fwd_kernel.
+    """Backward of rope_norm_fwd_kernel: dx (B, T, H * D) from dy (B, H, T, D) in x's dtype.
 
-    dy (B, H, T, D), the gradient of y in x's dtype; x, cos, sin as for the forward. Returns dx (B, T, H * D).
     The rotation R is orthogonal, so rms(R x) = rms(x) = 1/r and y = r R x: with g = R^T dy (rope with -sin),
-    dx = r (g + c x), c = -r^2 mean(x g): RMSNorm's backward of x applied to g.
-
-    Per step (tokens as in the forward): x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate
-    dy back (_rotate); r recomputed from x (ScalarE squares and sums); GpSimd's x g over all heads at once,
-    summed per (token, head) by ScalarE's accumulator scaled by -1/D; c for all in two tiny instructions;
-    VectorE's x c per (token, head) and + g over all heads, ScalarE's r * that; one DMA stores dx. GpSimd and
-    VectorE about equally busy, ~1.4x the DMA time (the emulator, baseline q and k: 40 / 39 / 29 us). HBM
-    traffic: x and dy read, dx written, once each. SBUF per partition: 6 tiles of 4 H D values, under 200 KiB at
-    H D = 2048 in fp32 (96 KiB in bf16). PSUM, TensorE: none. Limits as for the forward.
+    dx = r (g + c x), c = -r^2 mean(x g), RMSNorm's backward of x applied to g.
+    Per step: x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate dy back; r from x (ScalarE
+    squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
+    by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
+    r * that; one DMA stores dx. HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
+    tiles of 4 H D values, under 200 KiB at H D = 2048 in fp32. GpSimd and VectorE about equally busy,
+    ~1.4x the DMA time (the emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
     """
     batch, n_heads, seq_len, dim = dy.shape
-    width = n_heads * dim
-    dx = nl.ndarray((batch, seq_len, width), x.dtype, buffer=nl.shared_hbm)
+    dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
     for step in _rope_steps(batch, seq_len):
         b, start, parts, per_part = step
         tokens = slice(start, start + parts * per_part)
-        shape = (parts, per_part, width)
-        x_tile = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_tile, src=x[b, tokens, :])
-        cos_tile, sin_tile = _load_rope_tables(cos, sin, start, parts, per_part)
-        dy_tile = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        dy_tile = nl.ndarray(x_tile.shape, x.dtype)
         for h in range(n_heads):
             nisa.dma_copy(dst=dy_tile[:, :, h * dim:(h + 1) * dim], src=dy[b, h, tokens, :])
-        g = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
-        for h in range(n_heads):
-            _rotate(g, dy_tile, h * dim, cos_tile, sin_tile, True)
-        scratch = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
-        rstd = _head_rstds(x_tile, n_heads, eps, scratch)
+        g = nl.ndarray(x_tile.shape, x.dtype)
+        _rotate(g, dy_tile, n_heads, cos_sin, True)
+        scratch = nl.ndarray(x_tile.shape, x.dtype)  # the squares, x g, then x c + g
+        out = nl.ndarray(x_tile.shape, x.dtype)
+        x_slots, scratch_slots, out_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads), _head_slots(out, n_heads)
+        rstd = _slot_rstds(x_slots, eps, scratch_slots)
         nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
-        neg_mean = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)  # -mean(x g)
-        for h in range(n_heads):
-            for j in range(per_part):
-                c = h * per_part + j
-                head = scratch[:, j, h * dim:(h + 1) * dim]
-                nisa.activation_reduce(dst=head, op=nl.copy, data=head, reduce_op=nl.add,
-                                       reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-        x_coef = nl.ndarray((parts, per_part * n_heads), nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+        neg_mean = nl.ndarray(rstd.shape, nl.float32)  # -mean(x g)
+        for c in range(len(x_slots)):
+            nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
+                                   reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+        x_coef = nl.ndarray(rstd.shape, nl.float32)  # c = -r^2 mean(x g)
         nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
         nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
-        out = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
-        for h in range(n_heads):
-            for j in range(per_part):
-                c = h * per_part + j
-                nisa.tensor_scalar(dst=out[:, j, h * dim:(h + 1) * dim], data=x_tile[:, j, h * dim:(h + 1) * dim],
-                                   op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+        for c in range(len(x_slots)):
+            nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
         nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
-        for h in range(n_heads):
-            for j in range(per_part):
-                c = h * per_part + j
-                nisa.activation(dst=out[:, j, h * dim:(h + 1) * dim], op=nl.copy,
-                                data=scratch[:, j, h * dim:(h + 1) * dim], scale=rstd[:, c:c + 1])
+        for c in range(len(x_slots)):
+            nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
         nisa.dma_copy(dst=dx[b, tokens, :], src=out)
     return dx
 
@@ -2049,21 +2028,16 @@ if nki is not None:
                                             _add_rms_norm_setup_context, _add_rms_norm_vjp)
 
 
-def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                       eps: float) -> torch.Tensor:
-    (y,) = _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)
-    return y
+def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, eps: float) -> torch.Tensor:
+    return _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)[0]
 
 
 def _rope_norm_forward_fake(x, cos, sin, n_heads, eps):
-    batch, seq_len, width = x.shape
-    return x.new_empty((batch, n_heads, seq_len, width // n_heads))
+    return x.new_empty((x.size(0), n_heads, x.size(1), x.size(2) // n_heads))
 
 
-def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        eps: float) -> torch.Tensor:
-    (dx,) = _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)
-    return dx
+def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    return _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)[0]
 
 
 def _rope_norm_backward_fake(dy, x, cos, sin, eps):
@@ -2071,9 +2045,8 @@ def _rope_norm_backward_fake(dy, x, cos, sin, eps):
 
 
 def _rope_norm_setup_context(ctx, inputs, output):
-    x, cos, sin, _, eps = inputs
-    ctx.save_for_backward(x, cos, sin)
-    ctx.eps = eps
+    ctx.save_for_backward(*inputs[:3])  # x, cos, sin
+    ctx.eps = inputs[4]
 
 
 def _rope_norm_vjp(backward_op, ctx, dy):
@@ -2215,16 +2188,11 @@ def _add_rms_norm_shape_problem(x, branch):
 
 def _rope_norm_shape_problem(x, cos, n_heads):
     """None if the RoPE + QK-norm kernels take x (B, T, H * D) and the (T, D / 2) tables, else what stops them."""
-    if x.dtype not in _KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float32, not {x.dtype}"
     if x.size(-1) > ROPE_NORM_MAX_WIDTH:
-        return (f"{n_heads} heads of {x.size(-1) // n_heads} ({x.size(-1)} values a token) are over "
-                f"{ROPE_NORM_MAX_WIDTH}, what the backward's tiles hold in SBUF; use fewer or smaller heads")
+        return f"n_heads * head_dim = {x.size(-1)} is over {ROPE_NORM_MAX_WIDTH} (SBUF); use fewer or smaller heads"
     if cos.shape != (x.size(1), x.size(-1) // n_heads // 2):
         return f"the rotary tables {tuple(cos.shape)} are not (T, head_dim / 2) for x {tuple(x.shape)}"
-    if x.numel() == 0:
-        return "there are no tokens"
-    return None
+    return _rms_norm_shape_problem(x)
 
 
 def _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size):
@@ -2408,22 +2376,16 @@ def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
 
 
 
-def rotary(x, cos, sin):
-    """x: (B, H, T, D). Rotates the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
 def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
-    """rms_norm(rotary(heads)): RoPE, then RMSNorm (no weight) of each head, for QK-norm.
+    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
 
     x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
     contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
     over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
-    them and norms them through `rms_norm` (its own op)."""
-    batch, seq_len, width = x.shape
+    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
+    (its own op)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if _use_nki("rope_norm", mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
-        return _rope_norm_op(x.contiguous(), cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous(), n_heads, eps)
-    heads = x.view(batch, seq_len, n_heads, width // n_heads).transpose(1, 2)
-    return rms_norm(rotary(heads, cos, sin), eps=eps, mode=mode)
+        return _rope_norm_op(x.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, eps)
+    x1, x2 = x.view(*x.shape[:2], n_heads, -1).transpose(1, 2).chunk(2, dim=-1)
+    return rms_norm(torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1), eps=eps, mode=mode)

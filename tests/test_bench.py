@@ -121,7 +121,7 @@ def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monk
 
     cfg, _ = train.parse_args(["--batch_size=2", "--total_batch_tokens=1024"])
     kernel_costs = {"attention": 1e-5, "mlp": 2e-5, "rms_norm": 1e-6, "rms_norm_fp32": 2e-6, "add_rms_norm": 3e-6,
-                    "softcap_cross_entropy": 4e-6}  # seconds per sequence: given, not emulated
+                    "softcap_cross_entropy": 4e-6, "rope_norm": 5e-6}  # seconds per sequence: given, not emulated
     small, deep = (bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=n, n_embd=128, n_head=1,
                                                       vocab_size=512), 1, kernel_costs) for n in (2, 4))
     assert small["step_s"] == pytest.approx(sum(small["components"].values()))
@@ -132,6 +132,12 @@ def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monk
                                   {**kernel_costs, "add_rms_norm": None})  # the residual adds as elementwise passes
     assert unfused["components"]["elementwise"] > small["components"]["elementwise"]
     assert unfused["components"]["kernels: rms_norm"] > small["components"]["kernels: rms_norm"]
+    assert small["components"]["kernels: rope_norm"] == pytest.approx(2 * 2 * 2 * 5e-6)  # micro-steps x layers x seqs
+    unfused_rope = bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1, vocab_size=512),
+                                       1, {**kernel_costs, "rope_norm": None})  # rotary passes, QK-norm by rms_norm
+    assert "kernels: rope_norm" not in unfused_rope["components"]
+    assert unfused_rope["components"]["elementwise"] > small["components"]["elementwise"]
+    assert unfused_rope["components"]["kernels: rms_norm"] > small["components"]["kernels: rms_norm"]
     for part in ("kernels: attention", "kernels: mlp", "projection matmuls", "elementwise"):
         assert deep["components"][part] == pytest.approx(2 * small["components"][part])  # per-layer work
     assert deep["components"]["head matmul"] == pytest.approx(small["components"]["head matmul"])
@@ -158,7 +164,7 @@ def test_step_estimate_prints_the_references_beside_their_measurements(monkeypat
     reference, = results["references"]
     assert reference["estimate_over_measured"] == pytest.approx(reference["estimate_tokens_per_s"] / 1000.0)
     assert set(results["step_estimate"]["kernel_costs_s"]) == {"attention", "mlp", "rms_norm", "rms_norm_fp32",
-                                                                "add_rms_norm", "softcap_cross_entropy"}
+                                                                "add_rms_norm", "softcap_cross_entropy", "rope_norm"}
     printed = capsys.readouterr().out
     assert f"{reference['estimate_tokens_per_s']:,.0f} / 1,000" in printed and "left out:" in printed
 
@@ -178,7 +184,7 @@ def test_first_hour_check_passes_under_the_emulator(monkeypatch, capsys):
     for activation in kernels.MLP_ACTIVATIONS:
         assert f"mlp {activation} forward, no grad" in names and f"mlp {activation} forward+backward" in names
     for part in ("attention forward, no grad", "rms_norm weighted forward+backward", "add_rms_norm forward+backward",
-                 "softcap_cross_entropy forward+backward",
+                 "softcap_cross_entropy forward+backward", "rope_norm forward+backward",
                  "Block (nki)", "2 training steps", "causality"):
         assert part in names
 

@@ -208,6 +208,7 @@ def _kernel_test_cases():
     import test_attention_kernels as attention_tests
     import test_cross_entropy_kernel as cross_entropy_tests
     import test_mlp_norm_kernels as mlp_norm_tests
+    import test_rope_norm_kernel as rope_norm_tests
 
     return [
         ("attention test", lambda: attention_tests.test_attention_matches_reference(1, 4, 1, 384, 32, torch.bfloat16)),
@@ -219,12 +220,14 @@ def _kernel_test_cases():
             (2, 100, 128), torch.float32, torch.bfloat16, True)),
         ("softcap_cross_entropy test", lambda: cross_entropy_tests.test_softcap_cross_entropy_matches_reference(
             (200,), 300, torch.bfloat16, "none")),
+        ("rope_norm test", lambda: rope_norm_tests.test_rope_norm_matches_reference(2, 200, 2, 64, torch.bfloat16)),
     ]
 
 
 def _check_cases():
     """(name, run) for bench.py --check's kernel checks (forward+backward) that the faults reach."""
-    wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted", "add_rms_norm", "softcap_cross_entropy")
+    wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted", "add_rms_norm", "softcap_cross_entropy",
+              "rope_norm")
     return [(f"--check {name}", lambda call=call, inputs=inputs: bench._check_kernel(call, inputs(), grad=True))
             for name, inputs, call in bench._kernel_checks(torch.bfloat16, "cpu", seed=7) if name in wanted]
 

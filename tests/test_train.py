@@ -67,7 +67,8 @@ def test_load_for_eval_reproduces_the_trained_model_on_its_kernels(tmp_path, dat
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert not model.training and model.config.kernels == "torch"  # scored on the path it trained on
     assert state["kernels"] == {op: {"ran": "torch", "why": "kernels=torch"}
-                                for op in ("rms_norm", "attention", "add_rms_norm", "mlp", "softcap_cross_entropy")}
+                                for op in ("rms_norm", "attention", "add_rms_norm", "mlp", "softcap_cross_entropy",
+                                           "rope_norm")}
     # a run from before the per-op record is scored on "auto": NKI where the kernels take the shapes, PyTorch
     # (logged) elsewhere
     trained_on_nki = checkpoint.inference_model(state["model"], {**state["model_config"], "kernels": "nki"}, "cpu")
@@ -161,7 +162,8 @@ def test_an_auto_run_whose_mlp_fell_back_in_training_is_scored_on_the_pytorch_ml
                  "--mlp=swiglu", "--batch_size=1", "--eval_tokens=256")
     record = torch.load(tmp_path / "final.pt", weights_only=True)["kernels"]
     assert {op: entry["ran"] for op, entry in record.items()} == {"rms_norm": "nki", "attention": "nki", "mlp": "torch",
-                                                                  "add_rms_norm": "nki", "softcap_cross_entropy": "nki"}
+                                                                  "add_rms_norm": "nki", "softcap_cross_entropy": "nki",
+                                                                  "rope_norm": "nki"}
     assert "128 tokens per call and d=256 (gated)" in record["mlp"]["why"]
     calls = []
     for op in ("_mlp_op", "_rms_norm_op"):
@@ -169,7 +171,7 @@ def test_an_auto_run_whose_mlp_fell_back_in_training_is_scored_on_the_pytorch_ml
                                                           getattr(kernels, op), op))
     model = train.load_for_eval(str(tmp_path / "final.pt"), "cpu")
     assert model.config.kernels == ("auto,attention:prefer,mlp:torch,rms_norm:prefer,add_rms_norm:prefer,"
-                                    "softcap_cross_entropy:prefer")
+                                    "softcap_cross_entropy:prefer,rope_norm:prefer")
     with torch.no_grad():
         model(torch.randint(0, 257, (1, 128)))
     assert "_mlp_op" not in calls and "_rms_norm_op" in calls

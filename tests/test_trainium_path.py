@@ -121,7 +121,7 @@ def test_every_model_compiles_to_one_graph_under_bf16_autocast(model, mode, capl
     assert loss.isfinite() and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     fallbacks = [r.getMessage() for r in caplog.records if r.name == "kernels"]
     reason = "using the PyTorch path: tensors are on cpu, not on a Trainium 'neuron' device"
-    ops = ["rms_norm", "attention", "add_rms_norm", "mlp"] + (["softcap_cross_entropy"] if model != "frontier" else [])
+    ops = ["rms_norm", "rope_norm", "attention", "add_rms_norm", "mlp"] + (["softcap_cross_entropy"] if model != "frontier" else [])
     assert fallbacks == ([f"{op}: {reason}" for op in ops] if mode == "auto" else [])  # frontier: the chunked loss
 
 
@@ -134,10 +134,11 @@ def test_a_per_op_kernels_setting_runs_each_op_its_way_in_one_graph_and_previews
     with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="kernels"):
         record = kernels.preview_fallbacks(model, idx, idx)
     assert {op: entry["ran"] for op, entry in record.items()} == {"attention": "nki", "mlp": "torch", "rms_norm": "torch",
-                                                                  "add_rms_norm": "torch", "softcap_cross_entropy": "torch"}
+                                                                  "add_rms_norm": "torch", "softcap_cross_entropy": "torch",
+                                                                  "rope_norm": "torch"}
     assert "tensors are on cpu" in record["mlp"]["why"] and record["rms_norm"]["why"] == "kernels=torch"
     assert kernels.scoring_kernels(record) == ("auto,attention:prefer,mlp:torch,rms_norm:torch,add_rms_norm:torch,"
-                                              "softcap_cross_entropy:torch")
+                                              "softcap_cross_entropy:torch,rope_norm:torch")
     with caplog.at_level(logging.INFO, logger="kernels"):
         run = compile_for_trainium(model, idx, idx, backend="eager")
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -237,7 +238,7 @@ def test_no_transposed_copy_feeds_a_kernel_in_the_compiled_graphs():
     loss.backward()
     assert len(graphs) == 2  # forward, backward
     ops = [sorted({aten_name(n)[1] for n in g.nodes if aten_name(n)[0] == "nanogpt_trn"}) for g in graphs]
-    kernel_ops = ("add_rms_norm", "flash_attention", "mlp", "rms_norm", "softcap_cross_entropy")
+    kernel_ops = ("add_rms_norm", "flash_attention", "mlp", "rms_norm", "rope_norm", "softcap_cross_entropy")
     assert ops == [[f"{op}_fwd" for op in kernel_ops], [f"{op}_bwd" for op in kernel_ops]]
     for graph in graphs:
         assert transposed_copies_into_kernels(graph) == []
