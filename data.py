@@ -65,7 +65,7 @@ import tiktoken
 import torch
 import torch.distributed as dist
 
-from kit.checkpoint_io import replace_atomically
+from kit.checkpoint_io import file_sha256, replace_atomically
 
 SHARD_MAGIC = b"GPTTOKS\0"
 SHARD_VERSION = 1
@@ -412,14 +412,6 @@ class _RememberLinkedHeaders(urllib.request.HTTPRedirectHandler):
 def _sha256_of(etag):
     etag = (etag or "").removeprefix("W/").strip('"')
     return etag if re.fullmatch(r"[0-9a-f]{64}", etag) else None
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fetch(url, partial, timeout, progress):

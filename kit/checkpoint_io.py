@@ -101,7 +101,7 @@ def payload_digests(payload):
 
 
 def file_sha256(path):
-    """sha256 of a file, read a MiB at a time (as data.py's, which the one-file submission leaves out)."""
+    """sha256 of a file, read a MiB at a time (checkpoint folders here; data.py's shards and sources too)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
