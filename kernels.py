@@ -1,14 +1,14 @@
 """
 The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, plus the elementwise work
-next to them fused into kernels of its own: the residual add with the RMSNorm after it, and the head's
-softcap with its cross-entropy.
+next to them fused into kernels of its own: the residual add with the RMSNorm after it, the head's
+softcap with its cross-entropy, and RoPE with QK-norm.
 
-model.py calls only `attention`, `mlp`, `rms_norm`, `add_rms_norm` and `softcap_cross_entropy` from this
-file. Each takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
+model.py calls only `attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy` and `rope_norm`
+from this file. Each takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
-  CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy).
+  CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy; the half-split rotary).
 - "auto": the NKI kernel on a Trainium ("neuron") device where it takes the shapes and the cost model
   expects it to beat the compiled plain ops (`_mlp_cost_problem`; docs/results.md); otherwise the PyTorch
   path, logging why once per operation and reason.
@@ -1596,7 +1596,7 @@ def _rope_steps(batch, seq_len):
 
 
 def _head_slots(tile, n_heads):
-    """tile[:, j, head h] of a (P, J, H * D) tile for every head h and slot j, at index h * J + j."""
+    """tile[:, j, head h] of a (P, J, H * D) tile, for each head h and slot j, at h * J + j."""
     per_part, dim = tile.shape[1], tile.shape[2] // n_heads
     slots = []
     for h in range(n_heads):
@@ -1626,7 +1626,7 @@ def _rotate(dst, src, n_heads, cos_sin, inverse):
 
 
 def _load_rope_step(src, cos, sin, b, tokens, parts):
-    """src[b, tokens] (every head) and the tokens' cos and sin, as (parts, J, .) tiles: each once per step."""
+    """src[b, tokens] and the tokens' cos and sin, as (parts, J, .) tiles."""
     tiles = []
     for t in (src[b, tokens, :], cos[tokens, :], sin[tokens, :]):
         tile = nl.ndarray((parts, (tokens.stop - tokens.start) // parts, t.shape[-1]), src.dtype)
@@ -1643,7 +1643,8 @@ def _slot_rstds(slots, eps, squares):
     parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
     sum_sq = nl.ndarray((parts, count), nl.float32)
     for c in range(count):
-        nisa.activation_reduce(dst=squares[c], op=nl.square, data=slots[c], reduce_op=nl.add, reduce_res=sum_sq[:, c:c + 1])
+        nisa.activation_reduce(dst=squares[c], op=nl.square, data=slots[c], reduce_op=nl.add,
+                               reduce_res=sum_sq[:, c:c + 1])
     mean_sq = nl.ndarray((parts, count), nl.float32)
     nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
     rstd = nl.ndarray((parts, count), nl.float32)
@@ -1710,7 +1711,8 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
         _rotate(g, dy_tile, n_heads, cos_sin, True)
         scratch = nl.ndarray(x_tile.shape, x.dtype)  # the squares, x g, then x c + g
         out = nl.ndarray(x_tile.shape, x.dtype)
-        x_slots, scratch_slots, out_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads), _head_slots(out, n_heads)
+        x_slots, scratch_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads)
+        out_slots = _head_slots(out, n_heads)
         rstd = _slot_rstds(x_slots, eps, scratch_slots)
         nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
         neg_mean = nl.ndarray(rstd.shape, nl.float32)  # -mean(x g)
@@ -2028,7 +2030,8 @@ if nki is not None:
                                             _add_rms_norm_setup_context, _add_rms_norm_vjp)
 
 
-def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, eps: float) -> torch.Tensor:
+def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                       eps: float) -> torch.Tensor:
     return _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)[0]
 
 
@@ -2036,7 +2039,8 @@ def _rope_norm_forward_fake(x, cos, sin, n_heads, eps):
     return x.new_empty((x.size(0), n_heads, x.size(1), x.size(2) // n_heads))
 
 
-def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float) -> torch.Tensor:
     return _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)[0]
 
 
@@ -2045,7 +2049,7 @@ def _rope_norm_backward_fake(dy, x, cos, sin, eps):
 
 
 def _rope_norm_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])  # x, cos, sin
+    ctx.save_for_backward(*inputs[:3])
     ctx.eps = inputs[4]
 
 
@@ -2187,7 +2191,7 @@ def _add_rms_norm_shape_problem(x, branch):
 
 
 def _rope_norm_shape_problem(x, cos, n_heads):
-    """None if the RoPE + QK-norm kernels take x (B, T, H * D) and the (T, D / 2) tables, else what stops them."""
+    """None if the RoPE + QK-norm kernels take x and the tables, else what stops them."""
     if x.size(-1) > ROPE_NORM_MAX_WIDTH:
         return f"n_heads * head_dim = {x.size(-1)} is over {ROPE_NORM_MAX_WIDTH} (SBUF); use fewer or smaller heads"
     if cos.shape != (x.size(1), x.size(-1) // n_heads // 2):

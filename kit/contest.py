@@ -272,9 +272,9 @@ def bundle_source(root, argv):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
     names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
     downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments are kept, so it reads as
-    the kit does (section rules and blank lines shortened); the inlined modules' docstrings, their functions' and classes'
-    too, keep their first paragraph (`first_paragraphs`), so the kit fits the portal's limit, and their whole
-    text stays in the kit's files. Raises ValueError where two modules define one name."""
+    the kit does (section rules and blank lines shortened); the inlined modules' docstrings, and their
+    functions' and classes', keep their first paragraph (`first_paragraphs`), so the kit fits the portal's
+    limit, and their whole text stays in the kit's files. Raises ValueError where two modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
     defined = {}
     for name, text in texts.items():
