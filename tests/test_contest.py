@@ -245,3 +245,12 @@ def test_the_submission_keeps_each_docstrings_first_paragraph_and_all_code():
     namespace = {}
     exec(cut, namespace)
     assert namespace["f"](1) == 2 and namespace["f"].__doc__ == "Adds one."
+
+
+def test_the_submission_shortens_only_comments_and_blank_lines():
+    """Inlined modules' docstrings become their first paragraph as comments; section rules and double blank
+    lines shrink; the code is the kit's (every inlined function is there)."""
+    source = contest.bundle_source(contest.KIT_ROOT, [])
+    assert "# The operations a GPT spends its time in" in source and "model.py calls only" not in source
+    assert "\n\n\n" not in source and "# ---\n" in source and "# ----" not in source
+    assert "def rope_norm_bwd_kernel(" in source and "def first_paragraphs(" not in source
