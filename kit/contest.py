@@ -228,7 +228,7 @@ KIT_ONLY = {
     "bundled_import": "",
     "is_reexport": "",
     "module_text": "",
-    "first_paragraphs": "",
+    "without_docstrings": "",
     "KIT_ONLY": "",
 }
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
@@ -272,9 +272,10 @@ def bundle_source(root, argv):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
     names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
     downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments are kept, so it reads as
-    the kit does (section rules and blank lines shortened); the inlined modules' docstrings, and their
-    functions' and classes', keep their first paragraph (`first_paragraphs`), so the kit fits the portal's
-    limit, and their whole text stays in the kit's files. Raises ValueError where two modules define one name."""
+    the kit does (section rules and blank lines shortened); the inlined modules' docstrings become their first
+    paragraph as comments and their functions' and classes' are left out (`without_docstrings`), so the kit
+    fits the portal's limit; their whole text stays in the kit's files. Raises ValueError where two modules
+    define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
     defined = {}
     for name, text in texts.items():
@@ -283,7 +284,7 @@ def bundle_source(root, argv):
                 if n in defined and defined[n] != name:
                     raise ValueError(f"{n} is defined in both {BUNDLED[defined[n]]} and {BUNDLED[name]}")
                 defined[n] = name
-    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(first_paragraphs(texts[name]), argv)}"
+    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(without_docstrings(texts[name]), argv)}"
                       for name in BUNDLED if name != "train")
     source = module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
     # section rules in 5 characters instead of 78, one blank line between definitions instead of two
@@ -292,22 +293,19 @@ def bundle_source(root, argv):
     return source
 
 
-def first_paragraphs(text):
-    """`text` with each function's and class's docstring cut after its first paragraph (at its first blank
-    line); the full text stays in the kit's files, where a reader of the submission can find it."""
+def without_docstrings(text):
+    """`text` without its functions' and classes' docstrings (one that is a class's whole body stays): the kit
+    with every kernel's layout notes is over the portal's limit; they stay in the kit's files, and the
+    comments, which say why, stay in the submission."""
     lines = text.splitlines(keepends=True)
     cuts = []
     for node in ast.walk(ast.parse(text)):
         body = getattr(node, "body", None)
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and isinstance(body[0], ast.Expr) \
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and len(body) > 1 and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            first, last = body[0].lineno - 1, body[0].end_lineno  # the docstring's lines
-            blank = next((i for i in range(first + 1, last) if not lines[i].strip()), None)
-            if blank is not None:
-                quote = lines[last - 1].rstrip()[-3:]
-                cuts.append((blank - 1, last, lines[blank - 1].rstrip("\n") + quote + "\n"))
-    for end_of_first, last, closed in sorted(cuts, reverse=True):  # from the bottom: earlier line numbers hold
-        lines[end_of_first:last] = [closed]
+            cuts.append((body[0].lineno - 1, body[0].end_lineno))
+    for first, last in sorted(cuts, reverse=True):  # from the bottom: earlier line numbers hold
+        del lines[first:last]
     return "".join(lines)
 
 

@@ -238,19 +238,20 @@ def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
         contest.check_causality(model, 100, 32, "cpu")
 
 
-def test_the_submission_keeps_each_docstrings_first_paragraph_and_all_code():
-    text = 'def f(x):\n    """Adds one.\n\n    Layouts: none.\n    """\n    return x + 1\n\n\nclass C:\n    """One line."""\n'
-    cut = contest.first_paragraphs(text)
-    assert cut == 'def f(x):\n    """Adds one."""\n    return x + 1\n\n\nclass C:\n    """One line."""\n'
+def test_the_submission_leaves_out_function_docstrings_and_keeps_all_code():
+    text = ('def f(x):\n    """Adds one.\n\n    Layouts: none.\n    """\n    return x + 1  # why\n\n\n'
+            'class C:\n    """A whole body."""\n')
+    cut = contest.without_docstrings(text)
+    assert cut == 'def f(x):\n    return x + 1  # why\n\n\nclass C:\n    """A whole body."""\n'
     namespace = {}
     exec(cut, namespace)
-    assert namespace["f"](1) == 2 and namespace["f"].__doc__ == "Adds one."
+    assert namespace["f"](1) == 2 and namespace["C"].__doc__ == "A whole body."
 
 
 def test_the_submission_shortens_only_comments_and_blank_lines():
-    """Inlined modules' docstrings become their first paragraph as comments; section rules and double blank
-    lines shrink; the code is the kit's (every inlined function is there)."""
+    """Inlined modules' docstrings become their first paragraph as comments, their functions' go; section
+    rules and double blank lines shrink; the code is the kit's (every inlined function is there)."""
     source = contest.bundle_source(contest.KIT_ROOT, [])
     assert "# The operations a GPT spends its time in" in source and "model.py calls only" not in source
     assert "\n\n\n" not in source and "# ---\n" in source and "# ----" not in source
-    assert "def rope_norm_bwd_kernel(" in source and "def first_paragraphs(" not in source
+    assert "def rope_norm_bwd_kernel(" in source and "def without_docstrings(" not in source
