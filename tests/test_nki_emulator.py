@@ -1146,7 +1146,7 @@ def test_every_kernel_in_kernels_py_is_inside_the_subset(monkeypatch):
 
     monkeypatch.setattr(_subset, "_checked", set())  # check again what earlier tests' launches passed
     names = [name for name in vars(kernels) if name.endswith("_kernel") and not name.startswith("_")]
-    assert len(names) == 10, names  # attention, MLP, RMSNorm, add + RMSNorm, softcap cross-entropy: fwd and bwd
+    assert len(names) == 12, names  # attention, MLP, RMSNorm, add + RMSNorm, softcap cross-entropy, RoPE + QK-norm: fwd and bwd
     for name in names:
         _subset.check_kernel(getattr(kernels, name))
 
