@@ -994,10 +994,8 @@ def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
         cols = slice(col, col + sums[c].shape[1])
         if previous is not None:
             nisa.tensor_tensor(dst=out[:, cols], data1=sums[c], data2=previous[:, cols], op=nl.add)
-        elif (turn + c) % 2:
-            nisa.activation(dst=out[:, cols], op=nl.copy, data=sums[c])
         else:
-            nisa.tensor_copy(dst=out[:, cols], src=sums[c])
+            _evict(out[:, cols], sums[c], (turn + c) % 2)
         col = cols.stop
     if last:
         nisa.dma_copy(dst=dst[rows, :], src=out)
@@ -1009,10 +1007,7 @@ def _store_from_psum(dst, values, on_scalar):
     """Copy a PSUM tile to HBM `dst` (DMA cannot read PSUM: stage it in SBUF in dst's dtype), evicting
     on ScalarE or VectorE."""
     staged = nl.ndarray(values.shape, dst.dtype, buffer=nl.sbuf)
-    if on_scalar:
-        nisa.activation(dst=staged, op=nl.copy, data=values)
-    else:
-        nisa.tensor_copy(dst=staged, src=values)
+    _evict(staged, values, on_scalar)
     nisa.dma_copy(dst=dst, src=staged)
 
 
