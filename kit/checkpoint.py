@@ -203,8 +203,9 @@ def restore(state, raw_model, optimizers, sharding, corpus, ranks):
         dcp.load({"model": raw_model.state_dict(), "optimizers": optimizer_state(raw_model, optimizers, sharding, distributed)},
                  checkpoint_id=state["folder"], process_group=ranks.control, no_dist=ranks.control is None)
     elif not isinstance(state["optimizers"], dict):
-        raise checkpoint_io.CheckpointError("this checkpoint keeps its optimizer state by position (an earlier version of this kit); "
-                              "start the run again, or train it on with the kit that wrote it")
+        raise checkpoint_io.CheckpointError("this checkpoint keeps its optimizer state by position (an earlier "
+                                            "version of this kit); start the run again, or train it on with the "
+                                            "kit that wrote it")
     else:
         raw_model.load_state_dict(state["model"])
         names = {p: name for name, p in raw_model.named_parameters()}
@@ -372,8 +373,8 @@ def resume_state(cfg, model_cfg):
             raise FileNotFoundError(f"--resume={cfg.resume}: no such checkpoint")
         state, incompatible, other = load(cfg.resume)
         if incompatible:
-            raise checkpoint_io.CheckpointError(f"{cfg.resume} holds a different model or optimizer: {'; '.join(incompatible)}; "
-                                  "pass the flags it was trained with")
+            raise checkpoint_io.CheckpointError(f"{cfg.resume} holds a different model or optimizer: "
+                                                f"{'; '.join(incompatible)}; pass the flags it was trained with")
         if other:
             runtime.say(f"resuming from {cfg.resume}, which was trained with other settings: {'; '.join(other)}")
         return state
@@ -395,12 +396,12 @@ def resume_state(cfg, model_cfg):
                     + "".join(f"\n  skipped {s}" for s in skipped))
         return state
     if unusable == len(found):
-        raise checkpoint_io.CheckpointError(f"--resume=latest: every checkpoint in {cfg.out_dir} is damaged or unreadable, none is "
-                              f"resumed from; start again with --start_over=true or pass an intact checkpoint "
-                              f"(skipped {' | '.join(skipped)})")
+        raise checkpoint_io.CheckpointError(f"--resume=latest: every checkpoint in {cfg.out_dir} is damaged or "
+                                            f"unreadable, none is resumed from; start again with --start_over=true "
+                                            f"or pass an intact checkpoint (skipped {' | '.join(skipped)})")
     hint = " or --resume_any_config=true to accept other settings" if not cfg.resume_any_config else ""
-    raise checkpoint_io.CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the flags it was "
-                          f"trained with{hint} (skipped {' | '.join(skipped)})")
+    raise checkpoint_io.CheckpointError(f"--resume=latest: no checkpoint in {cfg.out_dir} fits this run; pass the "
+                                        f"flags it was trained with{hint} (skipped {' | '.join(skipped)})")
 
 
 RUN_FILES = ("log.jsonl", "final.pt", "ckpt_*.pt", "ckpt_*.dcp")
