@@ -460,8 +460,12 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
             row_sum = new_sum
             nisa.scalar_tensor_tensor(out_acc, out_acc, nl.multiply, alpha, nl.add, group_out)
 
+    # no division on the hardware (nki.api.shared.rst's ISA operator table; the release notes' known issues):
+    # one VectorE reciprocal of the (128, 1) row sums, then a multiply from PSUM
+    inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
+    nisa.reciprocal(inverse_sum, row_sum)
     out_tile = nl.ndarray((TILE, head_dim), dtype=dtype)
-    nisa.tensor_scalar(out_tile, out_acc, nl.divide, row_sum)
+    nisa.tensor_scalar(out_tile, out_acc, nl.multiply, inverse_sum)
     nisa.dma_copy(out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], out_tile)
 
 
@@ -489,9 +493,9 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
     reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
     on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
-    matmuls accumulating in one PSUM tile over the group; out = acc / sum (one VectorE divide from
-    PSUM). Groups after the first (S > 2048) rescale the running sum and output once each (online
-    softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
+    matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE reciprocal of
+    the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the first
+    (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
     one ScalarE and one VectorE instruction per head.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
