@@ -205,7 +205,14 @@ def _run_kernel(kernel, *args):
     NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
-    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference."""
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference.
+
+    A kernel indexes its HBM arguments as dense row-major arrays, so every tensor goes in contiguous: the
+    model's v is a transposed view of c_v's output, and the gradient reaching attention's output one of
+    c_proj's input. The copy is made here, inside the op, where the compiled graph does not see it (a
+    transpose + copy feeding the op is what inductor miscompiles in 16 bits on some CPUs); a tensor that
+    is already dense is passed as it is."""
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     launch = _jitted(kernel, _logical_core_degree())
     if device.type == "neuron":
@@ -348,15 +355,15 @@ def _load_cols(src, b, h, dtype, on_scalar):
     return tuple(pieces)
 
 
-def _transpose_chunks(dst, src):
+def _transpose_chunks(dst, src, on_scalar):
     """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
-    transposes into one PSUM bank, VectorE copies them out in one instruction (bf16 from PSUM at twice
-    ScalarE's rate, [TRN2] performance mode; ScalarE has the exps)."""
+    transposes into one PSUM bank, one copy takes them out (VectorE: bf16 from PSUM at twice ScalarE's rate,
+    [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
     count = dst.shape[1]
     transposed = nl.ndarray((TILE, count, TILE), dtype=dst.dtype, buffer=nl.psum)
     for c in range(count):
         nisa.nc_transpose(transposed[:, c, :], src[:, c * TILE:(c + 1) * TILE])
-    nisa.tensor_copy(dst, transposed)
+    _evict(dst, transposed, on_scalar)
 
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
@@ -402,11 +409,10 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
             width = min(KEY_BLOCK, group_stop - starts[j])
             block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
             _scores(block, q_cols, k_cols, query_tile, starts[j], mask)
-            if j % 2:  # ScalarE's reduce registers take the max too: they share VectorE's load
-                ignored = nl.ndarray((TILE, width), dtype=dtype)
-                nisa.activation_reduce(ignored, nl.copy, block, reduce_op=nl.maximum, reduce_res=block_max[:, j:j + 1])
-            else:
-                nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
+            # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
+            # activation_reduce), so their max of a row whose scores are all negative would be 0, and
+            # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
+            nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
             scores.append(block)
 
         group_neg_max = neg_max_all[:, query_tile:query_tile + 1] if single_group else \
@@ -443,7 +449,7 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
         for j in range(n_blocks):
             n_chunks = probs[j].shape[1] // TILE
             probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)
-            _transpose_chunks(probs_t, probs[j])
+            _transpose_chunks(probs_t, probs[j], (query_tile + j) % 2 == 1)
             for c in range(n_chunks):
                 nisa.nc_matmul(group_out, probs_t[:, c, :], v_rows[:, starts[j] // TILE + c, :],
                                accumulate=j > 0 or c > 0)
@@ -489,26 +495,28 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece,
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped). Per group of up to 4 blocks
-    (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
-    registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
-    reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
-    on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
+    (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce registers,
+    which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE reading PSUM
+    with the row sum accumulated in its reduce registers over the group's blocks, P cast to the input
+    dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one instruction,
+    VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as 128x128xd
     matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE reciprocal of
     the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the first
     (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
     one ScalarE and one VectorE instruction per head.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
-    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB). PSUM: a group's scores
-    4 banks, P^T 1 KiB, the output tile d*4 bytes, the layout transposes 1 KiB: at most 6 of the 8 banks.
+    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
+    (`_attention_sbuf_bytes`), which bounds S. PSUM, each tile in whole 2 KiB banks: a group's scores 4
+    banks, P^T, the output tile and the layout transposes one each: at most 7 of the 8 banks.
 
     Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
     TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
-    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz) or 576 on ScalarE (480 ns), the exp 576
-    ScalarE cycles, the P^T copy 256 VectorE cycles: split as above, VectorE and ScalarE each land near
-    TensorE. Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 39.2
-    (1.11x), ScalarE 36.5, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound,
-    44.4 us against VectorE 35.7, ScalarE 30.9, DMA 23.9.
+    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz), the exp 576 ScalarE cycles, the P^T copy
+    256 VectorE or 576 ScalarE cycles: split as above, VectorE and ScalarE each land near TensorE.
+    Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5 (1.21x),
+    ScalarE 39.7, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 44.4 us
+    against VectorE 38.3, ScalarE 33.5, DMA 23.9.
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -538,8 +546,8 @@ def flash_attention_fwd_kernel(q, k, v, scale):
 
 def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
     """Query tile i against the key block starting at `start`: adds dV and dK of the block's keys into
-    the PSUM accumulators dk_block, dv_block (one (128 keys, d) tile per 128-key chunk) and dQ of the tile
-    into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the kernel builds."""
+    the PSUM accumulators dk_block, dv_block (one (128 keys, d) slot per 128-key chunk, `_banked_chunks`) and
+    dQ of the tile into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the kernel builds."""
     q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta = head
     k_cols, k_rows, v_cols = kv
     dtype, head_dim = k_rows.dtype, k_rows.shape[2]
@@ -571,7 +579,7 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
         nisa.nc_matmul(dk_block[c], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
 
     dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
-    _transpose_chunks(dscores_t, dscores)
+    _transpose_chunks(dscores_t, dscores, False)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
     for c in range(n_chunks):
         nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :], accumulate=c > 0)
@@ -579,6 +587,20 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
         nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
     else:
         nisa.tensor_tensor(dq_acc[:, query_tile, :], dq_acc[:, query_tile, :], dq_block, nl.add)
+
+
+def _banked_chunks(n_chunks, head_dim):
+    """`n_chunks` (128, d) fp32 PSUM accumulators packed side by side into as few banks as hold them (4 a bank
+    at d = 128, 2 at d = 256): the compiler gives each PSUM tile whole banks, so 8 separate tiles for dK and
+    dV would leave no bank for the scores. Each slot lies inside one bank, as a matmul output must."""
+    per_bank = max(1, min(n_chunks, BANK_FP32 // head_dim))
+    slots = []
+    for first in range(0, n_chunks, per_bank):
+        count = min(per_bank, n_chunks - first)
+        bank = nl.ndarray((TILE, count, head_dim), dtype=nl.float32, buffer=nl.psum)
+        for c in range(count):
+            slots.append(bank[:, c, :])
+    return slots
 
 
 def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
@@ -639,9 +661,10 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
 
     SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
     O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
-    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles. PSUM: scores 2 KiB, dP 2 KiB, dS^T 1 KiB,
-    dQ d*4 bytes, dK and dV accumulators 4 chunks x d*4 bytes each (2 KiB each at d = 128, 4 at d = 256):
-    at most 7 of the 8 banks.
+    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles: 137,216 bytes at the limit,
+    within SBUF_BUDGET (196,608) and the 212,984 usable on a Trn2 partition. PSUM, each tile in whole 2 KiB
+    banks: scores, dP, dS^T and dQ one bank each, the dK and dV accumulators 4 chunks x d*4 bytes each
+    (`_banked_chunks`: one bank each at d = 128, two at d = 256): at most 8 of the 8 banks.
 
     Per full block (d = 128) TensorE spends 512 cycles each on scores and dP and 4 x 128 each on dV, dK,
     dQ and the dS transposes (1280 ns); ScalarE 2 x 512 cycles (exp, the dP shift; 853 ns), VectorE the
@@ -675,10 +698,8 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
             dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                dk_block, dv_block = [], []
-                for c in range(chunks.stop - chunks.start):
-                    dk_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
-                    dv_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
+                dk_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
+                dv_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
                 for i in range(start // TILE, n_tiles):  # only query tiles at or below the block see it
                     _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, i, start)
                 _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
@@ -776,7 +797,13 @@ if nki is not None:
 # contiguous share of the rows. Any row count works: the last tile may be short.
 
 BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving operand (Trn1/Trn2)
-SBUF_BUDGET = 192 * 1024  # bytes per partition the kernels may plan to use: Trn2 has 224 KiB (Trn1: 192)
+# Bytes per SBUF partition a kernel may use: nl.tile_size.total_available_sbuf_size, what the NKI front end
+# leaves of the 24 MiB (Trn2) after its own reservations (leanprover/KLR, KLR/Trace.lean lines 52-54)
+SBUF_USABLE_BYTES = {"trn1": 180_224, "trn2": 212_984, "trn3": 245_752}
+# What the kernels plan to use on the Trn2 they are tuned for: the plans (_mlp_sbuf_plan,
+# _attention_sbuf_bytes) are rounded up, and 16,376 bytes (8%) of the usable figure stay free for the
+# compiler's buffering (192 KiB, what the plans were sized and tested at). Trn1's 180,224 is below it.
+SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
 
 
 def _spans(start, stop, size):
@@ -901,8 +928,9 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
     of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
     and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
-    and 32 tiles; planned 94 and 190 KiB, the emulator measures 76 and 170); d=1536, hidden=6144
-    (phase2) in 3 chunks of 16. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
+    and 32 tiles; planned 96,256 and 194,560 bytes, the emulator measures 76 and 170 KiB); d=1536,
+    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984
+    bytes usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
     bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
     any N.
 
@@ -980,7 +1008,7 @@ def _partial_sums(program_start, program_stop, dim, chunks):
     (rows, d) scratch in HBM, private to the program; None for one chunk, which needs none."""
     if chunks == 1:
         return None
-    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.hbm)
+    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.private_hbm)
 
 
 def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
@@ -1075,8 +1103,9 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
     (weights and fp32 accumulators); plus dy, dy.T and x of a block (3 B d itemsize / 128), one hidden
     tile's elementwise and flipped tiles, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk
-    of 20 tiles (planned 178 KiB, measured 159); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10
-    (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5).
+    of 20 tiles (planned 182,784 bytes, measured 159 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11,
+    11, 10 (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
+    5): within SBUF_BUDGET (196,608), under the 212,984 bytes usable on a Trn2 partition.
     PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
     _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
@@ -2110,8 +2139,8 @@ def _matmul_dtype(x):
 
 def _mlp_sbuf_plan(dim, gated, itemsize, backward):
     """(bytes per hidden tile of a chunk, bytes besides) per SBUF partition that the MLP kernels keep live:
-    the accounting in their docstrings, rounded up (the emulator measures a little less; the rest of
-    SBUF_BUDGET's margin below Trn2's 224 KiB is the compiler's for buffering)."""
+    the accounting in their docstrings, rounded up (the emulator measures a little less; SBUF_BUDGET keeps
+    a margin below the usable 212,984 bytes of a Trn2 partition for the compiler's buffering)."""
     projections = 3 if gated else 2
     if backward:
         block = _mlp_bwd_block_tokens(dim)
@@ -2288,8 +2317,8 @@ def attention(q, k, v, mode="auto"):
     CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
     """
     if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
-        # as they come, no copies in the graph: the kernels change layouts on chip, and index each (S, d)
-        # head per 128-row tile, so v may be the model's transposed view of a (B, T, Hkv, D) tensor
+        # as they come, no copies in the graph: the kernels change layouts on chip, and _run_kernel makes
+        # v (the model's transposed view of a (B, T, Hkv, D) tensor) dense inside the op
         out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)))
         return out
     if q.device.type == "cpu" and q.dtype == torch.float32 and q.size(-2) <= CPU_BLOCK_ATTENTION_MAX_LEN:

@@ -1,0 +1,114 @@
+"""Rules every NKI kernel in kernels.py keeps, whatever op it belongs to: the on-chip memory plans fit the
+target's usable SBUF, PSUM tiles fit the banks, the kernels get dense inputs, and no instruction uses an
+operator the hardware lacks."""
+import ast
+import contextlib
+import dataclasses
+import math
+import pathlib
+from unittest import mock
+
+import pytest
+import torch
+
+import kernels
+import nki_emulator
+from nki_emulator import _memory, _runtime
+
+pytestmark = pytest.mark.skipif(kernels.nki is not nki_emulator, reason="measures what the emulator runs")
+
+PSUM_BANKS, PSUM_BANK_BYTES = 8, 2048  # per partition (the NKI architecture guide's PSUM section)
+
+
+@contextlib.contextmanager
+def on_chip_peaks():
+    """{"sbuf": peak live bytes per partition, "psum": peak live PSUM banks} over the kernels run in the
+    block, tiles counted from first to last use as the emulator counts capacity; a PSUM tile takes whole
+    banks, as the compiler allocates them."""
+    peaks = {"sbuf": 0, "psum": 0}
+    check_capacity = nki_emulator.check_capacity
+
+    def measure(core):
+        for buffer, key, size in ((_memory.SBUF, "sbuf", lambda t: t.nbytes),
+                                  (_memory.PSUM, "psum", lambda t: math.ceil(t.nbytes / PSUM_BANK_BYTES))):
+            tiles = [t for t in core.tiles if t.buffer is buffer and t.first >= 0]
+            live = 0
+            for _, change in sorted([(t.first, size(t)) for t in tiles] + [(t.last + 1, -size(t)) for t in tiles]):
+                live += change
+                peaks[key] = max(peaks[key], live)
+        return check_capacity(core)
+
+    with mock.patch.object(nki_emulator, "check_capacity", measure):
+        yield peaks
+
+
+def random(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+
+
+def test_attention_backward_packs_its_psum_accumulators_into_the_banks():
+    """At d = 256 and a full 512-key block, dK and dV take 4 (128, 256) fp32 chunks each: as separate
+    tiles, 8 banks on their own, 9 with the scores live."""
+    q, k, v = random(1, 1, 512, 256), random(1, 1, 512, 256), random(1, 1, 512, 256)
+    with on_chip_peaks() as peaks:
+        kernels.attention(q, k, v, mode="nki").float().sum().backward()
+    assert peaks["psum"] <= PSUM_BANKS, peaks
+
+
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_mlp_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch, activation):
+    """With SBUF_BUDGET cut so that the hidden units go in several chunks, and the emulator's SBUF cut to
+    that budget, the kernels run: what _mlp_sbuf_plan counts is what they hold."""
+    dim, hidden, budget = 256, 1024, 40 * 1024
+    monkeypatch.setattr(kernels, "SBUF_BUDGET", budget)
+    assert kernels._mlp_chunk_tiles(dim, hidden, activation == "swiglu", 2, backward=True) < hidden // 128
+    monkeypatch.setattr(_runtime, "_target", dataclasses.replace(_runtime.target(), sbuf_partition_bytes=budget))
+    x, w_up, w_down = random(200, dim), random(hidden, dim), random(dim, hidden)
+    w_gate = random(hidden, dim) if activation == "swiglu" else None
+    kernels.mlp(x, w_up, w_down, activation, w_gate, mode="nki").float().sum().backward()
+
+
+def test_attention_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch):
+    seq_len, head_dim = 512, 128
+    plan = kernels._attention_sbuf_bytes(seq_len, head_dim, 2)
+    monkeypatch.setattr(_runtime, "_target", dataclasses.replace(_runtime.target(), sbuf_partition_bytes=plan))
+    q, k, v = random(1, 2, seq_len, head_dim), random(1, 1, seq_len, head_dim), random(1, 1, seq_len, head_dim)
+    kernels.attention(q, k, v, mode="nki").float().sum().backward()
+
+
+def test_the_sbuf_budget_is_within_the_usable_sbuf_of_a_trn2():
+    assert kernels.SBUF_BUDGET <= kernels.SBUF_USABLE_BYTES["trn2"]
+    assert kernels._attention_sbuf_bytes(4096, 128, 2) <= kernels.SBUF_BUDGET  # the longest S it promises
+
+
+def test_kernels_get_dense_inputs(monkeypatch):
+    """The model hands attention v as a transposed view of c_v's output, and the gradient of attention's
+    output arrives as a transposed view of c_proj's input gradient; a kernel reads its HBM arguments as
+    dense arrays, so every tensor must reach it contiguous."""
+    simulate = nki_emulator.simulate
+
+    def dense_only(kernel):
+        def launch(*args):
+            for position, arg in enumerate(args):
+                assert not isinstance(arg, torch.Tensor) or arg.is_contiguous(), \
+                    f"{kernel}: argument {position} {tuple(arg.shape)} is not contiguous"
+            return simulate(kernel)(*args)
+        return launch
+
+    monkeypatch.setattr(nki_emulator, "simulate", dense_only)
+    B, T, H, D = 1, 128, 2, 64
+    q, k = random(B, H, T, D), random(B, H, T, D)
+    v_rows = random(B, T, H, D)
+    out = kernels.attention(q, k, v_rows.transpose(1, 2), mode="nki")
+    out.transpose(1, 2).reshape(B, T, H * D).float().square().sum().backward()  # as model.py reads it
+    assert v_rows.grad is not None
+
+
+def test_no_operator_the_hardware_lacks():
+    """Division and remainders are not in the ISA's operator table (aws-neuron-sdk nki/api/nki.api.shared.rst,
+    "Supported Math Operators for NKI ISA"); the release notes' known issues: they work in simulation and fail
+    on hardware."""
+    tree = ast.parse(pathlib.Path(kernels.__file__).read_text())
+    used = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "nl" and node.attr in ("divide", "mod", "fmod")]
+    assert used == []
