@@ -2596,8 +2596,9 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
     by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
     r * that; one DMA stores dx. HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
-    tiles of 4 H D values, under 200 KiB at H D = 2048 in fp32. GpSimd and VectorE about equally busy,
-    ~1.4x the DMA time (the emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
+    tiles of 4 H D values, at most 192 KiB at H D = 2048 in fp32 (the emulator measures 131,584 bytes live),
+    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time (the
+    emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
     """
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)

@@ -92,7 +92,7 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
     torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
 
 
-@pytest.mark.skipif(kernels.nki is not nki_emulator, reason="sets the emulator's reduce registers as hardware sets them")
+@pytest.mark.skipif(kernels.nki is not nki_emulator, reason="sets the emulator's reduce registers as hardware does")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_whose_scores_are_all_very_negative_stay_exact(monkeypatch, dtype):
     """Every query scores every key it sees near -128 (scaled). ScalarE's reduce registers start a reduction
@@ -340,3 +340,9 @@ def test_cpu_attention_keeps_sdpa_for_bf16_and_long_contexts():
     long = kernels.CPU_BLOCK_ATTENTION_MAX_LEN + 1
     q, k, v = (t.detach().requires_grad_() for t in random_qkv(1, 1, 1, long, 8, torch.float32))
     assert "BlockCausal" not in kernels.attention(q, k, v, mode="torch").grad_fn.__class__.__name__
+
+
+# One small bf16 case of the reference tests above per op, for the kill matrix (tests/test_kill_matrix.py):
+# KernelOp.tests names this file
+KILL_MATRIX = {"attention": [
+    ("attention test", lambda: test_attention_matches_reference(1, 4, 1, 384, 32, torch.bfloat16))]}

@@ -4,6 +4,8 @@ operator the hardware lacks."""
 import ast
 import contextlib
 import dataclasses
+import importlib
+import inspect
 import math
 import pathlib
 from unittest import mock
@@ -112,3 +114,72 @@ def test_no_operator_the_hardware_lacks():
     used = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id == "nl" and node.attr in ("divide", "mod", "fmod")]
     assert used == []
+
+
+# ---- the declarations: every op is declared whole, and the lists come from them ----------------------------
+
+ROOT = pathlib.Path(kernels.__file__).parent
+
+
+def declaration_problems(op):
+    """What op's declaration (kernels.KernelOp) lacks, each naming the part and where it goes; docs/kernels.md,
+    "Adding a kernel op", lists the parts."""
+    problems = []
+    if getattr(kernels, op.name, None) is not op.call or "mode" not in inspect.signature(op.call).parameters:
+        problems.append(f"call: kernels.{op.name}(..., mode=...) is the op model.py calls, declared as call=")
+    if not op.kernels:
+        problems.append("kernels: the NKI kernel functions, forward first")
+    for kernel in op.kernels:
+        doc = kernel.__doc__ or ""
+        if "SBUF" not in doc or "PSUM" not in doc:
+            problems.append(f"kernels: {kernel.__name__}'s docstring states no SBUF and PSUM plan")
+    for part in ("torch_path", "shape_problem", "check_cases"):
+        if not callable(getattr(op, part)):
+            problems.append(f"{part}: not a function")
+    if op.cost_problem is not None and not callable(op.cost_problem):
+        problems.append("cost_problem: a function, or None where the kernels run wherever they take the shapes")
+    if op.name not in kernels.KERNEL_OPS or kernels.parse_kernels(f"{op.name}:nki")[op.name] != "nki":
+        problems.append("name: not in KERNEL_OPS (declare it with _declare)")
+    names = [case[0] for case in op.check_cases(kernels.CheckShapes(), torch.float32, "cpu", torch.Generator())]
+    if not names or len(set(names)) != len(names):
+        problems.append(f"check_cases: no cases, or two with one name: {names}")
+    if not op.kill_matrix or not set(op.kill_matrix) <= set(names):
+        problems.append(f"kill_matrix: names none of its check cases {names}, or one that is not among them")
+    test_file = ROOT / "tests" / op.tests
+    if not test_file.exists():
+        problems.append(f"tests: tests/{op.tests}, its float64 reference tests, does not exist")
+    elif not importlib.import_module(op.tests.removesuffix(".py")).__dict__.get("KILL_MATRIX", {}).get(op.name):
+        problems.append(f"tests: tests/{op.tests} has no KILL_MATRIX[{op.name!r}] (one small bf16 case of its tests)")
+    if f"`{op.name}`" not in (ROOT / "docs" / "kernels.md").read_text():
+        problems.append(f"docs: docs/kernels.md does not name `{op.name}` (the ops list and the kernels table)")
+    return problems
+
+
+@pytest.mark.parametrize("name", kernels.OPS)
+def test_every_op_is_declared_whole(name):
+    assert declaration_problems(kernels.OPS[name]) == []
+
+
+def test_a_declaration_missing_a_part_is_named():
+    """The check above against a declaration that forgot its tests and its docs."""
+    broken = dataclasses.replace(kernels.OPS["rope_norm"], name="rope_norm_copy", tests="test_no_such_file.py")
+    problems = declaration_problems(broken)
+    assert any(p.startswith("tests:") for p in problems) and any(p.startswith("docs:") for p in problems)
+    assert any(p.startswith("name:") for p in problems) and any(p.startswith("call:") for p in problems)
+
+
+@pytest.mark.parametrize("name", kernels.OPS)
+def test_each_check_case_passes_in_fp32(name):
+    """What bench.py --check compares for the op (its check_cases), in fp32 here (the kill matrix runs the bf16
+    ones): NKI against PyTorch, forward and backward."""
+    import bench
+
+    generator = torch.Generator().manual_seed(0)
+    for case, make_inputs, call in kernels.OPS[name].check_cases(kernels.CheckShapes(), torch.float32, "cpu",
+                                                                   generator):
+        bench._check_kernel(call, make_inputs(), grad=True)
+
+
+def test_an_undeclared_op_says_how_to_declare_it():
+    with pytest.raises(ValueError, match=r"not a declared kernel op.*_declare\(KernelOp"):
+        kernels._use_nki("no_such_op", "auto", "cpu")
