@@ -373,10 +373,12 @@ def preview_fallbacks(module, *inputs):
 
 def scoring_kernels(record):
     """The kernels setting that runs each op as `record` (preview_fallbacks) says training did: "prefer"
-    where it ran NKI, "torch" where not; ops it does not name "auto"."""
+    where it ran NKI, "torch" where not; ops it does not name "auto". One mode when every op it names ran one
+    way: an op training never called (one declared after the run, or one this model does not use) follows
+    the others."""
     modes = {op: "prefer" if "nki" in record[op]["ran"] else "torch" for op in KERNEL_OPS if op in record}
-    if len(modes) == len(KERNEL_OPS) and len(set(modes.values())) == 1:
-        return modes[KERNEL_OPS[0]]
+    if len(set(modes.values())) == 1:
+        return next(iter(modes.values()))
     return ",".join(["auto"] + [f"{op}:{mode}" for op, mode in modes.items()])
 
 
