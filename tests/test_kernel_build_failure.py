@@ -123,12 +123,15 @@ def events(out_dir, kind):
         return [e for e in map(json.loads, f) if e["event"] == kind]
 
 
-@pytest.mark.parametrize("compiled, failing", [(False, flash_attention_fwd_kernel), (True, flash_attention_bwd_kernel)])
+@pytest.mark.parametrize("compiled, failing, sharded", [(False, flash_attention_fwd_kernel, False),
+                                                       (False, flash_attention_bwd_kernel, True),
+                                                       (True, flash_attention_bwd_kernel, False)])
 def test_a_run_whose_attention_kernel_fails_to_build_finishes_on_pytorch_attention(tmp_path, data_dir, monkeypatch,
-                                                                                    capsys, compiled, failing):
-    """Eager, the forward fails in the first evaluation; compiled (AOT autograd, as the Neuron backend), the
-    backward fails inside the first step's graph, which is then compiled once more. Either way the run
-    trains on PyTorch attention, with the losses of a run on PyTorch from the start, and final.pt says why."""
+                                                                                    capsys, compiled, failing, sharded):
+    """The forward fails in the first evaluation; the backward inside the first step, after gradients of the
+    layers above reached the (sharded optimizer's) buffer; compiled (AOT autograd, as the Neuron backend),
+    inside the first step's graph, which is then compiled once more. Each run trains on PyTorch attention,
+    with the losses and gradient norms of a run on PyTorch from the start, and final.pt says why."""
     compiles = []
 
     def compile_as_for_neuron(model, **_):
@@ -138,7 +141,8 @@ def test_a_run_whose_attention_kernel_fails_to_build_finishes_on_pytorch_attenti
 
     monkeypatch.setattr(train.torch, "compile", compile_as_for_neuron)
     monkeypatch.setattr(kernels, failing.__name__, failing)
-    result = run(tmp_path / "fell_back", data_dir, f"--compile={compiled}")
+    shard = f"--shard_optimizer={str(sharded).lower()}"
+    result = run(tmp_path / "fell_back", data_dir, f"--compile={compiled}", shard)
     [fallback] = events(tmp_path / "fell_back", "kernel_fallback")
     assert fallback["op"] == "attention" and fallback["why"].startswith(REFUSAL)
     said = [line for line in capsys.readouterr().out.splitlines() if "failed to build" in line]
@@ -149,7 +153,7 @@ def test_a_run_whose_attention_kernel_fails_to_build_finishes_on_pytorch_attenti
     assert len(compiles) == (2 if compiled else 0) and kernels.BUILD_FAILURES == {}  # rebuilt once; gone with the run
     assert train.load_for_eval(str(tmp_path / "fell_back" / "final.pt")).config.kernels == "torch"
 
-    on_torch = run(tmp_path / "torch", data_dir, "--compile=false", "--kernels=torch")
-    losses = [[e["loss"] for e in events(tmp_path / out, "train")] for out in ("fell_back", "torch")]
-    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-6)
+    on_torch = run(tmp_path / "torch", data_dir, "--compile=false", shard, "--kernels=torch")
+    steps = [[(e["loss"], e["grad_norm"]) for e in events(tmp_path / out, "train")] for out in ("fell_back", "torch")]
+    assert len(steps[0]) == 2 and steps[0] == [pytest.approx(s, rel=1e-6) for s in steps[1]]
     assert result["final_eval"]["val_bpb"] == pytest.approx(on_torch["final_eval"]["val_bpb"], rel=1e-6)
