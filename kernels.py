@@ -221,6 +221,9 @@ class KernelOp:
     check_cases(shapes, dtype, device, generator): [(case name, make_inputs, call(*inputs, mode))], what
         --check compares NKI with PyTorch on, forward and backward, at CheckShapes; inputs drawn from
         `generator`, in `dtype` on `device`.
+    model_cases(config, batch_size, device, dtype): [(case name, useful FLOPs forward, forward + backward,
+        make_inputs, call(*inputs, mode))] at a model's shapes (a GPTConfig: what bench.py --kernels, the step
+        estimate and --first_hour run), inputs requiring grad; the name starts with the op's.
     kill_matrix: the check cases the kill matrix (tests/test_kill_matrix.py) runs each wrong kernel against.
     tests: the file in tests/ that compares the op with float64 references; its KILL_MATRIX[name] gives the
         kill matrix one small bf16 case of them.
@@ -232,6 +235,7 @@ class KernelOp:
     shape_problem: object
     cost_problem: object
     check_cases: object
+    model_cases: object
     kill_matrix: tuple
     tests: str
 
@@ -252,6 +256,21 @@ def check_cases(dtype, device, generator, shapes=CheckShapes()):
         for name, make_inputs, call in op.check_cases(shapes, dtype, device, generator):
             cases.append((op.name, name, make_inputs, call))
     return cases
+
+
+def model_cases(config, batch_size, device, dtype):
+    """Every op's KernelOp.model_cases at the shapes of `config` (a GPTConfig) with `batch_size` sequences."""
+    cases = []
+    for op in OPS.values():
+        cases += op.model_cases(config, batch_size, device, dtype)
+    return cases
+
+
+def _model_drawing(device, dtype):
+    """draw(*shape, scale=1.0): standard normal values times scale, in dtype on device, requiring grad."""
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype).requires_grad_()
+    return draw
 
 
 def _drawing(dtype, device, generator):
@@ -1258,10 +1277,22 @@ def _attention_check_cases(shapes, dtype, device, generator):
              lambda q, k, v, mode: attention(q, k, v, mode=mode))]
 
 
+def _attention_model_cases(c, batch_size, device, dtype):
+    """The causal half of q k^T and p v forward; the backward recomputes P: 5 matmuls to the forward's 2."""
+    draw = _model_drawing(device, dtype)
+    B, T, D = batch_size, c.sequence_len, c.head_dim
+    flops = 2 * B * c.n_head * T * T * D
+    return [("attention", flops, 3.5 * flops,
+             lambda: (draw(B, c.n_head, T, D), draw(B, c.n_kv_head, T, D), draw(B, c.n_kv_head, T, D)),
+             lambda q, k, v, mode: attention(q, k, v, mode=mode))]
+
+
 _declare(KernelOp(
-    name="attention", call=attention, kernels=(flash_attention_fwd_kernel, flash_attention_bwd_kernel),
+    name="attention", call=attention,
+    kernels=(flash_attention_fwd_kernel, flash_attention_bwd_kernel),
     torch_path=_attention_torch, shape_problem=_attention_shape_problem, cost_problem=None,
-    check_cases=_attention_check_cases, kill_matrix=("attention",), tests="test_attention_kernels.py"))
+    check_cases=_attention_check_cases, model_cases=_attention_model_cases, kill_matrix=("attention",),
+    tests="test_attention_kernels.py"))
 
 
 # =============================================================================
@@ -1828,10 +1859,23 @@ def _mlp_check_cases(shapes, dtype, device, generator):
     return cases
 
 
+def _mlp_model_cases(c, batch_size, device, dtype):
+    draw = _model_drawing(device, dtype)
+    B, T, C, hidden = batch_size, c.sequence_len, c.n_embd, c.hidden_dim
+    gated = c.mlp == "swiglu"
+    flops = 2 * B * T * C * hidden * (3 if gated else 2)
+    return [(f"mlp ({c.mlp})", flops, 3 * flops,
+             lambda: (draw(B, T, C), draw(hidden, C, scale=C ** -0.5), draw(C, hidden, scale=hidden ** -0.5),
+                      draw(hidden, C, scale=C ** -0.5) if gated else None),
+             lambda x, w_up, w_down, w_gate, mode: mlp(x, w_up, w_down, c.mlp, w_gate, mode=mode))]
+
+
 _declare(KernelOp(
-    name="mlp", call=mlp, kernels=(mlp_fwd_kernel, mlp_bwd_kernel), torch_path=_mlp_torch,
-    shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem, check_cases=_mlp_check_cases,
-    kill_matrix=("mlp leaky_relu2", "mlp gelu"), tests="test_mlp_norm_kernels.py"))
+    name="mlp", call=mlp,
+    kernels=(mlp_fwd_kernel, mlp_bwd_kernel),
+    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem,
+    check_cases=_mlp_check_cases, model_cases=_mlp_model_cases, kill_matrix=("mlp leaky_relu2", "mlp gelu"),
+    tests="test_mlp_norm_kernels.py"))
 
 
 # =============================================================================
@@ -2056,10 +2100,21 @@ def _rms_norm_check_cases(shapes, dtype, device, generator):
             ("rms_norm weighted", lambda: (draw(*rows), weight), lambda x, w, mode: rms_norm(x, w, mode=mode))]
 
 
+def _rms_norm_model_cases(c, batch_size, device, dtype):
+    """No matmul FLOPs (memory-bound). The residual stream is fp32 under autocast, and so are the norms on it:
+    rms_norm_fp32."""
+    draw = _model_drawing(device, dtype)
+    shape = (batch_size, c.sequence_len, c.n_embd)
+    return [("rms_norm", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x, mode=mode)),
+            ("rms_norm_fp32", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x.float(), mode=mode))]
+
+
 _declare(KernelOp(
-    name="rms_norm", call=rms_norm, kernels=(rms_norm_fwd_kernel, rms_norm_bwd_kernel), torch_path=_rms_norm_torch,
-    shape_problem=_rms_norm_shape_problem, cost_problem=None, check_cases=_rms_norm_check_cases,
-    kill_matrix=("rms_norm weighted",), tests="test_mlp_norm_kernels.py"))
+    name="rms_norm", call=rms_norm,
+    kernels=(rms_norm_fwd_kernel, rms_norm_bwd_kernel),
+    torch_path=_rms_norm_torch, shape_problem=_rms_norm_shape_problem, cost_problem=None,
+    check_cases=_rms_norm_check_cases, model_cases=_rms_norm_model_cases, kill_matrix=("rms_norm weighted",),
+    tests="test_mlp_norm_kernels.py"))
 
 
 # =============================================================================
@@ -2241,10 +2296,21 @@ def _add_rms_norm_check_cases(shapes, dtype, device, generator):
              lambda x, branch, mode: torch.stack(add_rms_norm(x, branch, mode=mode)))]
 
 
+def _add_rms_norm_model_cases(c, batch_size, device, dtype):
+    """The stream fp32, the branch (a matmul's output) in the matmul dtype; the two outputs summed, so that
+    both get a gradient."""
+    draw = _model_drawing(device, dtype)
+    shape = (batch_size, c.sequence_len, c.n_embd)
+    return [("add_rms_norm", 0, 0, lambda: (draw(*shape), draw(*shape)),
+             lambda x, branch, mode: sum(o.float() for o in add_rms_norm(x.float(), branch, mode=mode)))]
+
+
 _declare(KernelOp(
-    name="add_rms_norm", call=add_rms_norm, kernels=(add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel),
+    name="add_rms_norm", call=add_rms_norm,
+    kernels=(add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel),
     torch_path=_add_rms_norm_torch, shape_problem=_add_rms_norm_shape_problem, cost_problem=None,
-    check_cases=_add_rms_norm_check_cases, kill_matrix=("add_rms_norm",), tests="test_mlp_norm_kernels.py"))
+    check_cases=_add_rms_norm_check_cases, model_cases=_add_rms_norm_model_cases, kill_matrix=("add_rms_norm",),
+    tests="test_mlp_norm_kernels.py"))
 
 
 # =============================================================================
@@ -2495,11 +2561,21 @@ def _softcap_cross_entropy_check_cases(shapes, dtype, device, generator):
              lambda logits, mode: softcap_cross_entropy(logits, targets, 15.0, vocab, "none", mode=mode))]
 
 
+def _softcap_cross_entropy_model_cases(c, batch_size, device, dtype):
+    draw = _model_drawing(device, dtype)
+    B, T = batch_size, c.sequence_len
+    return [("softcap_cross_entropy", 0, 0, lambda: (draw(B, T, c.padded_vocab_size, scale=8.0),),
+             lambda logits, mode: softcap_cross_entropy(
+                 logits, torch.arange(B * T, device=logits.device).view(B, T) % c.vocab_size, c.logit_softcap,
+                 c.vocab_size, "none", mode=mode))]
+
+
 _declare(KernelOp(
     name="softcap_cross_entropy", call=softcap_cross_entropy,
     kernels=(softcap_cross_entropy_fwd_kernel, softcap_cross_entropy_bwd_kernel),
     torch_path=_softcap_cross_entropy_torch, shape_problem=_softcap_cross_entropy_shape_problem, cost_problem=None,
-    check_cases=_softcap_cross_entropy_check_cases, kill_matrix=("softcap_cross_entropy",),
+    check_cases=_softcap_cross_entropy_check_cases, model_cases=_softcap_cross_entropy_model_cases,
+    kill_matrix=("softcap_cross_entropy",),
     tests="test_cross_entropy_kernel.py"))
 
 
@@ -2732,10 +2808,24 @@ def _rope_norm_check_cases(shapes, dtype, device, generator):
              lambda x, mode: rope_norm(x, cos, sin, shapes.n_head, mode=mode))]
 
 
+def _rope_norm_model_cases(c, batch_size, device, dtype):
+    """q and k of one attention layer as one case: the step prices them together."""
+    from model import rotary_tables  # model.py imports this file
+
+    draw = _model_drawing(device, dtype)
+    B, T, D = batch_size, c.sequence_len, c.head_dim
+    tables = [t.to(device) for t in rotary_tables(T, D, c.rope_base)]
+    return [("rope_norm", 0, 0, lambda: (draw(B, T, c.n_head * D), draw(B, T, c.n_kv_head * D)),
+             lambda q, k, mode: torch.cat((rope_norm(q, *tables, c.n_head, mode=mode).flatten(),
+                                           rope_norm(k, *tables, c.n_kv_head, mode=mode).flatten())))]
+
+
 _declare(KernelOp(
-    name="rope_norm", call=rope_norm, kernels=(rope_norm_fwd_kernel, rope_norm_bwd_kernel), torch_path=_rope_norm_torch,
-    shape_problem=_rope_norm_shape_problem, cost_problem=None, check_cases=_rope_norm_check_cases,
-    kill_matrix=("rope_norm",), tests="test_rope_norm_kernel.py"))
+    name="rope_norm", call=rope_norm,
+    kernels=(rope_norm_fwd_kernel, rope_norm_bwd_kernel),
+    torch_path=_rope_norm_torch, shape_problem=_rope_norm_shape_problem, cost_problem=None,
+    check_cases=_rope_norm_check_cases, model_cases=_rope_norm_model_cases, kill_matrix=("rope_norm",),
+    tests="test_rope_norm_kernel.py"))
 
 
 KERNEL_OPS = tuple(OPS)  # what a per-op kernels setting may name: every declared op, in declaration order

@@ -133,7 +133,7 @@ def declaration_problems(op):
         doc = kernel.__doc__ or ""
         if "SBUF" not in doc or "PSUM" not in doc:
             problems.append(f"kernels: {kernel.__name__}'s docstring states no SBUF and PSUM plan")
-    for part in ("torch_path", "shape_problem", "check_cases"):
+    for part in ("torch_path", "shape_problem", "check_cases", "model_cases"):
         if not callable(getattr(op, part)):
             problems.append(f"{part}: not a function")
     if op.cost_problem is not None and not callable(op.cost_problem):
@@ -143,6 +143,13 @@ def declaration_problems(op):
     names = [case[0] for case in op.check_cases(kernels.CheckShapes(), torch.float32, "cpu", torch.Generator())]
     if not names or len(set(names)) != len(names):
         problems.append(f"check_cases: no cases, or two with one name: {names}")
+    from model import GPTConfig
+
+    config = GPTConfig(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
+    model_cases = op.model_cases(config, 1, "cpu", torch.float32)
+    if not model_cases or not all(case[0].startswith(op.name) and len(case) == 5 for case in model_cases):
+        problems.append("model_cases: no (name, FLOPs forward, FLOPs forward + backward, make_inputs, call) at a "
+                        "model's shapes, or a name that does not start with the op's")
     if not op.kill_matrix or not set(op.kill_matrix) <= set(names):
         problems.append(f"kill_matrix: names none of its check cases {names}, or one that is not among them")
     test_file = ROOT / "tests" / op.tests
