@@ -102,6 +102,8 @@ except ImportError:
 
 
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
+
+
 # -----------------------------------------------------------------------------
 # the operations model.py calls: each asks _use_nki, then runs its NKI path or its PyTorch path (both in
 # the op's own section below)
