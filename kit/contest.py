@@ -223,9 +223,9 @@ KIT_ONLY = {
 ENTRY_POINTS = ("main", "load_for_eval")  # train.py's run and the contest scorer's hook: what the file must reach
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
 # its clock's start): each before its first importer, as a module's names are used at its import only by the
-# modules after it (model.py's kernels.KERNEL_OPS ...)
-BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
-           "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
+# modules after it (model.py's kernels.KERNEL_OPS ...); runtime.py first, before any torch import, as in train.py
+BUNDLED = {"runtime": "kit/runtime.py", "contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py",
+           "flags": "kit/flags.py", "optim": "kit/optim.py", "memory": "kit/memory.py",
            "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 

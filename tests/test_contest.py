@@ -129,6 +129,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     # what the run cannot reach is left out (and yet the file runs, below): the op it never calls, the exporter
     assert "def softcap_cross_entropy_fwd_kernel(" not in source and "def mlp_fwd_kernel(" in source
     assert "def bundle_source(" not in source and "def check_causality(" not in source
+    assert source.index('os.environ["OMP_WAIT_POLICY"] = "PASSIVE"') < source.index("\nimport torch")  # before it loads
 
     # the contest's launch string: no flags; only the exported file and prepare.py in the folder
     step_log = tmp_path / "steps.txt"
@@ -289,3 +290,36 @@ def test_the_exporter_finds_the_ops_the_run_calls():
     chunked = GPT(GPTConfig(**{**config.__dict__, "loss_chunks": 2}))
     assert contest.ops_called(chunked, 2) == set(kernels.KERNEL_OPS) - {"softcap_cross_entropy"}
     assert chunked.training  # left as it was found
+
+
+def test_the_log_and_evaluate_info_say_what_each_op_ran(tmp_path, capsys):
+    """log.jsonl's first record holds the per-op kernels record final.pt keeps; `evaluate.py info` prints it
+    with the step, the configs and the digest status, of a final.pt, of a sharded folder and of a damaged copy."""
+    import evaluate
+
+    out = tmp_path / "out"
+    train.main(TINY + ["--max_steps=2", "--time_budget_s=0", "--eval_tokens=2048", "--sample_tokens=0",
+                       "--checkpoint_every=2", "--shard_optimizer=true", f"--out_dir={out}",
+                       f"--data_dir={tmp_path / 'data'}"])
+    with open(out / "log.jsonl") as f:
+        first = json.loads(f.readline())
+    record = torch.load(out / "final.pt", weights_only=True)["kernels"]
+    assert first["event"] == "config" and first["kernels"] == record and set(record) == set(kernels.KERNEL_OPS)
+    capsys.readouterr()
+
+    info = evaluate.main(["info", f"--checkpoint={out / 'final.pt'}"])
+    printed = capsys.readouterr().out
+    assert info["step"] == 2 and info["digests"] == "intact" and info["kernels"] == record
+    assert "a final checkpoint" in printed and "step 2," in printed and "digests: intact" in printed
+    assert f"  attention  " in printed and record["attention"]["why"] in printed and "n_layer=2" in printed
+
+    folder = evaluate.main(["info", f"--checkpoint={out / 'ckpt_0000002.dcp'}"])
+    assert "sharded" in folder["kind"] and folder["step"] == 2 and folder["digests"] == "intact"
+
+    damaged = bytearray((out / "final.pt").read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    (tmp_path / "damaged.pt").write_bytes(damaged)
+    assert evaluate.main(["info", f"--checkpoint={tmp_path / 'damaged.pt'}"])["digests"].startswith("damaged: ")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit, match="notes.txt .* is not a PyTorch checkpoint"):
+        evaluate.cli(["info", f"--checkpoint={tmp_path / 'notes.txt'}"])
