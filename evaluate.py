@@ -466,8 +466,8 @@ def main(argv=None):
                       help="auto: bf16 autocast on neuron/cuda, fp32 on cpu")
     core.add_argument("--data_dir", help="where the checkpoint's trained tokenizer lives (default: its training run's)")
     core.add_argument("--out", help="the JSON report (default: <checkpoint without .pt>_core.json)")
-    info = commands.add_parser("info", help="what a checkpoint holds: its config, step, kernels record and digest status",
-                               description=run_info.__doc__)
+    info = commands.add_parser("info", description=run_info.__doc__,
+                               help="what a checkpoint holds: its config, step, kernels record and digest status")
     info.add_argument("--checkpoint", default="out/final.pt",
                       help="final.pt, a ckpt_*.pt or a sharded ckpt_*.dcp folder (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -361,7 +361,8 @@ def describe_checkpoint(path):
     that is no checkpoint raises CheckpointError naming it."""
     state = checkpoint_io.load_checkpoint(path, keys=("step", "train_config", "model_config"), mmap=True, verify=False)
     if "folder" in state:
-        kind = f"a sharded resumable checkpoint ({len(os.listdir(path))} files: weights, optimizer state by rank, run state)"
+        files = len(os.listdir(path))
+        kind = f"a sharded resumable checkpoint ({files} files: weights, optimizer state by rank, run state)"
     elif "optimizers" in state:
         kind = "a resumable checkpoint (weights, optimizer state, data position)"
     else:

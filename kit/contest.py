@@ -232,8 +232,9 @@ BUNDLED = {"runtime": "kit/runtime.py", "contest": "kit/contest.py", "kernels": 
 def defined_names(node):
     """The names a top-level statement defines: a def's or class's, an assignment's, or those of an `if` made
     of nothing else (kernels.py's `if nki is not None: _mlp_op = ...`)."""
-    if isinstance(node, ast.If) and all(defined_names(n) and not isinstance(n, ast.If) for n in node.body + node.orelse):
-        return set().union(*(defined_names(n) for n in node.body + node.orelse))
+    branches = node.body + node.orelse if isinstance(node, ast.If) else []
+    if branches and all(defined_names(n) and not isinstance(n, ast.If) for n in branches):
+        return set().union(*map(defined_names, branches))
     targets = getattr(node, "targets", [getattr(node, "target", None)])
     return {n for n in [getattr(node, "name", None)] + [t.id for t in targets if isinstance(t, ast.Name)] if n}
 
@@ -242,7 +243,8 @@ def referenced_names(node):
     """Every name `node` may use from the one file's namespace: bare names, and attributes, which reach the
     inlined modules' names (`kernels.mlp`, `runtime.say`); an attribute of anything else only keeps a
     definition that happens to share its name."""
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
 
 
 def reachable_names(trees, replaced):

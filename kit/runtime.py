@@ -327,8 +327,8 @@ def log_config(log, cfg, trainee, ranks, batch, dtype_reason):
     log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
         f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {batch.micro_steps} micro-step(s) of {batch.tokens // batch.micro_steps:,} "
         f"tokens per step; computing in {cfg.dtype} because {dtype_reason}{threads}", train_config=asdict(cfg),
-        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason,
-        kernels=raw_model.kernels_ran, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type,
+        dtype_reason=dtype_reason, kernels=raw_model.kernels_ran, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
 def epoch_plan(cfg, train_tokens, total_tokens):

@@ -232,7 +232,8 @@ def test_cpu_threads_wait_passively_unless_the_user_says_otherwise(users):
            "sys.meta_path.insert(0, Spy())\n"
            "import train\n"
            "print(Spy.seen[0], '|', train.runtime.omp_wait_policy())\n")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": users} if users else {})
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env |= {"OMP_WAIT_POLICY": users} if users else {}
     result = subprocess.run([sys.executable, "-c", spy], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     at_torch_import, said = result.stdout.strip().split(" | ")
