@@ -15,14 +15,13 @@ In tests, :func:`install` makes ``import nki`` give the real package when it imp
 """
 
 import functools
-import inspect
 import sys
 
 import numpy as np
 
 from . import isa, language, typing
 from ._cost import ASSUMPTIONS, ENGINE_SPECS, estimate, instruction_seconds, matmul_cycles
-from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
+from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
 from ._runtime import Core, Counts, Instruction, NkiValidationError, counting, running, set_target, target
 from ._subset import check_kernel
 
@@ -66,7 +65,6 @@ class Kernel:
         return Kernel(self.fn, lnc, grid=True)
 
     def __call__(self, *args, **kwargs):
-        self._check_arguments(args, kwargs)
         torch_out = any(_is_torch(a) for a in (*args, *kwargs.values()))
         args = tuple(_to_device(a, f"argument {i}") for i, a in enumerate(args))
         kwargs = {k: _to_device(v, f"argument {k!r}") for k, v in kwargs.items()}
@@ -84,19 +82,6 @@ class Kernel:
             # parmoham-aws/test-repo-parmoham).
             return outputs[0]
         return outputs
-
-
-    def _check_arguments(self, args, kwargs):
-        """The NKI front end binds the kernel's own parameters to what the caller passes, positionally
-        or by keyword, and ignores their defaults (leanprover/KLR KLR/NKI/Simplify.lean ``args``,
-        l. 492-505: "argument ... not supplied"); the helpers a kernel calls do take defaults
-        (KLR/Trace/NKI.lean ``bindArgs``, l. 280-299)."""
-        parameters = list(inspect.signature(self.fn).parameters.values())
-        missing = [p.name for p in parameters[len(args):] if p.name not in kwargs
-                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if missing:
-            raise NkiValidationError(f"nki.jit: {self.fn.__qualname__}: argument {missing[0]} not supplied (the NKI "
-                                     f"front end does not apply a kernel's defaults: pass {', '.join(missing)})")
 
 
 # ---- host <-> device -------------------------------------------------------------------------------
@@ -140,8 +125,10 @@ def _to_host(result, torch_out):
         return tuple(_to_host(item, torch_out) for item in result)
     if not isinstance(result, NkiTensor):
         return result
-    if result.buffer is not MemoryRegion.shared_hbm:
-        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated with buffer=nl.shared_hbm; "
+    if result.buffer not in HBM:
+        # nl.hbm (private HBM) outputs are returned too: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst
+        # l. 38-41 and the nonzero_with_count example, nki/api/nki/isa/__init__.py l. 2834-2838
+        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
                                  f"this one is in {result.buffer.value}")
     array = np.array(result._data)
     if not torch_out:

@@ -428,8 +428,10 @@ def _check_slice(k, n, dim):
     start = 0 if start is None else int(start) + (n if start < 0 else 0)
     stop = n if stop is None else int(stop) + (n if stop < 0 else 0)
     step = 1 if step is None else int(step)
-    if not (0 <= start < stop <= n and step >= 1):
-        raise NkiValidationError(f"tensor index: slice {k.start}:{k.stop}:{k.step} is empty or out of bounds "
+    # An empty slice makes an empty view, which only an instruction refuses (``operand``): nki-library's
+    # cross_entropy.py takes ``targets_hbm[nl.ds(0, 0)]`` on the core that gets no positions, and runs.
+    if not (0 <= start <= stop <= n and step >= 1):
+        raise NkiValidationError(f"tensor index: slice {k.start}:{k.stop}:{k.step} is out of bounds "
                                  f"for dim {dim} of size {n}")
     return slice(start, stop, step)
 
@@ -466,7 +468,7 @@ def _check_on_chip_shape(shape, dtype, buffer, what):
         raise NkiValidationError(f"{what}: partition dim {shape[0]} exceeds the {PARTITIONS} partitions of "
                                  f"{buffer.value.upper()} (nl.tile_size.pmax)")
     per_partition = int(np.prod(shape[1:])) * dtype.itemsize
-    limit = target().psum_tile_bytes if buffer is PSUM else target().sbuf_partition_bytes
+    limit = target().psum_tile_bytes if buffer is PSUM else target().sbuf_usable_bytes
     if per_partition > limit:
         kind = "one PSUM bank" if buffer is PSUM else "an SBUF partition"
         raise NkiValidationError(f"{what}: a {shape} {dtype.name} tile needs {per_partition} bytes per partition, "
@@ -493,7 +495,7 @@ def wrap_host(array, buffer, label):
 
 def check_capacity(core):
     """Raise if the live on-chip tiles of ``core`` ever exceeded SBUF or PSUM capacity."""
-    limits = {SBUF: target().sbuf_partition_bytes, PSUM: PSUM_PARTITION_BYTES}
+    limits = {SBUF: target().sbuf_usable_bytes, PSUM: PSUM_PARTITION_BYTES}
     for buffer, limit in limits.items():
         tiles = [t for t in core.tiles if t.buffer is buffer and t.first >= 0]
         events = sorted([(t.first, t.nbytes) for t in tiles] + [(t.last + 1, -t.nbytes) for t in tiles])
@@ -507,8 +509,8 @@ def check_capacity(core):
             listing = "; ".join(f"{t.label} ({t.nbytes} B/partition)" for t in alive[:4])
             raise NkiValidationError(
                 f"{core.issued[peak_at]} (instruction #{peak_at}): {buffer.value.upper()} holds {peak} bytes per "
-                f"partition of live tiles, over the {limit} bytes ({limit // 1024} KiB) per partition of "
-                f"{target().name}; largest live tiles: {listing}")
+                f"partition of live tiles, over the {limit} bytes per partition a kernel may use on {target().name} "
+                f"(nl.tile_size.total_available_sbuf_size for SBUF; 16 KiB for PSUM); largest live tiles: {listing}")
 
 
 # ---- operand access used by the instructions ------------------------------------------------------
@@ -519,6 +521,9 @@ def operand(core, instr, role, t, allowed, why):
         raise NkiValidationError(f"{instr}: {role} must be an NKI tensor, got {type(t).__name__}")
     if t._storage.buffer not in allowed:
         raise NkiValidationError(f"{instr}: {role} is in {t._storage.buffer.value}, but {why}")
+    if t.size == 0:
+        raise NkiValidationError(f"{instr}: {role} is an empty view {t.shape}; an instruction needs at least one "
+                                 "element")
     liveness = t._storage.liveness
     if liveness is not None:
         if liveness.first < 0:

@@ -30,15 +30,18 @@ class Target:
 
     name: str
     nc_version: str  # member name of nki.isa.nc_version
-    sbuf_partition_bytes: int
+    sbuf_partition_bytes: int  # the SBUF memory of one partition (nl.tile_size.sbuf_size_bytes / 128)
+    sbuf_usable_bytes: int  # what a kernel may allocate in one partition (nl.tile_size.total_available_sbuf_size)
     psum_tile_bytes: int  # widest PSUM tile: one bank, or the whole PSUM on NeuronCore-v4
     matmul_dst_dtypes: tuple  # nc_matmul may write these dtypes to PSUM
 
 
+# The usable SBUF per partition is what the NKI front end sets nl.tile_size.total_available_sbuf_size to, per
+# generation (leanprover/KLR KLR/Trace.lean l. 52-54: 180224, 212984, 245752); the compiler keeps the rest.
 TARGETS = {
-    "trn1": Target("trn1", "gen2", 192 * KiB, PSUM_BANK_BYTES, ("float32",)),
-    "trn2": Target("trn2", "gen3", 224 * KiB, PSUM_BANK_BYTES, ("float32",)),
-    "trn3": Target("trn3", "gen4", 256 * KiB, PSUM_PARTITION_BYTES, ("float32", "bfloat16")),
+    "trn1": Target("trn1", "gen2", 192 * KiB, 180224, PSUM_BANK_BYTES, ("float32",)),
+    "trn2": Target("trn2", "gen3", 224 * KiB, 212984, PSUM_BANK_BYTES, ("float32",)),
+    "trn3": Target("trn3", "gen4", 256 * KiB, 245752, PSUM_PARTITION_BYTES, ("float32", "bfloat16")),
 }
 _TARGET_ALIASES = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
 

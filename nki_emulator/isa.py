@@ -18,7 +18,7 @@ all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / t
 ``engine=nisa.gpsimd_engine``.
 """
 
-from enum import Enum
+from enum import Enum, IntEnum
 
 import numpy as np
 
@@ -78,7 +78,10 @@ class dma_engine(Enum):
     gpsimd_dma = 1
 
 
-class nc_version(Enum):
+class nc_version(IntEnum):
+    """Ordered and comparable with ints, as nki-library compares it (``get_nc_version() >= nc_version.gen3``
+    in attention_cte.py, mlp_cte_constants.py; ``>= 3`` in experimental/collectives/fgcc.py)."""
+
     gen2 = 2  # Trn1
     gen3 = 3  # Trn2
     gen4 = 4  # Trn3

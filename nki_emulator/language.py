@@ -88,7 +88,9 @@ class NKIObject:
                     if name in values:
                         raise TypeError(f"{cls.__name__}() got field {name!r} twice")
                     values[name] = kwargs[name]
-                setattr(self, name, values.get(name, getattr(cls, name, None)))
+                # object.__setattr__: a @dataclass(frozen=True) class builds this way too (nki-library's
+                # rmsnorm_quant.py, mlp_cte_tile_info.py declare their NKIObject parameter classes frozen)
+                object.__setattr__(self, name, values.get(name, getattr(cls, name, None)))
             post_init = getattr(self, "__post_init__", None)
             if post_init is not None:
                 post_init()
@@ -132,10 +134,11 @@ class _TileSize:
     gemm_moving_fmax = 512  # nc_matmul moving free size (N)
     bn_stats_fmax = 512
 
-    sbuf_fmax_bytes = property(lambda self: target().sbuf_partition_bytes)
-    sbuf_fmax = property(lambda self: target().sbuf_partition_bytes // 4)
+    # sbuf_fmax_bytes and total_available_sbuf_size: the usable SBUF per partition (aws-neuron-sdk 3afa0fdf
+    # nki/api/nki.language.tile_size.rst l. 40-74); sbuf_size_bytes: the whole SBUF, all partitions
+    sbuf_fmax_bytes = property(lambda self: target().sbuf_usable_bytes)
+    sbuf_fmax = property(lambda self: target().sbuf_usable_bytes // 4)
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
-    # deprecated in NKI 0.4: despite its name the per-partition size (aws-neuron-sdk nki/migration/index.rst)
     total_available_sbuf_size = sbuf_fmax_bytes
 
     @property

@@ -502,13 +502,30 @@ def test_nkiobject_plain_class_attributes_are_fields_built_from_keywords():
         PlainAttributes(offset_of=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Frozen(nl.NKIObject):
+    """As nki-library's rmsnorm_quant.py RmsNormQuantKernelArgs: frozen, with a __post_init__ that checks."""
+    eps: float = 1e-6
+    lower_bound: float = 0.0
+
+    def __post_init__(self):
+        assert self.eps > 0
+
+
+def test_frozen_nkiobject_dataclasses_build_and_stay_frozen():
+    args = Frozen(eps=1e-5)
+    assert (args.eps, args.lower_bound) == (1e-5, 0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.eps = 1.0
+
+
 def test_typing_dtype_and_deprecated_tile_size_names():
     import nki_emulator.typing as nt
 
     assert nt.tensor[128, 512].shape == (128, 512)
     assert isinstance(nl.float32, nki_emulator.dtype)
     # deprecated in 0.4, same value: the usable SBUF bytes per partition (migration guide)
-    assert nl.tile_size.total_available_sbuf_size == nl.tile_size.sbuf_fmax_bytes == 224 * 1024
+    assert nl.tile_size.total_available_sbuf_size == nl.tile_size.sbuf_fmax_bytes == 212984  # KLR Trace.lean l. 53
 
 
 # ---- instructions added for official kernels: semantics from their stub docstrings ------------------------
