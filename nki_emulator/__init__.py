@@ -9,7 +9,8 @@ limit). ``nki.jit`` first checks the kernel's source against the NKI meta-progra
 come back as the same kind, and with torch tensors a kernel that returns one output gives it back bare,
 not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
 :class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`). ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
-trn2) picks the generation whose limits apply. Memory model: see :mod:`._memory`.
+trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6")`` (or env
+``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. Memory model: see :mod:`._memory`.
 
 In tests, :func:`install` makes ``import nki`` give the real package when it imports, else this one.
 """
@@ -22,10 +23,12 @@ import numpy as np
 from . import isa, language, typing
 from ._cost import ASSUMPTIONS, ENGINE_SPECS, estimate, instruction_seconds, matmul_cycles
 from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
-from ._runtime import Core, Counts, Instruction, NkiValidationError, counting, running, set_target, target
+from ._runtime import (Core, Counts, Instruction, NkiValidationError, counting, nki_version, running, set_nki_version,
+                       set_target, target)
 from ._subset import check_kernel
 
-__all__ = ["jit", "simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
+__all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
+           "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
            "language", "isa", "typing", "dtype"]
 
@@ -46,6 +49,9 @@ def simulate(kernel):
     """``nki.simulate``: a callable running ``kernel`` (a jit kernel, ``kernel[lnc]`` or a plain
     function) on the CPU with numpy arrays or torch tensors."""
     return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+
+cpu_simulate = simulate  # the name nki-library's test harness calls (test/utils/simulation_setup.py simulate_kernel)
 
 
 class Kernel:

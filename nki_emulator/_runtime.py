@@ -69,6 +69,37 @@ def target():
     return _target
 
 
+# The NKI release whose documented rules apply. The contest's is 0.4 (Neuron 2.30.0, aws-neuron-sdk 3afa0fdf); 0.6
+# is the current one (Neuron 2.32.0, a3247f5b). A refusal that depends on it names it ("NKI 0.4").
+NKI_VERSIONS = ("0.4", "0.5", "0.6")
+
+
+def _check_version(version):
+    if version not in NKI_VERSIONS:
+        raise ValueError(f"unknown NKI version {version!r} for the emulator; use one of {', '.join(NKI_VERSIONS)}")
+    return version
+
+
+_nki_version = _check_version(os.environ.get("NKI_EMULATOR_NKI_VERSION", "0.4"))
+
+
+def set_nki_version(version):
+    """Select the NKI release whose rules are enforced ("0.4", "0.5" or "0.6"); returns the previous one. The
+    default is the contest's 0.4, or the ``NKI_EMULATOR_NKI_VERSION`` environment variable."""
+    global _nki_version
+    previous, _nki_version = _nki_version, _check_version(version)
+    return previous
+
+
+def nki_version():
+    return _nki_version
+
+
+def nki_since(version):
+    """Whether the selected NKI release is ``version`` or newer."""
+    return NKI_VERSIONS.index(_nki_version) >= NKI_VERSIONS.index(version)
+
+
 class Counts:
     """What kernels did while a :func:`counting` context was open.
 

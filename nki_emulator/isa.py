@@ -24,7 +24,8 @@ import numpy as np
 
 from . import language as nl
 from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
-from ._runtime import NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, target
+from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, nki_since,
+                       nki_version, target)
 from ._unemulated import not_emulated
 
 
@@ -59,6 +60,9 @@ class dge_mode(Enum):
     swdge = 1
     hwdge = 2
     none = 3
+
+
+_DGE = dge_mode  # the enum, under a name that the dge_mode arguments of the DMA instructions do not hide
 
 
 class oob_mode(Enum):
@@ -155,6 +159,11 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
              name=None):
     """DMA ``dst = src`` between HBM and SBUF (or within either). Elements are copied in row-major order
     and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach."""
+    _check_dma_options("dma_copy", priority, dge_mode, engine)
+    if dge_mode is _DGE.hwdge and dst.dtype != src.dtype:
+        # NKI 0.3.0 breaking change: aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 189
+        raise NkiValidationError(f"dma_copy: with dge_mode=hwdge src and dst need one dtype (got {src.dtype.name} and "
+                                 f"{dst.dtype.name}); reinterpret with .view() or convert on an engine")
     core = begin("dma_copy")
     for role, t in (("dst", dst), ("src", src)):
         operand(core, "dma_copy", role, t, (SBUF,) + HBM,
@@ -170,6 +179,20 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     count_dma(dst.size * dst.dtype.itemsize)
     rows = dst if dst.buffer is SBUF or src.buffer is not SBUF else src  # the SBUF side sets the rows
     count("dma_copy", "dma", *_layout(rows), dst, (src,))
+
+
+def _check_dma_options(instr, priority, mode, dma_engine_choice):
+    """dma_copy / dma_transpose parameters (isa stub l. 314-324): priority 0-3 needs NeuronCore-v4 and a DGE; hardware
+    DGE needs NeuronCore-v3; ``engine`` (sync or scalar) only with hardware DGE."""
+    if priority is not None and (target().nc_version != "gen4" or mode is _DGE.none or priority not in range(4)):
+        raise NkiValidationError(f"{instr}: priority (0-3) needs NeuronCore-v4 (trn3) and DGE on; target "
+                                 f"{target().name}, dge_mode {mode.name}, priority {priority!r}")
+    if mode is _DGE.hwdge and target().nc_version == "gen2":
+        raise NkiValidationError(f"{instr}: dge_mode=hwdge needs NeuronCore-v3 or newer, not {target().name}")
+    if dma_engine_choice is not engine.unknown and (mode is not _DGE.hwdge
+                                                    or dma_engine_choice not in (engine.sync, engine.scalar)):
+        raise NkiValidationError(f"{instr}: engine= (nki.isa.engine.sync or .scalar) is only valid with "
+                                 "dge_mode=hwdge")
 
 
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
@@ -192,6 +215,8 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
 
 def memset(dst, value, engine=engine.unknown, name=None):
     """Fill a tile with a constant (VectorE by default, or GpSimd)."""
+    if hasattr(value, "shape"):  # "a compile-time constant value": isa stub l. 355
+        raise NkiValidationError("memset: value must be a compile-time constant number, not a tile")
     eng = _pick_engine("memset", engine, ("vector", "gpsimd"), "vector")
     core = begin("memset")
     _operands(core, "memset", eng, dst=dst)
@@ -225,6 +250,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if bool(tile_position) != bool(tile_size):
         raise NkiValidationError("nc_matmul: tile_position and tile_size must be set together")
     rows, columns = tile_size or (PARTITIONS, PARTITIONS)
+    if tile_size:
+        _check_matmul_tiling(tile_position, tile_size)
     (k, m), (k_moving, n) = _layout(stationary), _layout(moving)
     n_max = target().psum_tile_bytes // dst.dtype.itemsize
     if k != k_moving:
@@ -260,12 +287,30 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
 
 
+def _check_matmul_tiling(tile_position, tile_size):
+    """Tensor Engine tiling (isa stub, aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 416-437): rows and
+    columns each split into 2x 64 (NeuronCore-v2 on) or 4x 32 (v3 on); a tile starts at a multiple of its size inside
+    the 128x128 array. Column tiling is used by nki-library's qkv_tkg.py, so the param line's "start_column must be
+    0" (l. 550) is not enforced."""
+    sizes = (128, 64) if target().nc_version == "gen2" else (128, 64, 32)
+    for what, size, start in zip(("row", "column"), tile_size, tile_position):
+        if size not in sizes:
+            raise NkiValidationError(f"nc_matmul: tile_size {what} size {size} is not one of {sizes} on "
+                                     f"{target().name} (32 needs NeuronCore-v3 or newer)")
+        if start % size or not 0 <= start < PARTITIONS:
+            raise NkiValidationError(f"nc_matmul: tile_position start_{what} {start} must be a multiple of the "
+                                     f"{what} size {size} below {PARTITIONS}")
+
+
 def _check_matmul_dtypes(dst, stationary, moving):
     allowed = _MATMUL_INPUTS + (("float8_e4m3fn",) if target().nc_version == "gen4" else ())
     for role, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype.name not in allowed:
             raise NkiValidationError(f"nc_matmul: {role} dtype {t.dtype.name} is not a TensorE input dtype on "
                                      f"{target().name} ({', '.join(allowed)})")
+    if {stationary.dtype.name, moving.dtype.name} == {"float8_e4m3", "float8_e4m3fn"}:  # isa stub l. 472
+        raise NkiValidationError("nc_matmul: float8_e4m3 (legacy) and float8_e4m3fn (OCP) cannot be mixed in one "
+                                 "matmul")
     if (stationary.dtype == FP32) != (moving.dtype == FP32):
         raise NkiValidationError(f"nc_matmul: a float32 operand needs a float32 partner, got stationary "
                                  f"{stationary.dtype.name} and moving {moving.dtype.name}")
@@ -309,35 +354,43 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None):
-    """``dst = op(data * scale + bias)`` on ScalarE, in fp32. ``scale``: scalar or float32 (P, 1) tile;
-    ``bias``: (P, 1) tile of any dtype, or a scalar from trn2 on. The engine's 128 per-lane registers
-    can sum the activated values along the free axis, under ``reduce_cmd`` (reset zeroes them,
-    reduce adds this instruction's row sums, reset_reduce does both); ``reduce_res`` (P, 1) receives
-    the registers. ``reduce_op`` must be nl.add."""
+    """``dst = op(data * scale + bias)`` on ScalarE, in fp32. ``op``: a function of the activation table;
+    ``scale``: scalar or float32 (P, 1) tile; ``bias``: (P, 1) tile of any dtype, or a scalar from trn2 on. The
+    engine's 128 per-lane registers can reduce the activated values along the free axis, under ``reduce_cmd``
+    (reset zeroes them, reduce combines this instruction's row results with them, reset_reduce does both);
+    ``reduce_res`` (P, 1) receives the registers. ``reduce_op`` must be nl.add (isa stub l. 1076)."""
     _activation("activation", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, (nl.add,))
 
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
-    """``activation`` plus a free-axis reduction of its result into ``reduce_res`` (P, 1), i.e.
-    activation with ``reduce_cmd=reset_reduce``. ``reduce_op``: nl.add (only that on trn1), nl.maximum,
-    nl.minimum."""
-    allowed = (nl.add,) if target().nc_version == "gen2" else (nl.add, nl.maximum, nl.minimum)
-    if reduce_res is None:
-        raise NkiValidationError("activation_reduce: reduce_res is required")
+    """``activation`` plus a free-axis reduction of its result into ``reduce_res`` (P, 1): activation with
+    ``reduce_cmd=reset_reduce``. ``reduce_op``: a legal reduction op, only nl.add on trn1 (isa stub l. 1173). The
+    registers are first reset to zero (l. 1177), so nl.maximum yields max(0, row max) and nl.minimum min(0, row
+    min), as the emulator computes. ``reduce_res=None`` keeps the result in the registers from NKI 0.6 on."""
+    if reduce_res is None and not nki_since("0.6"):
+        raise NkiValidationError(f"activation_reduce: reduce_res is required in NKI {nki_version()} (aws-neuron-sdk "
+                                 "3afa0fdf nki/api/nki/isa/__init__.py l. 1158; None is accepted from NKI 0.6)")
+    allowed = (nl.add,) if target().nc_version == "gen2" else None
     _activation("activation_reduce", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd.reset_reduce,
                 allowed)
 
 
-_IDENTITY = {nl.add: 0.0, nl.maximum: -np.inf, nl.minimum: np.inf}
+_ACTIVATION_TABLE = "aws-neuron-sdk nki/api/nki.api.shared.rst l. 129-200, Supported Activation Functions for NKI ISA"
 
 
 def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, command, reduce_ops):
     if op not in nl.ACTIVATIONS:
-        raise NkiValidationError(f"{instr}: op must be an nl activation function (nl.exp, nl.copy, ...), got {op!r}")
-    if reduce_op is not None and reduce_op not in reduce_ops:
-        raise NkiValidationError(f"{instr}: reduce_op must be one of {', '.join(o.__name__ for o in reduce_ops)}")
-    if bias is not None and not hasattr(bias, "shape") and target().nc_version == "gen2":
-        raise NkiValidationError(f"{instr}: bias must be a (P, 1) tile on trn1 (scalar bias needs trn2 or newer)")
+        name = getattr(op, "__name__", repr(op))
+        raise NkiValidationError(f"{instr}: op={name} is not a function of the activation table ({_ACTIVATION_TABLE}); "
+                                 "e.g. nl.exp, nl.copy, nl.square, nl.tanh")
+    if reduce_op is not None:
+        _check_reduce_op(instr, "reduce_op", reduce_op, reduce_ops)
+    if bias is not None and target().nc_version == "gen2":
+        if not hasattr(bias, "shape"):  # isa stub l. 1134
+            raise NkiValidationError(f"{instr}: bias must be a (P, 1) tile on trn1 (scalar bias needs trn2 or newer)")
+        if op is nl.reciprocal:  # shared.rst l. 230
+            raise NkiValidationError(f"{instr}: op=nl.reciprocal takes no bias on trn1 (NeuronCore-v2; aws-neuron-sdk "
+                                     "nki/api/nki.api.shared.rst l. 230)")
     core = begin(instr)
     _operands(core, instr, "scalar", dst=dst, data=data, reduce_res=reduce_res)
     _same_layout(instr, ("data", data), ("dst", dst))
@@ -355,9 +408,10 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, comman
     write(dst, y)
     regs = core.activation_regs
     if command in (reduce_cmd.reset, reduce_cmd.reset_reduce):
-        regs[:p] = _IDENTITY[reduce_op or nl.add]
+        regs[:p] = 0.0  # "reduce_regs = 0" for every reduce_op: isa stub l. 1100 and 1177
     if command in (reduce_cmd.reduce, reduce_cmd.reset_reduce):
-        regs[:p] = nl.ALU_BINARY[reduce_op or nl.add](regs[:p], nl.REDUCTIONS[reduce_op or nl.add](y, axis=1))
+        reduce_op = reduce_op or nl.add
+        regs[:p] = nl.ALU_BINARY[reduce_op](regs[:p], nl.REDUCTIONS[reduce_op](y, axis=1))
     if reduce_res is not None:
         if _layout(reduce_res) != (p, 1):
             raise NkiValidationError(f"{instr}: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
@@ -367,13 +421,41 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, comman
 
 # ---- VectorE / GpSimd ------------------------------------------------------------------------------------
 
+_OPERATOR_TABLE = "aws-neuron-sdk nki/api/nki.api.shared.rst l. 50-127, Supported Math Operators for NKI ISA"
+
+
+def _check_alu_op(instr, role, op, unary_allowed=True):
+    """``op`` must be a row of the ISA's operator table (binary, or unary where the instruction takes one); nl.divide,
+    nl.mod and nl.fmod are refused with the release notes' words."""
+    if op in nl.NOT_ON_HARDWARE:
+        raise NkiValidationError(f"{instr}: {role}=nl.{op.__name__} is {nl.NOT_ON_HARDWARE[op]}")
+    if op in nl.ALU_BINARY or (unary_allowed and op in nl.ALU_UNARY):
+        return
+    name = getattr(op, "__name__", repr(op))
+    raise NkiValidationError(f"{instr}: {role}={name} is not an operator of the ISA's operator table ({_OPERATOR_TABLE})"
+                             f"{'' if unary_allowed else ' that takes two operands'}; e.g. nl.add, nl.multiply, "
+                             "nl.maximum, nl.subtract")
+
+
+def _check_reduce_op(instr, role, op, allowed=None):
+    """``op`` must be marked "Legal Reduction op" = Y in the operator table (and among ``allowed`` if given)."""
+    if allowed is not None and op not in allowed:
+        names = ", ".join(f"nl.{o.__name__}" for o in allowed)
+        raise NkiValidationError(f"{instr}: {role} must be {names}, got {getattr(op, '__name__', op)}")
+    if op in nl.REDUCTION_NOT_EMULATED:
+        raise NotImplementedError(f"{instr}: {role}=nl.{op.__name__} (a legal reduction op) is not emulated")
+    if op not in nl.REDUCTIONS:
+        raise NkiValidationError(f"{instr}: {role}={getattr(op, '__name__', op)} is not a legal reduction op (the "
+                                 f"'Legal Reduction op' column of {_OPERATOR_TABLE}: nl.add, nl.subtract, "
+                                 "nl.multiply, nl.maximum, nl.minimum and the bitwise/logical and, or, xor)")
+
+
 def _alu(instr, op, x, operand_value, reverse):
     """One ALU step of tensor_scalar / scalar_tensor_tensor: ``x op operand`` (reversed if asked);
     unary operators ignore the operand."""
+    _check_alu_op(instr, "op", op)
     if op in nl.ALU_UNARY:
         return nl.ALU_UNARY[op](x)
-    if op not in nl.ALU_BINARY:
-        raise NkiValidationError(f"{instr}: op must be an nl ALU operator (nl.add, nl.multiply, ...), got {op!r}")
     fn = nl.ALU_BINARY[op]
     return fn(operand_value, x) if reverse else fn(x, operand_value)
 
@@ -389,8 +471,10 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     if data1.buffer is PSUM and data2.buffer is PSUM:
         raise NkiValidationError("tensor_tensor: data1 and data2 are both in PSUM; at most one input may be in PSUM")
     _same_layout("tensor_tensor", ("data1", data1), ("data2", data2), ("dst", dst))
-    if op not in nl.ALU_BINARY:
-        raise NkiValidationError(f"tensor_tensor: op must be a binary nl ALU operator, got {op!r}")
+    _check_alu_op("tensor_tensor", "op", op, unary_allowed=False)
+    if op is nl.power and eng != "gpsimd":  # "nl.power. (Which runs on the GpSimd engine.)": isa stub l. 832
+        raise NkiValidationError(f"tensor_tensor: op=nl.power runs on GpSimd only (aws-neuron-sdk nki/api/nki/isa/"
+                                 f"__init__.py tensor_tensor), not on {eng}")
     x1, x2 = read("tensor_tensor", "data1", data1), read("tensor_tensor", "data2", data2)
     with _quiet():
         y = nl.ALU_BINARY[op](x1, x2.reshape(x1.shape))
@@ -404,6 +488,14 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     tile broadcast along the free axis; ``reverse`` puts the operand on the left. VectorE by default;
     ScalarE on trn2 only does (multiply[, add]) or (add); GpSimd only rsqrt."""
     eng = _pick_engine("tensor_scalar", engine, ("vector", "scalar", "gpsimd"), "vector")
+    _check_alu_op("tensor_scalar", "op0", op0)
+    if op0 in nl.ALU_UNARY and operand0 not in (None, 0):  # isa stub l. 911
+        raise NkiValidationError(f"tensor_scalar: operand0 must be None or 0 when op0 is the unary "
+                                 f"nl.{op0.__name__} (aws-neuron-sdk nki/api/nki/isa/__init__.py tensor_scalar)")
+    if op1 is None and operand1 is not None:  # "op1 and operand1 ... must be None when unused": isa stub l. 876
+        raise NkiValidationError("tensor_scalar: operand1 is given without op1; both must be None when unused")
+    if op1 is not None:
+        _check_alu_op("tensor_scalar", "op1", op1)
     if eng == "gpsimd" and op0 is not nl.rsqrt:
         raise NkiValidationError("tensor_scalar: GpSimd runs only op0=nl.rsqrt")
     if eng == "scalar" and target().nc_version == "gen3" and \
@@ -429,6 +521,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
     """``dst = (data op0 operand0) op1 operand1`` in fp32 on VectorE: operand0 a scalar or (P, 1) tile,
     operand1 a tile shaped like data. data and operand1 may not both be in PSUM."""
+    _check_alu_op("scalar_tensor_tensor", "op0", op0)
+    _check_alu_op("scalar_tensor_tensor", "op1", op1, unary_allowed=False)
     core = begin("scalar_tensor_tensor")
     _operands(core, "scalar_tensor_tensor", "vector", dst=dst, data=data, operand1=operand1)
     if data.buffer is PSUM and operand1.buffer is PSUM:
@@ -455,8 +549,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if not axes or axes[0] == 0 or axes != tuple(range(axes[0], data.ndim)):
         raise NkiValidationError(f"tensor_reduce: axis {axis} must be the last contiguous free axes of a "
                                  f"{data.ndim}-d tile (partition axis 0 cannot be reduced)")
-    if op not in nl.REDUCTIONS:
-        raise NkiValidationError(f"tensor_reduce: op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
+    _check_reduce_op("tensor_reduce", "op", op)
     y = nl.REDUCTIONS[op](read("tensor_reduce", "data", data), axis=axes)
     if negate:
         y = -y
@@ -493,6 +586,9 @@ def _affine(instr, pattern, offset, channel_multiplier, partitions, free):
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """GpSimd writes ``offset + p * channel_multiplier + sum_i step_i * idx_i`` (integer arithmetic)
     into an SBUF tile, cast to its dtype."""
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (offset, channel_multiplier)):
+        raise NkiValidationError(f"iota: offset and channel_multiplier are int32 values (isa stub l. 1345), got "
+                                 f"{offset!r} and {channel_multiplier!r}")
     core = begin("iota")
     _operands(core, "iota", "gpsimd", dst=dst)
     p, f = _layout(dst)
@@ -504,6 +600,8 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
                   name=None):
     """GpSimd: ``dst = on_true_tile`` where ``cmp_op(affine value, 0)`` (the affine value as in iota),
     else ``on_false_value`` -- the causal mask. Both tiles in SBUF."""
+    if hasattr(on_false_value, "shape"):  # "on_false_value must be float32": isa stub l. 1447, a scalar
+        raise NkiValidationError("affine_select: on_false_value is a float32 scalar, not a tile")
     core = begin("affine_select")
     _operands(core, "affine_select", "gpsimd", dst=dst, on_true_tile=on_true_tile)
     _same_layout("affine_select", ("on_true_tile", on_true_tile), ("dst", dst))
@@ -563,6 +661,19 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     one). Both lowerings the stub describes need a 2-byte dtype and ``src.shape[-1] <= 128``; the
     indirect (``vector_offset``) form is not emulated."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
+    if dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
+        raise NkiValidationError(f"dma_transpose: dge_mode must be unknown or hwdge for a direct transpose, got "
+                                 f"{dge_mode.name}")
+    if dge_mode is _DGE.hwdge:
+        # NKI 0.4: src.shape[0] == 16 and src.shape[-1] % 128 == 0 (3afa0fdf isa stub l. 702-703); NKI 0.6 relaxed
+        # them to src.shape[0] in {1, 2, 4, 8, 16} and src.shape[-1] <= 128 (a3247f5b release notes l. 37-39)
+        rows_ok = src.shape[0] in ((1, 2, 4, 8, 16) if nki_since("0.6") else (16,))
+        columns_ok = src.shape[-1] <= PARTITIONS if nki_since("0.6") else src.shape[-1] % PARTITIONS == 0
+        if not (rows_ok and columns_ok):
+            raise NkiValidationError(f"dma_transpose: a hardware-DGE transpose of src {src.shape} breaks NKI "
+                                     f"{nki_version()}'s limits on src.shape[0] and src.shape[-1] (aws-neuron-sdk "
+                                     "nki/api/nki/isa/__init__.py dma_transpose; relaxed in NKI 0.6)")
     core = begin("dma_transpose")
     operand(core, "dma_transpose", "dst", dst, (SBUF,), "the DMA transpose writes only SBUF")
     operand(core, "dma_transpose", "src", src, (SBUF,) + HBM, "the DMA transpose reads HBM or SBUF")
@@ -596,9 +707,8 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     if data0.buffer is PSUM and data1.buffer is PSUM:
         raise NkiValidationError("tensor_tensor_scan: data0 and data1 are both in PSUM; at most one may be")
     _same_layout("tensor_tensor_scan", ("data0", data0), ("data1", data1), ("dst", dst))
-    for op in (op0, op1):
-        if op not in nl.ALU_BINARY:
-            raise NkiValidationError(f"tensor_tensor_scan: op0 and op1 must be binary nl ALU operators, got {op!r}")
+    for role, op in (("op0", op0), ("op1", op1)):  # "any binary arithmetic operator": isa stub l. 1662
+        _check_alu_op("tensor_tensor_scan", role, op, unary_allowed=False)
     p, f = _layout(data0)
     x0 = read("tensor_tensor_scan", "data0", data0).reshape(p, f)
     x1 = read("tensor_tensor_scan", "data1", data1).reshape(p, f)
@@ -621,17 +731,24 @@ _VECTOR_REDUCE_OPS = {nl.add: nl.add, nl.multiply: nl.multiply, nl.maximum: nl.m
 
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
-    """VectorE ``dst = data op0 operand0`` (as tensor_scalar, one operator) plus a reduction of the result
-    over all free axes into VectorE's per-lane accumulator registers (the 0.6 stub): ``reset_reduce``
-    starts them at the identity of ``reduce_op`` (0, 1, -inf, +inf for add, multiply, max, min),
-    ``reduce`` keeps accumulating, ``load_reduce`` starts from ``reduce_init`` (scalar or float32 (P, 1)
-    tile). ``reduce_res`` (P, 1), if given, receives the registers, negated if ``reduce_res_negate``.
-    ``reverse0`` is documented as not supported yet and is refused."""
+    """VectorE ``dst = data op0 operand0`` (as tensor_scalar, one arithmetic operator) plus a reduction of the result
+    over all free axes into VectorE's per-lane accumulator registers: ``reset_reduce`` starts them at 0 in NKI 0.4
+    and 0.5 (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 2151: nl.max gives max(0, row max)) and at the
+    identity of ``reduce_op`` from 0.6 (a3247f5b l. 2541: 0, 1, -inf, +inf for add, multiply, max, min);
+    ``reduce`` keeps accumulating, ``load_reduce`` starts from ``reduce_init`` (scalar or float32 (P, 1) tile).
+    ``reduce_res`` (P, 1) receives the registers: required before 0.6 (0.4 signature, l. 2125); from 0.6 it may be
+    None, and ``reduce_res_negate`` negates what it receives. ``reverse0`` is documented as not supported yet."""
     if reverse0:
-        raise NkiValidationError("tensor_scalar_reduce: reverse0 is not supported (NKI 0.6)")
+        raise NkiValidationError("tensor_scalar_reduce: reverse0 is not supported (aws-neuron-sdk nki/api/nki/isa/"
+                                 "__init__.py tensor_scalar_reduce: 'not supported yet')")
+    if not nki_since("0.6") and (reduce_res is None or reduce_res_negate):
+        raise NkiValidationError(f"tensor_scalar_reduce: NKI {nki_version()} requires reduce_res and has no "
+                                 "reduce_res_negate (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 2125; both "
+                                 "came in NKI 0.6)")
+    _check_alu_op("tensor_scalar_reduce", "op0", op0)
     if reduce_op not in _VECTOR_REDUCE_OPS:
-        raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min, "
-                                 f"got {reduce_op!r}")
+        raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min "
+                                 f"(isa stub l. 2138), got {getattr(reduce_op, '__name__', reduce_op)}")
     if reduce_cmd not in (_COMMANDS.reset_reduce, _COMMANDS.reduce, _COMMANDS.load_reduce):
         raise NkiValidationError(f"tensor_scalar_reduce: reduce_cmd must be reset_reduce, reduce or load_reduce, "
                                  f"got {reduce_cmd}")
@@ -650,7 +767,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     write(dst, y)
     regs = core.vector_regs
     if reduce_cmd is _COMMANDS.reset_reduce:
-        regs[:p] = _REDUCE_IDENTITY[reduce_op]
+        regs[:p] = _REDUCE_IDENTITY[reduce_op] if nki_since("0.6") else 0.0
     elif reduce_cmd is _COMMANDS.load_reduce:
         initial = _scalar_or_column(core, "tensor_scalar_reduce", "reduce_init", reduce_init, p, "vector", True)
         regs[:p] = np.broadcast_to(initial, (p, 1)).reshape(p)

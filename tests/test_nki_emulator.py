@@ -289,12 +289,12 @@ def test_tensor_scalar(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", [nl.add, nl.subtract, nl.multiply, nl.maximum, nl.divide, nl.greater_equal],
+@pytest.mark.parametrize("op", [nl.add, nl.subtract, nl.multiply, nl.maximum, nl.power, nl.greater_equal],
                          ids=lambda op: op.__name__)
 def test_tensor_tensor(op, dtype):
     a, b = rand((128, 256), dtype, seed=1), rand((128, 256), dtype, low=0.5, seed=2)
     expected = {nl.add: np.add, nl.subtract: np.subtract, nl.multiply: np.multiply, nl.maximum: np.maximum,
-                nl.divide: np.divide, nl.greater_equal: lambda u, v: (u >= v).astype(np.float32)}[op]
+                nl.power: np.power, nl.greater_equal: lambda u, v: (u >= v).astype(np.float32)}[op]
 
     def body(x, y):
         dst = nl.ndarray((128, 2, 128), x.dtype, buffer=nl.sbuf)  # same elements per partition suffice
@@ -390,24 +390,31 @@ def test_bn_stats_bn_aggr(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_language_helpers(dtype):
-    x, y = rand((128, 64), dtype, seed=1), rand((64, 256), dtype, seed=2)
+    x, y = rand((64, 128), dtype, seed=1), rand((64, 256), dtype, seed=2)
+
+    def to_sbuf(t):
+        if t.buffer == nl.sbuf:
+            return t
+        evicted = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=evicted, src=t)
+        return evicted
 
     @jit
     def kernel(x, y):
         a, b = nl.load(x), nl.load(y)
-        product = nl.copy(nl.matmul(a, b))  # x @ y (transposes a on TensorE first)
+        product = nl.matmul(a, b, transpose_x=True)  # x.T @ y, the contraction on partitions
         e = nl.exp(nl.multiply(a, 0.5))
         row_max = nl.max(e, axis=1)
-        centred = nl.subtract(e, row_max)  # (P, 1) column broadcast
+        centred = nl.subtract(e, nl.broadcast_to(row_max, e.shape))  # the wrappers do not broadcast themselves
         stats = nl.add(nl.sum(centred, axis=1, dtype=nl.float32), nl.mean(a, axis=1))
         outs = []
-        for t in (product, nl.transpose(a), stats):
+        for t in (nl.copy(product), nl.transpose(a), stats):
             outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
-            nl.store(outs[-1], t if t.buffer == nl.sbuf else nl.copy(t))
+            nl.store(outs[-1], to_sbuf(t))
         return tuple(outs)
 
     product, transposed, stats = kernel(x, y)
-    check(product, f32(x) @ f32(y), np.float32)  # matmul results are fp32 (PSUM)
+    check(product, f32(x).T @ f32(y), np.float32)  # matmul results are fp32 (PSUM)
     np.testing.assert_array_equal(transposed, x.T)
     e = f32(np.exp(f32(x) * 0.5).astype(dtype))
     centred = (e - e.max(axis=1, keepdims=True)).astype(dtype)
