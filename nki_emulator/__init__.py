@@ -17,13 +17,14 @@ In tests, :func:`install` makes ``import nki`` give the real package when it imp
 
 import functools
 import sys
+import threading
 
 import numpy as np
 
 from . import isa, language, typing
 from ._cost import ASSUMPTIONS, ENGINE_SPECS, estimate, instruction_seconds, matmul_cycles
 from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
-from ._runtime import (Core, Counts, Instruction, NkiValidationError, counting, nki_version, running, set_nki_version,
+from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
                        set_target, target)
 from ._subset import check_kernel
 
@@ -70,17 +71,46 @@ class Kernel:
                                      f"got {lnc!r}")
         return Kernel(self.fn, lnc, grid=True)
 
+    def _run_programs(self, args, kwargs):
+        """Run the launch's programs (program 0 first, then the other where program 0 waits in a sendrecv or ends);
+        the last program's return value is the kernel's."""
+        launch = Launch()
+        results, errors = [None] * self.lnc, [None] * self.lnc
+        holding = [threading.Event() for _ in range(self.lnc)]
+
+        def program(program_id):
+            with launch.baton:
+                holding[program_id].set()
+                core = Core(program_id, self.lnc, self.grid, launch)
+                try:
+                    with running(core):
+                        results[program_id] = self.fn(*args, **kwargs)
+                    check_capacity(core)
+                except BaseException as error:  # re-raised in the caller's thread below
+                    errors[program_id] = error
+                finally:
+                    launch.finished.add(program_id)
+                    launch.baton.notify_all()
+
+        if self.lnc == 1:
+            program(0)
+        else:
+            threads = [threading.Thread(target=program, args=(i,), daemon=True) for i in range(self.lnc)]
+            for thread, held in zip(threads, holding):
+                thread.start()
+                held.wait()  # program 0 takes the baton before program 1 starts
+            for thread in threads:
+                thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
+        return results[-1]
+
     def __call__(self, *args, **kwargs):
         torch_out = any(_is_torch(a) for a in (*args, *kwargs.values()))
         args = tuple(_to_device(a, f"argument {i}") for i, a in enumerate(args))
         kwargs = {k: _to_device(v, f"argument {k!r}") for k, v in kwargs.items()}
-        shared_hbm = []
-        for program in range(self.lnc):
-            core = Core(program, self.lnc, self.grid, shared_hbm)
-            with running(core):
-                result = self.fn(*args, **kwargs)
-            check_capacity(core)
-        outputs = _to_host(result, torch_out)
+        outputs = _to_host(self._run_programs(args, kwargs), torch_out)
         if torch_out and isinstance(outputs, tuple) and len(outputs) == 1:
             # TorchNeuron returns a kernel's only output bare, however the kernel wrapped it: one return type
             # gives one tensor, several a tuple (torch_neuronx/nki_hop.py, nki_kernel_wrapper's meta and

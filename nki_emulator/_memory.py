@@ -449,14 +449,15 @@ def allocate(shape, dtype, buffer, name, what="ndarray"):
     label = f"{name or 'tile'} {shape} {dtype.name} in {buffer.value}, allocated at {site}"
     if buffer in ON_CHIP:
         _check_on_chip_shape(shape, dtype, buffer, what)
-    if buffer is MemoryRegion.shared_hbm and core.program_id > 0:
+    if buffer is MemoryRegion.shared_hbm and core.shared_hbm_next < len(core.launch.shared_hbm):
         return _shared_alias(core, shape, dtype, what)
     storage = _Storage(np.full(shape, _sentinel(dtype), dtype), buffer, name, label, initialised=False)
     if buffer in ON_CHIP:
         storage.liveness = _Liveness(storage.array.size // shape[0] * dtype.itemsize, buffer, label)
         core.tiles.append(storage.liveness)
     if buffer is MemoryRegion.shared_hbm:
-        core.shared_hbm.append(storage)
+        core.launch.shared_hbm.append(storage)
+        core.shared_hbm_next += 1
     return NkiTensor(storage, storage.array, storage.written, storage.matmul_written)
 
 
@@ -476,14 +477,12 @@ def _check_on_chip_shape(shape, dtype, buffer, what):
 
 
 def _shared_alias(core, shape, dtype, what):
-    """Program k > 0 of an LNC launch: the n-th shared_hbm allocation is program 0's n-th one."""
-    index = core.shared_hbm_next
+    """The n-th shared_hbm allocation of a program that another program of its launch made first: the same one."""
+    storage = core.launch.shared_hbm[core.shared_hbm_next]
     core.shared_hbm_next += 1
-    if index >= len(core.shared_hbm) or core.shared_hbm[index].array.shape != shape \
-            or core.shared_hbm[index].array.dtype != dtype:
+    if storage.array.shape != shape or storage.array.dtype != dtype:
         raise NkiValidationError(f"{what}: program {core.program_id} allocated shared_hbm tensors that differ "
-                                 "from program 0's; every program of an LNC launch must allocate the same ones")
-    storage = core.shared_hbm[index]
+                                 "from the other program's; every program of an LNC launch must allocate the same ones")
     return NkiTensor(storage, storage.array, storage.written, None)
 
 

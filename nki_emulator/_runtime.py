@@ -5,8 +5,10 @@ the instruction the next index on its core (memory liveness is measured in these
 with :func:`count`, which adds it to every open :func:`counting` context.
 """
 
+import collections
 import contextlib
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -177,19 +179,39 @@ def count_transpose(partitions, free, dtype_name):
         counts.transposes.append((partitions, free, dtype_name))
 
 
+class Launch:
+    """What the programs of one kernel launch share. ``shared_hbm``: the n-th ``nl.shared_hbm`` allocation of every
+    program is the same storage, as both cores of a logical NeuronCore address the same shared HBM tensor.
+    ``baton``: the programs of an LNC=2 launch run on threads, one at a time, handing over only where one waits for
+    the other (``nisa.sendrecv``), so a launch runs the same way every time. ``mail``: what a sendrecv sent and its
+    partner has not yet received, by (pipe_id, sender, receiver)."""
+
+    def __init__(self):
+        self.shared_hbm = []
+        self.baton = threading.Condition()
+        self.mail = {}
+        self.finished = set()
+
+    def exchange(self, me, send_to, receive_from, pipe_id, payload):
+        """Post ``payload`` for ``send_to`` and return what ``receive_from`` sent to this program on ``pipe_id``."""
+        self.mail.setdefault((pipe_id, me, send_to), collections.deque()).append(payload)
+        self.baton.notify_all()
+        inbox = (pipe_id, receive_from, me)
+        self.baton.wait_for(lambda: self.mail.get(inbox) or receive_from in self.finished)
+        if not self.mail.get(inbox):
+            raise NkiValidationError(f"sendrecv: program {me} waits on pipe_id {pipe_id} for program {receive_from}, "
+                                     "which ended without sending to it (every sendrecv needs its partner's)")
+        return self.mail[inbox].popleft()
+
+
 class Core:
-    """The NeuronCore that one program of a kernel launch runs on.
+    """The NeuronCore that one program of a kernel launch runs on."""
 
-    ``shared_hbm`` is shared by the programs of one launch: program 0 records its ``nl.shared_hbm``
-    allocations there and later programs get the same storage back, allocation by allocation, as
-    both cores of a logical NeuronCore address the same shared HBM tensor.
-    """
-
-    def __init__(self, program_id, num_programs, grid, shared_hbm):
+    def __init__(self, program_id, num_programs, grid, launch):
         self.program_id = program_id
         self.num_programs = num_programs
         self.grid = grid  # launched with kernel[lnc](...) rather than kernel(...)
-        self.shared_hbm = shared_hbm
+        self.launch = launch
         self.shared_hbm_next = 0
         self.now = 0  # index of the instruction being issued
         self.issued = [None]  # instruction name by index
@@ -200,27 +222,27 @@ class Core:
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
 
 
-_core = None
+_running = threading.local()  # .core: the core this thread's program runs on
 
 
 def current(what):
     """The running core; NKI calls are only meaningful inside a kernel."""
-    if _core is None:
+    core = getattr(_running, "core", None)
+    if core is None:
         raise NkiValidationError(f"{what}: called outside a kernel; launch the kernel with nki.jit")
-    return _core
+    return core
 
 
 @contextlib.contextmanager
 def running(core):
-    global _core
-    if _core is not None:
+    if getattr(_running, "core", None) is not None:
         raise NkiValidationError("nki.jit: a kernel cannot launch another kernel; call sub-kernels as plain "
                                  "functions (they carry no @nki.jit)")
-    _core = core
+    _running.core = core
     try:
         yield core
     finally:
-        _core = None
+        _running.core = None
 
 
 def begin(name):

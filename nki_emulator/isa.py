@@ -82,6 +82,9 @@ class dma_engine(Enum):
     gpsimd_dma = 1
 
 
+_DMA_ENGINES = dma_engine  # the enum, under a name that sendrecv's dma_engine argument does not hide
+
+
 class nc_version(IntEnum):
     """Ordered and comparable with ints, as nki-library compares it (``get_nc_version() >= nc_version.gen3``
     in attention_cte.py, mlp_cte_constants.py; ``>= 3`` in experimental/collectives/fgcc.py)."""
@@ -781,6 +784,111 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     count("tensor_scalar_reduce", "vector", p, f, dst, (data,), (op0, reduce_op))
 
 
+def _eight(instr, dst, data, vals=None):
+    """Operand rules of the 8-wide VectorE search instructions (isa stub, aws-neuron-sdk 3afa0fdf
+    nki/api/nki/isa/__init__.py max8 l. 2025-2042, nc_find_index8 l. 2705-2726): 8 to 16,384 elements per
+    partition of ``data``, exactly 8 per partition in ``dst`` (and ``vals``)."""
+    p, f = _layout(data)
+    if not 8 <= f <= 16384:
+        raise NkiValidationError(f"{instr}: data has {f} elements per partition; 8 to 16384 are allowed")
+    for role, t in (("dst", dst), ("vals", vals)):
+        if t is not None and _layout(t) != (p, 8):
+            raise NkiValidationError(f"{instr}: {role} must hold 8 elements in each of {p} partitions, got {t.shape}")
+    return p, f
+
+
+def max8(dst, src, name=None):
+    """The 8 largest values of each partition of ``src``, in descending order, on VectorE (fp32 compare)."""
+    core = begin("max8")
+    _operands(core, "max8", "vector", dst=dst, src=src)
+    p, f = _eight("max8", dst, src)
+    x = read("max8", "src", src).reshape(p, f)
+    write(dst, -np.sort(-x, axis=1)[:, :8])
+    count("max8", "vector", p, f, dst, (src,))
+
+
+def _find_each(x, vals, reverse):
+    """Per partition, the index of the first occurrence of each value of ``vals`` in ``x``; a repeated value takes
+    the next occurrence, values are matched last to first when ``reverse`` (the hardware's tie-break, a3247f5b
+    release-notes/components/nki.rst l. 74-77); an absent value gives -1."""
+    found = np.full(vals.shape, -1, np.int64)
+    order = range(vals.shape[1] - 1, -1, -1) if reverse else range(vals.shape[1])
+    for row in range(x.shape[0]):
+        taken = set()
+        for j in order:
+            for index in np.flatnonzero(x[row] == vals[row, j]):
+                if index not in taken:
+                    taken.add(index)
+                    found[row, j] = index
+                    break
+    return found
+
+
+def nc_find_index8(dst, data, vals, name=None):
+    """Indices (uint16/uint32 ``dst``) of the first occurrence of each of the 8 ``vals`` per partition in ``data``;
+    absent values (undefined on hardware) give all ones, as the NKI 0.6 simulator returns."""
+    core = begin("nc_find_index8")
+    _operands(core, "nc_find_index8", "vector", dst=dst, data=data, vals=vals)
+    p, f = _eight("nc_find_index8", dst, data, vals)
+    if dst.dtype.name not in ("uint16", "uint32"):
+        raise NkiValidationError(f"nc_find_index8: dst must be uint16 or uint32, got {dst.dtype.name}")
+    found = _find_each(read("nc_find_index8", "data", data).reshape(p, f),
+                       read("nc_find_index8", "vals", vals).reshape(p, 8), reverse=False)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found))
+    count("nc_find_index8", "vector", p, f, dst, (data, vals))
+
+
+def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
+    """``dst`` = ``data`` with the first occurrence of each of the 8 ``vals`` per partition replaced by ``imm``;
+    ``dst_idx`` (optional) receives the matched indices."""
+    core = begin("nc_match_replace8")
+    _operands(core, "nc_match_replace8", "vector", dst=dst, data=data, vals=vals, dst_idx=dst_idx)
+    p, f = _eight("nc_match_replace8", None, data, vals)
+    _same_layout("nc_match_replace8", ("data", data), ("dst", dst))
+    x = read("nc_match_replace8", "data", data).reshape(p, f)
+    found = _find_each(x, read("nc_match_replace8", "vals", vals).reshape(p, 8), reverse=True)
+    replaced = x.copy()
+    rows = np.nonzero(found >= 0)
+    replaced[rows[0], found[rows]] = np.float32(imm)
+    write(dst, replaced)
+    if dst_idx is not None:
+        _eight("nc_match_replace8", dst_idx, data)
+        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found))
+    count("nc_match_replace8", "vector", p, f, dst, (data, vals))
+
+
+_GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}  # per partition, by element size: isa stub sendrecv
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_engine.dma, name=None):
+    """Send ``src`` to the other core of an LNC=2 launch and receive its ``src`` into ``dst`` (isa stub, aws-neuron-sdk
+    3afa0fdf nki/api/nki/isa/__init__.py l. 2507-2583): NeuronCore-v3 or newer, LNC=2, ranks 0 or 1, both tiles in
+    SBUF with one dtype and one layout; ``dma_engine=gpsimd_dma`` moves at most 1024/512/256 bytes per partition
+    for 4/2/1-byte types. Each program waits here until its partner's sendrecv on the same ``pipe_id``."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("sendrecv: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    core = begin("sendrecv")
+    for role, t in (("src", src), ("dst", dst)):
+        operand(core, "sendrecv", role, t, (SBUF,), "sendrecv moves SBUF tiles only")
+    if core.num_programs != 2 or {send_to_rank, recv_from_rank} - {0, 1}:
+        raise NkiValidationError(f"sendrecv: runs between the two cores of an LNC=2 launch (kernel[2]), ranks 0 or 1; "
+                                 f"this launch has {core.num_programs} program(s), ranks {send_to_rank} and "
+                                 f"{recv_from_rank}")
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"sendrecv: src and dst need one dtype, got {src.dtype.name} and {dst.dtype.name}")
+    _same_layout("sendrecv", ("src", src), ("dst", dst))
+    p, f = _layout(src)
+    if dma_engine is _DMA_ENGINES.gpsimd_dma and f * src.dtype.itemsize > _GPSIMD_DMA_BYTES[src.dtype.itemsize]:
+        raise NkiValidationError(f"sendrecv: dma_engine=gpsimd_dma moves at most "
+                                 f"{_GPSIMD_DMA_BYTES[src.dtype.itemsize]} bytes per partition of {src.dtype.name}, "
+                                 f"got {f * src.dtype.itemsize}")
+    check_written("sendrecv", "src", src)
+    received = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id, np.array(src._data))
+    write(dst, received)
+    count_dma(dst.size * dst.dtype.itemsize)
+    count("sendrecv", "dma", p, f, dst, (src,))
+
+
 _COMMANDS = reduce_cmd  # the enum, under a name that tensor_scalar_reduce's reduce_cmd argument does not hide
 _REDUCE_IDENTITY = {nl.add: 0.0, nl.multiply: 1.0, nl.maximum: -np.inf, nl.minimum: np.inf}
 
@@ -822,7 +930,6 @@ rand_set_state = not_emulated("nki.isa.rand_set_state", "src_seeds engine name")
 rand_get_state = not_emulated("nki.isa.rand_get_state", "dst engine name")
 rand2 = not_emulated("nki.isa.rand2", "dst min max name")
 exponential = not_emulated("nki.isa.exponential", "dst src max_value reduce_res reduce_cmd reduce_init name")
-max8 = not_emulated("nki.isa.max8", "dst src name")
 sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name")
 core_barrier = not_emulated("nki.isa.core_barrier", "data cores engine name")
 dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
@@ -831,12 +938,9 @@ range_select = not_emulated("nki.isa.range_select", "dst on_true_tile comp_op0 c
                                                     "reduce_res reduce_op range_start on_false_value name")
 select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "
                                                       "reverse_pred name")
-sendrecv = not_emulated("nki.isa.sendrecv", "src dst send_to_rank recv_from_rank pipe_id dma_engine name")
 register_alloc = not_emulated("nki.isa.register_alloc", "x")
 register_move = not_emulated("nki.isa.register_move", "dst src")
 register_load = not_emulated("nki.isa.register_load", "dst src")
 register_store = not_emulated("nki.isa.register_store", "dst src")
-nc_find_index8 = not_emulated("nki.isa.nc_find_index8", "dst data vals name")
-nc_match_replace8 = not_emulated("nki.isa.nc_match_replace8", "dst data vals imm dst_idx name")
 nonzero_with_count = not_emulated("nki.isa.nonzero_with_count", "dst src index_offset padding_val name")
 topk = not_emulated("nki.isa.topk", "val_dst idx_dst src n name")

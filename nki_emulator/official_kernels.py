@@ -128,6 +128,17 @@ def _rope(d_head, batch, heads, seq, contiguous_layout, relayout_in_sbuf):
             "relayout_in_sbuf": relayout_in_sbuf}
 
 
+def _cascaded_max(batch, seqlen, vocab, dtype):  # test/integration/nkilib/core/max/test_cascaded_max.py
+    return {"input_tensor": _randn((batch, seqlen, vocab), dtype, 42)}
+
+
+def _rope_hf(batch, q_heads, kv_heads, seq, head_dim, dtype, backward):
+    # test/integration/nkilib/core/embeddings/test_rope_hf.py _generate_inputs (separate cos/sin)
+    q, k = _randn((batch, q_heads, seq, head_dim), dtype, 1), _randn((batch, kv_heads, seq, head_dim), dtype, 2)
+    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k), "backward": backward,
+            "cos": _randn((batch, seq, head_dim), dtype, 3), "sin": _randn((batch, seq, head_dim), dtype, 4)}
+
+
 BF16_EPS = 2.0 ** -7
 
 CASES = [
@@ -170,6 +181,18 @@ CASES = [
      lambda: _rope(64, 1, 1, 16, True, False), 2, BF16_EPS, 1e-3),
     ("rope d128 B8 H8 S128 relayout", "embeddings.rope:RoPE", "embeddings.rope_torch:rope_torch_ref",
      lambda: _rope(128, 8, 8, 128, False, True), 2, BF16_EPS, 1e-3),
+    ("cascaded_max lnc1 1x1x3168", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(1, 1, 3168, FP32), 1, 1e-5, 1e-5),
+    ("cascaded_max lnc2 8x5x4058", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(8, 5, 4058, FP32), 2, 1e-5, 1e-5),
+    ("cascaded_max lnc2 65x1x3168", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(65, 1, 3168, FP32), 2, 1e-5, 1e-5),
+    ("rope_hf lnc1 1x32x8 S256 d128 fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 256, 128, FP32, False), 1, 1e-6, 1e-6),
+    ("rope_hf lnc2 1x32x8 S512 d64 fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 512, 64, FP32, False), 2, 1e-6, 1e-6),
+    ("rope_hf lnc2 backward fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 256, 128, FP32, True), 2, 1e-6, 1e-6),
     ("cross_entropy_forward 1 position V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
      _cross_entropy_forward_reference,
      lambda: _cross_entropy(1, 32128, BF16, positions_per_batch=1, chunk_size=32128), 2, 1e-2, 1e-2),

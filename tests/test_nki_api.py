@@ -681,3 +681,62 @@ def test_broadcast_to_follows_numpy_rules_across_free_and_partition_dims():
 
     with pytest.raises(NkiValidationError, match="cannot broadcast"):
         nki_emulator.jit(wrong_rank)(row, column)
+
+
+def _exchange_rows(x):
+    """Each core of an LNC=2 launch sends its half of x's rows to the other (nki-library's rmsnorm_tkg shard_on_h)."""
+    half = x.shape[0] // 2
+    rank = nl.program_id(0)
+    mine = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=mine, src=x[rank * half:(rank + 1) * half, :])
+    theirs = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - rank, recv_from_rank=1 - rank, pipe_id=0)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[rank * half:(rank + 1) * half, :], src=theirs)
+    return out
+
+
+def test_sendrecv_swaps_tiles_between_the_cores_of_an_lnc2_launch():
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    out = nki_emulator.jit(_exchange_rows)[2](x)
+    np.testing.assert_array_equal(out, np.concatenate([x[2:], x[:2]]))  # each core stored the other's half
+    with pytest.raises(NkiValidationError, match="LNC=2"):
+        nki_emulator.jit(_exchange_rows)(x)
+    previous = nki_emulator.set_target("trn1")
+    try:
+        with pytest.raises(NkiValidationError, match="NeuronCore-v3"):
+            nki_emulator.jit(_exchange_rows)[2](x)
+    finally:
+        nki_emulator.set_target(previous)
+
+
+def _search8(x, vals):
+    data = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=data, src=x)
+    wanted = nl.ndarray(vals.shape, vals.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wanted, src=vals)
+    top = nl.ndarray((x.shape[0], 8), nl.float32, buffer=nl.sbuf)
+    nisa.max8(dst=top, src=data)
+    where = nl.ndarray((x.shape[0], 8), nl.uint32, buffer=nl.sbuf)
+    nisa.nc_find_index8(dst=where, data=data, vals=wanted)
+    replaced = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.nc_match_replace8(dst=replaced, data=data, vals=top, imm=-1.0)
+    outs = []
+    for t in (top, where, replaced):
+        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
+        nisa.dma_copy(dst=outs[-1], src=t)
+    return tuple(outs)
+
+
+def test_max8_find_index8_and_match_replace8():
+    """The stub's semantics (max8 l. 2025, nc_find_index8 l. 2705, nc_match_replace8 l. 2728 at 3afa0fdf): the 8
+    largest per partition in descending order; each value's first index, a repeated value its next occurrence."""
+    x = np.random.default_rng(4).permutation(64).reshape(4, 16).astype(np.float32)
+    x[0, 3] = x[0, 9] = 100.0  # a repeated maximum
+    vals = np.sort(x, axis=1)[:, -8:][:, ::-1].copy()
+    top, where, replaced = nki_emulator.jit(_search8)(x, vals)
+    np.testing.assert_array_equal(top, vals)
+    np.testing.assert_array_equal(np.take_along_axis(x, where.astype(np.int64), axis=1), vals)
+    assert sorted(where[0, :2]) == [3, 9]
+    assert (replaced == -1.0).sum(axis=1).tolist() == [8, 8, 8, 8]
+    np.testing.assert_array_equal(np.sort(replaced, axis=1)[:, 8:], np.sort(x, axis=1)[:, :8])
