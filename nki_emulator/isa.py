@@ -659,9 +659,10 @@ def bn_aggr(dst, data, name=None):
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
-    """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF) with the permutation the 0.6 stub gives
-    per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that
-    one). Both lowerings the stub describes need a 2-byte dtype and ``src.shape[-1] <= 128``; the
+    """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF, src's dtype) with the permutation the stub gives
+    per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that one). A
+    hardware-DGE transpose (``dge_mode=hwdge``) also needs a 2-byte dtype and the shape limits of its NKI version
+    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. The
     indirect (``vector_offset``) form is not emulated."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
     _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
@@ -673,10 +674,11 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         # them to src.shape[0] in {1, 2, 4, 8, 16} and src.shape[-1] <= 128 (a3247f5b release notes l. 37-39)
         rows_ok = src.shape[0] in ((1, 2, 4, 8, 16) if nki_since("0.6") else (16,))
         columns_ok = src.shape[-1] <= PARTITIONS if nki_since("0.6") else src.shape[-1] % PARTITIONS == 0
-        if not (rows_ok and columns_ok):
+        if not (rows_ok and columns_ok) or src.dtype.itemsize != 2:
             raise NkiValidationError(f"dma_transpose: a hardware-DGE transpose of src {src.shape} breaks NKI "
-                                     f"{nki_version()}'s limits on src.shape[0] and src.shape[-1] (aws-neuron-sdk "
-                                     "nki/api/nki/isa/__init__.py dma_transpose; relaxed in NKI 0.6)")
+                                     f"{nki_version()}'s limits: a 2-byte dtype (got {src.dtype.name}), limits on "
+                                     "src.shape[0] and src.shape[-1] (aws-neuron-sdk nki/api/nki/isa/__init__.py "
+                                     "dma_transpose; relaxed in NKI 0.6)")
     core = begin("dma_transpose")
     operand(core, "dma_transpose", "dst", dst, (SBUF,), "the DMA transpose writes only SBUF")
     operand(core, "dma_transpose", "src", src, (SBUF,) + HBM, "the DMA transpose reads HBM or SBUF")
@@ -684,11 +686,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if permutation is None or (axes is not None and tuple(axes) != permutation):
         raise NkiValidationError(f"dma_transpose: supported axes are (1, 0), (2, 1, 0) and (3, 1, 2, 0) for 2-, 3- "
                                  f"and 4-d sources; got axes={axes} for a {src.ndim}-d source")
-    if src.dtype != dst.dtype or src.dtype.itemsize != 2:
-        raise NkiValidationError(f"dma_transpose: src and dst need one 2-byte dtype, got {src.dtype.name} and "
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"dma_transpose: src and dst need one dtype, got {src.dtype.name} and "
                                  f"{dst.dtype.name}")
-    if src.shape[-1] > PARTITIONS:
-        raise NkiValidationError(f"dma_transpose: src.shape[-1] = {src.shape[-1]} exceeds {PARTITIONS}")
     expected = tuple(src.shape[a] for a in permutation)
     if dst.shape != expected:
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
@@ -857,6 +857,93 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     count("nc_match_replace8", "vector", p, f, dst, (data, vals))
 
 
+def _start_partition(t):
+    storage = t._storage.array
+    return t.offset // (storage.size // storage.shape[0])
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """VectorE cross-partition move inside each quadrant of 32 partitions (isa stub, aws-neuron-sdk 3afa0fdf
+    nki/api/nki/isa/__init__.py l. 1686-1719): dst partition 32q + i takes src partition 32q + shuffle_mask[i], or
+    is left as it is where the mask says 255. One dtype and one number of elements per partition; the views start
+    at partition 0 when 96 or 128 partitions are active, 0 or 64 when 64 are, a multiple of 32 when 32 are."""
+    if len(shuffle_mask) != 32 or any(not 0 <= int(m) < 32 and int(m) != 255 for m in shuffle_mask):
+        raise NkiValidationError(f"nc_stream_shuffle: shuffle_mask must list 32 source partitions (0-31, or 255 to "
+                                 f"keep the destination), got {list(shuffle_mask)}")
+    core = begin("nc_stream_shuffle")
+    _operands(core, "nc_stream_shuffle", "vector", dst=dst, src=src)
+    if dst.dtype != src.dtype or _layout(dst)[1] != _layout(src)[1]:
+        raise NkiValidationError(f"nc_stream_shuffle: dst {dst.shape} {dst.dtype.name} needs src's dtype and elements "
+                                 f"per partition ({src.shape} {src.dtype.name})")
+    active = -(-max(src.shape[0], dst.shape[0]) // 32) * 32
+    starts = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for role, t in (("src", src), ("dst", dst)):
+        if _start_partition(t) not in starts:
+            raise NkiValidationError(f"nc_stream_shuffle: {role} starts at partition {_start_partition(t)}; with "
+                                     f"{active} active partitions it must start at one of {starts}")
+    p, f = _layout(src)
+    rows = np.array(read("nc_stream_shuffle", "src", src)).reshape(p, f)  # read first: dst may be src
+    for row in range(dst.shape[0]):
+        if int(shuffle_mask[row % 32]) == 255:
+            continue
+        source = row // 32 * 32 + int(shuffle_mask[row % 32])
+        if source >= p:
+            raise NkiValidationError(f"nc_stream_shuffle: dst partition {row} takes src partition {source}, beyond "
+                                     f"src's {p}")
+        write(dst[row:row + 1], rows[source])
+    count("nc_stream_shuffle", "vector", p, f, dst, (src,))
+
+
+_RANGE_COMPARISONS = (nl.equal, nl.less, nl.less_equal, nl.greater, nl.greater_equal)
+_FP32_MIN = float(np.finfo(np.float32).min)
+
+
+def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
+                 reduce_res=None, reduce_op=nl.maximum, range_start=0, on_false_value=_FP32_MIN, name=None):
+    """VectorE: ``dst = on_true_tile`` where ``comp_op0(range_start + i, bound0)`` and ``comp_op1(range_start + i,
+    bound1)`` for free index i, else ``on_false_value``; the row max goes into VectorE's accumulator registers under
+    ``reduce_cmd`` (reset_reduce starts them at -inf) and to ``reduce_res``. As the isa stub lists (aws-neuron-sdk
+    3afa0fdf nki/api/nki/isa/__init__.py l. 2365-2438): NeuronCore-v3 on; comparisons equal, less, less_equal,
+    greater, greater_equal; float32 (P, 1) bounds; on_false_value FP32_MIN (-3.4028235e+38); reduce_op nl.maximum;
+    range_start a compile-time integer."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("range_select: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    for role, op in (("comp_op0", comp_op0), ("comp_op1", comp_op1)):
+        if op not in _RANGE_COMPARISONS:
+            raise NkiValidationError(f"range_select: {role} must be nl.equal, nl.less, nl.less_equal, nl.greater or "
+                                     f"nl.greater_equal, got {getattr(op, '__name__', op)}")
+    if np.float32(on_false_value) != np.float32(_FP32_MIN) or reduce_op is not nl.maximum:
+        raise NkiValidationError(f"range_select: on_false_value must be FP32_MIN (-3.4028235e+38) and reduce_op "
+                                 f"nl.maximum, got {on_false_value!r} and {getattr(reduce_op, '__name__', reduce_op)}")
+    if not isinstance(range_start, (int, np.integer)):
+        raise NkiValidationError(f"range_select: range_start must be a compile-time integer, got {range_start!r}")
+    core = begin("range_select")
+    _operands(core, "range_select", "vector", dst=dst, on_true_tile=on_true_tile, bound0=bound0, bound1=bound1,
+              reduce_res=reduce_res)
+    _same_layout("range_select", ("on_true_tile", on_true_tile), ("dst", dst))
+    p, f = _layout(on_true_tile)
+    for role, bound in (("bound0", bound0), ("bound1", bound1)):
+        if _layout(bound) != (p, 1) or bound.dtype != FP32:
+            raise NkiValidationError(f"range_select: {role} must be a float32 ({p}, 1) tile, got {bound.shape} "
+                                     f"{bound.dtype.name}")
+    index = np.float32(range_start) + np.arange(f, dtype=np.float32)[None, :]
+    keep = (nl.COMPARISONS[comp_op0](index, read("range_select", "bound0", bound0).reshape(p, 1)) > 0) \
+        & (nl.COMPARISONS[comp_op1](index, read("range_select", "bound1", bound1).reshape(p, 1)) > 0)
+    selected = np.where(keep, read("range_select", "on_true_tile", on_true_tile).reshape(p, f),
+                        np.float32(on_false_value))
+    write(dst, selected)
+    regs = core.vector_regs
+    if reduce_cmd in (_COMMANDS.reset, _COMMANDS.reset_reduce):
+        regs[:p] = -np.inf
+    if reduce_cmd in (_COMMANDS.reduce, _COMMANDS.reset_reduce):
+        regs[:p] = np.maximum(regs[:p], selected.max(axis=1))
+    if reduce_res is not None:
+        if _layout(reduce_res) != (p, 1):
+            raise NkiValidationError(f"range_select: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
+        write(reduce_res, regs[:p])
+    count("range_select", "vector", p, f, dst, (on_true_tile,), (comp_op0, comp_op1, reduce_op))
+
+
 _GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}  # per partition, by element size: isa stub sendrecv
 
 
@@ -922,7 +1009,6 @@ activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 rel
                                               "reduce_res reduce_cmd name")
 local_gather = not_emulated("nki.isa.local_gather", "dst src_buffer index num_elem_per_idx num_valid_indices name")
 nc_n_gather = not_emulated("nki.isa.nc_n_gather", "dst data indices name")
-nc_stream_shuffle = not_emulated("nki.isa.nc_stream_shuffle", "dst src shuffle_mask name")
 rng = not_emulated("nki.isa.rng", "dst engine name")
 dropout = not_emulated("nki.isa.dropout", "dst data prob name")
 set_rng_seed = not_emulated("nki.isa.set_rng_seed", "src_seeds name")
@@ -934,8 +1020,6 @@ sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name"
 core_barrier = not_emulated("nki.isa.core_barrier", "data cores engine name")
 dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
 quantize_mx = not_emulated("nki.isa.quantize_mx", "dst src dst_scale name")
-range_select = not_emulated("nki.isa.range_select", "dst on_true_tile comp_op0 comp_op1 bound0 bound1 reduce_cmd "
-                                                    "reduce_res reduce_op range_start on_false_value name")
 select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "
                                                       "reverse_pred name")
 register_alloc = not_emulated("nki.isa.register_alloc", "x")

@@ -23,7 +23,7 @@ import numpy as np
 import nki_emulator
 
 CORE = "nkilib_src.nkilib.core."
-BF16, FP16, FP32 = ml_dtypes.bfloat16, np.float16, np.float32
+BF16, FP16, FP32 = ml_dtypes.bfloat16, np.float16, np.float32  # np.dtype(FP32) is nl.float32 (the emulator's)
 
 
 def _randn(shape, dtype, seed):
@@ -97,7 +97,7 @@ def _cross_entropy(positions, vocab, dtype, **options):
         module = importlib.import_module("nkilib_src.nkilib.experimental.loss.cross_entropy_torch")
         logits, targets = _torch_logits(inputs)
         inputs["lse_state_hbm"] = module.cross_entropy_forward_torch_ref(logits, targets)[1].float().numpy().astype(dtype)
-    return {**inputs, **options, "dtype": dtype}
+    return {**inputs, **options, "dtype": np.dtype(dtype)}  # nl.bfloat16 / nl.float32, as the tests pass them
 
 
 def _torch_logits(inputs):
@@ -137,6 +137,35 @@ def _rope_hf(batch, q_heads, kv_heads, seq, head_dim, dtype, backward):
     q, k = _randn((batch, q_heads, seq, head_dim), dtype, 1), _randn((batch, kv_heads, seq, head_dim), dtype, 2)
     return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k), "backward": backward,
             "cos": _randn((batch, seq, head_dim), dtype, 3), "sin": _randn((batch, seq, head_dim), dtype, 4)}
+
+
+def _attention_cte(bs, seq_q, seq_kv, d, dtype, causal, tp_q, tp_k, tp_out, cache_softmax, sliding_window=0,
+                   sink=False):
+    # test/integration/nkilib/core/attention/test_attention_cte.py build_attention_cte_input (no prefix cache, no CP)
+    rng = np.random.default_rng(7)  # np_random_sample: uniform in [0, 1)
+
+    def sample(shape):
+        return rng.random(shape).astype(np.float32).astype(dtype)
+
+    return {"q": sample((bs, seq_q, d) if tp_q else (bs, d, seq_q)), "k": sample((bs, seq_kv, d) if tp_k else
+                                                                               (bs, d, seq_kv)),
+            "v": sample((bs, seq_kv, d)), "scale": 1.0 if sliding_window else d ** -0.5, "causal_mask": causal, "k_prior": None,
+            "v_prior": None, "prior_used_len": None,
+            "sink": rng.uniform(15.0, 25.0, (bs, 1)).astype(np.float32) if sink else None,
+            "sliding_window": sliding_window, "tp_q": tp_q, "tp_k": tp_k, "tp_out": tp_out, "cp_offset": None,
+            "global_cp_deg": None, "cp_strided_q_slicing": False, "cache_softmax": cache_softmax,
+            "softmax_dtype": np.dtype(FP32), "mm_out_dtype": np.dtype(FP32), "bound_min": None, "bound_max": None}
+
+
+def _attention_cte_reference(inputs):
+    """attention_cte_torch_ref as the test's attention_cte_forward_golden calls it: torch tensors, float32 softmax."""
+    import torch
+
+    module = importlib.import_module(CORE + "attention.attention_cte_torch")
+    tensors = {name: torch.from_numpy(np.asarray(value, np.float32)) if isinstance(value, np.ndarray) else value
+               for name, value in inputs.items() if name not in ("mm_out_dtype", "softmax_dtype")}
+    result = module.attention_cte_torch_ref(**tensors, softmax_dtype=torch.float32)
+    return [t.float().numpy() for t in (result if isinstance(result, tuple) else (result,))]
 
 
 BF16_EPS = 2.0 ** -7
@@ -193,6 +222,14 @@ CASES = [
      lambda: _rope_hf(1, 32, 8, 512, 64, FP32, False), 2, 1e-6, 1e-6),
     ("rope_hf lnc2 backward fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
      lambda: _rope_hf(1, 32, 8, 256, 128, FP32, True), 2, 1e-6, 1e-6),
+    ("attention_cte lnc2 1x256x256 d64 causal", "attention.attention_cte:attention_cte", _attention_cte_reference,
+     lambda: _attention_cte(1, 256, 256, 64, BF16, True, True, False, False, False), 2, 2e-2, 1e-5),
+    ("attention_cte lnc2 2x512x512 d128 tp_k tp_out cache_softmax", "attention.attention_cte:attention_cte",
+     _attention_cte_reference,
+     lambda: _attention_cte(2, 512, 512, 128, BF16, False, False, True, True, True), 2, 2e-2, 1e-5),
+    ("attention_cte lnc1 1x384x384 d128 window 128 sink", "attention.attention_cte:attention_cte",
+     _attention_cte_reference,
+     lambda: _attention_cte(1, 384, 384, 128, FP32, True, True, False, False, False, 128, True), 1, 2e-2, 1e-5),
     ("cross_entropy_forward 1 position V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
      _cross_entropy_forward_reference,
      lambda: _cross_entropy(1, 32128, BF16, positions_per_batch=1, chunk_size=32128), 2, 1e-2, 1e-2),

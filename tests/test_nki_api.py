@@ -626,8 +626,8 @@ def test_dma_transpose_permutes_as_the_stub_lists(shape, permutation):
         return out
 
     np.testing.assert_array_equal(kernel(x), np.transpose(x, permutation))
-    with pytest.raises(NkiValidationError, match="2-byte"):
-        kernel(x.astype(np.float32))
+    # any dtype with the default dge_mode (nki-library's attention_cte.py transposes fp32 q and k this way)
+    np.testing.assert_array_equal(kernel(x.astype(np.float32)), np.transpose(x.astype(np.float32), permutation))
 
 
 def test_average_pool_in_the_tutorial_style():
@@ -740,3 +740,39 @@ def test_max8_find_index8_and_match_replace8():
     assert sorted(where[0, :2]) == [3, 9]
     assert (replaced == -1.0).sum(axis=1).tolist() == [8, 8, 8, 8]
     np.testing.assert_array_equal(np.sort(replaced, axis=1)[:, 8:], np.sort(x, axis=1)[:, :8])
+
+
+def _shuffle_and_select(x, bounds):
+    data = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=data, src=x)
+    lows = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lows, src=bounds[:, 0:1])
+    highs = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=highs, src=bounds[:, 1:2])
+    shuffled = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    mask = []
+    for i in range(32):
+        mask.append(31 - i)
+    nisa.nc_stream_shuffle(dst=shuffled, src=data, shuffle_mask=mask)
+    selected = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    row_max = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=selected, on_true_tile=data, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=lows,
+                      bound1=highs, reduce_res=row_max, range_start=2)
+    outs = []
+    for t in (shuffled, selected, row_max):
+        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
+        nisa.dma_copy(dst=outs[-1], src=t)
+    return tuple(outs)
+
+
+def test_nc_stream_shuffle_and_range_select():
+    """nc_stream_shuffle (3afa0fdf isa stub l. 1686): partition 32q + i takes 32q + mask[i]; range_select (l. 2365):
+    keep where comp_op0(range_start + i, bound0) and comp_op1(range_start + i, bound1), else FP32_MIN; row max."""
+    x = np.random.default_rng(5).standard_normal((64, 8)).astype(np.float32)
+    bounds = np.tile(np.array([[3.0, 7.0]], np.float32), (64, 1))
+    shuffled, selected, row_max = nki_emulator.jit(_shuffle_and_select)(x, bounds)
+    np.testing.assert_array_equal(shuffled, np.concatenate([x[31::-1], x[:31:-1]]))
+    index = 2 + np.arange(8)
+    keep = (index >= 3) & (index < 7)
+    np.testing.assert_array_equal(selected, np.where(keep, x, np.finfo(np.float32).min))
+    np.testing.assert_array_equal(row_max[:, 0], x[:, keep].max(axis=1))
