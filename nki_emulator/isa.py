@@ -291,7 +291,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
 
 
 def _check_matmul_tiling(tile_position, tile_size):
-    """Tensor Engine tiling (isa stub, aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 416-437): rows and
+    """Tensor Engine tiling (isa stub, aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 418-437): rows and
     columns each split into 2x 64 (NeuronCore-v2 on) or 4x 32 (v3 on); a tile starts at a multiple of its size inside
     the 128x128 array. Column tiling is used by nki-library's qkv_tkg.py, so the param line's "start_column must be
     0" (l. 550) is not enforced."""

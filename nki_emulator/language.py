@@ -360,7 +360,7 @@ def copy(x, dtype=None):
     """A copy of an SBUF or PSUM tile. NKI 0.4 and 0.5: on ScalarE (activation with op=nl.copy, through fp32) into
     the buffer ``x`` is in (aws-neuron-sdk 3afa0fdf nki/api/nki/language/__init__.py l. 1020-1033; release notes
     l. 136: cross-buffer copies are not supported). NKI 0.6: on VectorE (tensor_copy, bit-accurate when the dtype is
-    kept) into SBUF (a3247f5b release-notes/components/nki.rst l. 44-46). As an activation ``op``, ``nl.copy`` is
+    kept) into SBUF (a3247f5b release-notes/components/nki.rst l. 43-45). As an activation ``op``, ``nl.copy`` is
     the identity."""
     if nki_since("0.6"):
         dst = _new_tile(x.shape, dtype or x.dtype)
