@@ -191,5 +191,8 @@ def install():
         return nki
     except ImportError:
         pass
-    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa, "nki.typing": typing})
+    # nki.isa.constants: the enums (engine, dge_mode, matmul_perf_mode, ...) under the module path nki-library imports
+    # them from (output_projection_tkg.py; nki-library's test/utils/simulation_setup.py aliases it the same way)
+    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa, "nki.typing": typing,
+                        "nki.isa.constants": isa})
     return sys.modules[__name__]

@@ -18,6 +18,7 @@ all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / t
 ``engine=nisa.gpsimd_engine``.
 """
 
+import sys
 from enum import Enum, IntEnum
 
 import numpy as np
@@ -62,6 +63,7 @@ class dge_mode(Enum):
     none = 3
 
 
+constants = sys.modules[__name__]  # ``from nki.isa import constants``: the enums above (see nki_emulator.install)
 _DGE = dge_mode  # the enum, under a name that the dge_mode arguments of the DMA instructions do not hide
 
 

@@ -168,6 +168,15 @@ def _attention_cte_reference(inputs):
     return [t.float().numpy() for t in (result if isinstance(result, tuple) else (result,))]
 
 
+def _output_projection_tkg(batch, heads, seq, d_head, hidden, bias, transpose_out):
+    # test/integration/nkilib/core/output_projection/test_output_proj_tkg.py build_output_proj_tkg_input (no quant.)
+    quantization = importlib.import_module(CORE + "utils.common_types").QuantizationType
+    return {"attention": _randn((d_head, batch, heads, seq), BF16, 1), "weight": _randn((d_head * heads, hidden), BF16, 2),
+            "bias": (100 * _randn((1, hidden), np.float32, 3)).astype(BF16) if bias else None,
+            "quantization_type": quantization.NONE, "weight_scale": None, "input_scale": None,
+            "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
+
+
 BF16_EPS = 2.0 ** -7
 
 CASES = [
@@ -230,6 +239,12 @@ CASES = [
     ("attention_cte lnc1 1x384x384 d128 window 128 sink", "attention.attention_cte:attention_cte",
      _attention_cte_reference,
      lambda: _attention_cte(1, 384, 384, 128, FP32, True, True, False, False, False, 128, True), 1, 2e-2, 1e-5),
+    ("output_projection_tkg 4x8x4 d64 H3072 bias transposed", "output_projection.output_projection_tkg:"
+     "output_projection_tkg", "output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+     lambda: _output_projection_tkg(4, 8, 4, 64, 3072, True, True), 2, 2e-2, 1e-5),
+    ("output_projection_tkg 4x10x8 d128 H602 bias", "output_projection.output_projection_tkg:output_projection_tkg",
+     "output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+     lambda: _output_projection_tkg(4, 10, 8, 128, 602, True, False), 2, 2e-2, 1e-5),
     ("cross_entropy_forward 1 position V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
      _cross_entropy_forward_reference,
      lambda: _cross_entropy(1, 32128, BF16, positions_per_batch=1, chunk_size=32128), 2, 1e-2, 1e-2),

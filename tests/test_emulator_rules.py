@@ -362,6 +362,17 @@ def instruction_on_view(x):
     nisa.tensor_copy(dst=t[0:1], src=t[0:1])
 
 
+def ap_past_the_storage_used(x):
+    t = load(x)
+    nisa.tensor_copy(dst=sbuf((8, 17)), src=t.ap([[16, 8], [1, 17]], offset=0))  # the last row runs 1 past the end
+
+
+def ap_past_the_storage_unused(x):  # made and skipped, as nki-library's output_projection_tkg.py does
+    t = load(x)
+    unused = t.ap([[16, 8], [1, 17]], offset=0)
+    nisa.tensor_copy(dst=sbuf((8, 16)), src=t.ap([[16, 8], [1, 16]], offset=0))
+
+
 # ---- GpSimd / VectorE immediates ---------------------------------------------------------------------------------
 
 def iota_offset(offset):
@@ -458,6 +469,8 @@ RULES = {
     "SBUF usable budget, by liveness": Rule(sbuf_tiles(True), sbuf_tiles(False), ("SBUF", "212992", "212984")),
     "PSUM holds 8 banks": Rule(psum_banks(9), psum_banks(8), ("PSUM", "18432", "16384")),
     "a PSUM tile is one bank": Rule(psum_tile(513), psum_tile(512), ("PSUM bank", "2052")),
+    "an instruction takes no access pattern past its storage": Rule(ap_past_the_storage_used,
+                                                                    ap_past_the_storage_unused, ("leaves its storage",)),
     "an instruction takes no empty view": Rule(instruction_on_empty_view, instruction_on_view, ("empty view",)),
     "iota offset is int32": Rule(iota_offset(0.5), iota_offset(1), ("iota", "int32")),
     "memset value is a constant": Rule(memset_with_tile, memset_with_number, ("memset", "constant")),
