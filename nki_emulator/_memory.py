@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from ._runtime import NkiValidationError, PARTITIONS, PSUM_PARTITION_BYTES, current, target
+from ._unemulated import UnemulatedDType
 
 
 class MemoryRegion(Enum):
@@ -63,6 +64,8 @@ FP32 = DTYPES["float32"]
 
 def as_dtype(dtype, what="dtype"):
     """Normalise an NKI dtype (``nl.bfloat16``, ``np.float32``, ``"bfloat16"``, a tensor's dtype)."""
+    if isinstance(dtype, UnemulatedDType):
+        raise NotImplementedError(f"{what}: {dtype} is not emulated by the CPU NKI emulator")
     try:
         result = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else np.dtype(dtype)
     except TypeError:

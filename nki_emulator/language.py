@@ -20,7 +20,7 @@ import numpy as np
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
 from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
-from ._unemulated import module_getattr, not_emulated
+from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
 
@@ -564,9 +564,12 @@ shared_constant = not_emulated("nki.language.shared_constant", "constant")
 shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
 rand = not_emulated("nki.language.rand", "shape dtype buffer name")
 
-# dtypes without a numpy counterpart here, and operators the emulator's ALU lacks
-__getattr__ = module_getattr("nki.language", ("tfloat32", "float8_e5m2_x4", "float8_e4m3fn_x4", "float8_e8m0fnu",
-                                              "float4_e2m1fn_x4", "average", "prelu", "bypass"))
+# dtypes without a numpy counterpart here: names to compare with, not to allocate
+tfloat32, float8_e8m0fnu = UnemulatedDType("tfloat32"), UnemulatedDType("float8_e8m0fnu")
+float8_e5m2_x4, float8_e4m3fn_x4 = UnemulatedDType("float8_e5m2_x4"), UnemulatedDType("float8_e4m3fn_x4")
+float4_e2m1fn_x4 = UnemulatedDType("float4_e2m1fn_x4")
+# operators the emulator's ALU lacks
+__getattr__ = module_getattr("nki.language", ("average", "prelu", "bypass"))
 
 
 from . import isa  # noqa: E402 -- last: nki.isa reads the operator functions defined above

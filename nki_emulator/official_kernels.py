@@ -16,6 +16,7 @@ import importlib
 import sys
 import time
 import traceback
+import types
 
 import ml_dtypes
 import numpy as np
@@ -177,6 +178,16 @@ def _output_projection_tkg(batch, heads, seq, d_head, hidden, bias, transpose_ou
             "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
 
 
+def _output_projection_cte(batch, seq, hidden, heads, d_head, bias):
+    # test/integration/nkilib/core/output_projection/test_output_proj_cte.py generate_output_proj_cte_inputs
+    quantization = importlib.import_module(CORE + "utils.common_types").QuantizationType
+    rng = np.random.default_rng(11)  # np_random_sample: uniform in [0, 1)
+    return {"attention": rng.random((batch, heads, d_head, seq)).astype(np.float32).astype(BF16),
+            "weight": rng.random((heads * d_head, hidden)).astype(np.float32).astype(BF16),
+            "bias": (100 * _randn((1, hidden), np.float32, 3)).astype(BF16) if bias else None,
+            "quantization_type": quantization.NONE, "input_scales": None, "weight_scales": None}
+
+
 BF16_EPS = 2.0 ** -7
 
 CASES = [
@@ -245,6 +256,12 @@ CASES = [
     ("output_projection_tkg 4x10x8 d128 H602 bias", "output_projection.output_projection_tkg:output_projection_tkg",
      "output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
      lambda: _output_projection_tkg(4, 10, 8, 128, 602, True, False), 2, 2e-2, 1e-5),
+    ("output_projection_cte 1x16 H5120 10 heads d128 bias", "output_projection.output_projection_cte:"
+     "output_projection_cte", "output_projection.output_projection_cte.output_projection_cte_torch:"
+     "output_projection_cte_torch_ref", lambda: _output_projection_cte(1, 16, 5120, 10, 128, True), 2, 2e-2, 1e-5),
+    ("output_projection_cte 1x128 H3072 16 heads d64 bias", "output_projection.output_projection_cte:"
+     "output_projection_cte", "output_projection.output_projection_cte.output_projection_cte_torch:"
+     "output_projection_cte_torch_ref", lambda: _output_projection_cte(1, 128, 3072, 16, 64, True), 2, 2e-2, 1e-5),
     ("cross_entropy_forward 1 position V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
      _cross_entropy_forward_reference,
      lambda: _cross_entropy(1, 32128, BF16, positions_per_batch=1, chunk_size=32128), 2, 1e-2, 1e-2),
@@ -292,11 +309,24 @@ def run_case(kernel_spec, reference_spec, make_inputs, lnc, rtol, atol):
     return None
 
 
+def _neuron_dtypes_stand_in():
+    """nki-library's MX reference helpers (core/utils/mx_torch_common.py) import AWS's neuron_dtypes, which is not on
+    PyPI; where it is missing, its ``static_cast`` (a dtype conversion) stands in, so the non-MX references that
+    import that module load. The MX paths are not among the cases."""
+    try:
+        import neuron_dtypes  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("neuron_dtypes")
+        stand_in.static_cast = lambda array, dtype: np.asarray(array).astype(dtype)
+        sys.modules["neuron_dtypes"] = stand_in
+
+
 def main(argv):
     if not argv:
         sys.exit("usage: python -m nki_emulator.official_kernels PATH_TO_NKI_LIBRARY_CHECKOUT [name-filter]")
     sys.path.insert(0, f"{argv[0]}/src")
     nki_emulator.install()
+    _neuron_dtypes_stand_in()
     wanted = argv[1] if len(argv) > 1 else ""
     passed = total = 0
     for name, kernel_spec, reference_spec, make_inputs, lnc, rtol, atol in CASES:
