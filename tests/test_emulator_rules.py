@@ -51,44 +51,18 @@ def store(t):
 
 # ---- operator and activation tables (nki.api.shared.rst) and the release notes' known issues ------------------
 
-def tensor_tensor_divide(x):
-    t = load(x)
-    nisa.tensor_tensor(dst=t, data1=t, data2=t, op=nl.divide)
+def tensor_tensor_with(op):
+    def kernel(x):
+        t = load(x)
+        nisa.tensor_tensor(dst=t, data1=t, data2=t, op=op)
+    return kernel
 
 
-def tensor_tensor_multiply(x):
-    t = load(x)
-    nisa.tensor_tensor(dst=t, data1=t, data2=t, op=nl.multiply)
-
-
-def tensor_scalar_mod(x):
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.mod, operand0=3.0)
-
-
-def tensor_scalar_fmod(x):
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.fmod, operand0=3.0)
-
-
-def tensor_scalar_add(x):
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=3.0)
-
-
-def tensor_scalar_exp(x):  # an activation function, not an ALU operator
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.exp, operand0=0.0)
-
-
-def tensor_scalar_abs(x):
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.abs, operand0=0.0)
-
-
-def tensor_scalar_abs_with_operand(x):
-    t = load(x)
-    nisa.tensor_scalar(dst=t, data=t, op0=nl.abs, operand0=2.0)
+def tensor_scalar_with(op0, operand0):
+    def kernel(x):
+        t = load(x)
+        nisa.tensor_scalar(dst=t, data=t, op0=op0, operand0=operand0)
+    return kernel
 
 
 def tensor_scalar_operand1_without_op1(x):
@@ -121,16 +95,10 @@ def scan_with_binary(x):
     nisa.tensor_tensor_scan(dst=t, data0=t, data1=t, initial=0.0, op0=nl.multiply, op1=nl.add)
 
 
-def reduce_with_power(x):
-    nisa.tensor_reduce(dst=sbuf((x.shape[0], 1)), op=nl.power, data=load(x), axis=1)
-
-
-def reduce_with_equal(x):
-    nisa.tensor_reduce(dst=sbuf((x.shape[0], 1)), op=nl.equal, data=load(x), axis=1)
-
-
-def reduce_with_add(x):
-    nisa.tensor_reduce(dst=sbuf((x.shape[0], 1)), op=nl.add, data=load(x), axis=1)
+def reduce_with(op):
+    def kernel(x):
+        nisa.tensor_reduce(dst=sbuf((x.shape[0], 1)), op=op, data=load(x), axis=1)
+    return kernel
 
 
 def power_on_vector(x):
@@ -419,17 +387,17 @@ class Rule(NamedTuple):
 
 
 RULES = {
-    "divide is no ISA operator": Rule(tensor_tensor_divide, tensor_tensor_multiply,
+    "divide is no ISA operator": Rule(tensor_tensor_with(nl.divide), tensor_tensor_with(nl.multiply),
                                       ("nl.divide", "Division is not available as a hardware instruction", "nki.rst")),
-    "mod is no ISA operator": Rule(tensor_scalar_mod, tensor_scalar_add, ("nl.mod", "Modulo", "fail when compiled")),
-    "fmod is no ISA operator": Rule(tensor_scalar_fmod, tensor_scalar_add, ("nl.fmod", "Modulo", "nki.rst")),
+    "mod is no ISA operator": Rule(tensor_scalar_with(nl.mod, 3.0), tensor_scalar_with(nl.add, 3.0), ("nl.mod", "Modulo", "fail when compiled")),
+    "fmod is no ISA operator": Rule(tensor_scalar_with(nl.fmod, 3.0), tensor_scalar_with(nl.add, 3.0), ("nl.fmod", "Modulo", "nki.rst")),
     "divide in scalar_tensor_tensor": Rule(scalar_tensor_tensor_divide, scalar_tensor_tensor_add, ("nl.divide",)),
-    "ALU op outside the operator table": Rule(tensor_scalar_exp, tensor_scalar_abs, ("exp", "nki.api.shared.rst")),
+    "ALU op outside the operator table": Rule(tensor_scalar_with(nl.exp, 0.0), tensor_scalar_with(nl.abs, 0.0), ("exp", "nki.api.shared.rst")),
     "scan ops are binary": Rule(scan_with_unary, scan_with_binary, ("abs", "two operands")),
-    "reduction op not legal (power)": Rule(reduce_with_power, reduce_with_add, ("power", "Legal Reduction")),
-    "reduction op not legal (equal)": Rule(reduce_with_equal, reduce_with_add, ("equal", "Legal Reduction")),
+    "reduction op not legal (power)": Rule(reduce_with(nl.power), reduce_with(nl.add), ("power", "Legal Reduction")),
+    "reduction op not legal (equal)": Rule(reduce_with(nl.equal), reduce_with(nl.add), ("equal", "Legal Reduction")),
     "power runs on GpSimd": Rule(power_on_vector, power_on_gpsimd, ("nl.power", "GpSimd")),
-    "unary op0 takes operand0 0": Rule(tensor_scalar_abs_with_operand, tensor_scalar_abs, ("operand0", "unary")),
+    "unary op0 takes operand0 0": Rule(tensor_scalar_with(nl.abs, 2.0), tensor_scalar_with(nl.abs, 0.0), ("operand0", "unary")),
     "operand1 needs op1": Rule(tensor_scalar_operand1_without_op1, tensor_scalar_operand1_with_op1, ("operand1",)),
     "activation outside the table": Rule(activation_of_add, activation_of_exp, ("op=add", "activation table")),
     "activation reduce_op is add": Rule(activation_reduce_max_cmd, activation_reduce_add_cmd, ("reduce_op", "nl.add")),

@@ -710,6 +710,15 @@ def test_sendrecv_swaps_tiles_between_the_cores_of_an_lnc2_launch():
         nki_emulator.set_target(previous)
 
 
+def _to_hbm(tiles):
+    """The kernel's outputs: each SBUF tile copied to a new shared HBM tensor."""
+    outs = []
+    for t in tiles:
+        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
+        nisa.dma_copy(dst=outs[-1], src=t)
+    return tuple(outs)
+
+
 def _search8(x, vals):
     data = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=data, src=x)
@@ -721,11 +730,7 @@ def _search8(x, vals):
     nisa.nc_find_index8(dst=where, data=data, vals=wanted)
     replaced = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
     nisa.nc_match_replace8(dst=replaced, data=data, vals=top, imm=-1.0)
-    outs = []
-    for t in (top, where, replaced):
-        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
-        nisa.dma_copy(dst=outs[-1], src=t)
-    return tuple(outs)
+    return _to_hbm((top, where, replaced))
 
 
 def test_max8_find_index8_and_match_replace8():
@@ -758,11 +763,7 @@ def _shuffle_and_select(x, bounds):
     row_max = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
     nisa.range_select(dst=selected, on_true_tile=data, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=lows,
                       bound1=highs, reduce_res=row_max, range_start=2)
-    outs = []
-    for t in (shuffled, selected, row_max):
-        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
-        nisa.dma_copy(dst=outs[-1], src=t)
-    return tuple(outs)
+    return _to_hbm((shuffled, selected, row_max))
 
 
 def test_nc_stream_shuffle_and_range_select():
