@@ -7,7 +7,8 @@ Not part of CI (it needs a checkout of nki-library, which CI has no network to f
     git clone https://github.com/aws-neuron/nki-library /tmp/nki-library
     python -m nki_emulator.official_kernels /tmp/nki-library [name-filter]
 
-It prints one line per case (pass, fail and why) and a total. The cases follow the tests' parameter lists in
+It prints one line per case (pass, fail and why) and a total; ``NKI_EMULATOR_NKI_VERSION=0.6`` checks them under the
+current release's rules instead of the contest's 0.4. The cases follow the tests' parameter lists in
 ``test/integration/nkilib/...`` (named per case), at their smaller shapes so that the run stays minutes on a CPU.
 No nki-library code is copied here: kernels and references are imported from the checkout.
 """
