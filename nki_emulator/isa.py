@@ -434,6 +434,9 @@ def _check_alu_op(instr, role, op, unary_allowed=True):
     nl.mod and nl.fmod are refused with the release notes' words."""
     if op in nl.NOT_ON_HARDWARE:
         raise NkiValidationError(f"{instr}: {role}=nl.{op.__name__} is {nl.NOT_ON_HARDWARE[op]}")
+    if op in nl.TRN3_ONLY and target().nc_version != "gen4":
+        raise NkiValidationError(f"{instr}: {role}=nl.{op.__name__} runs on trn3 (NeuronCore-v4) only, not "
+                                 f"{target().name} (aws-neuron-sdk release-notes/components/nki.rst, NKI 0.4.0)")
     if op in nl.ALU_BINARY or (unary_allowed and op in nl.ALU_UNARY):
         return
     name = getattr(op, "__name__", repr(op))

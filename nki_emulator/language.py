@@ -217,7 +217,7 @@ def device_print(print_prefix, tensor):
 # ---- operators --------------------------------------------------------------------------------------
 # float32 numpy implementations, keyed by the nl function that names them. The ALU operators are the ISA's operator
 # table (aws-neuron-sdk 3afa0fdf nki/api/nki.api.shared.rst l. 50-127, "Supported Math Operators for NKI ISA", the
-# same in NKI 0.6 at a3247f5b); its bitvec, logical and abs_max/abs_min rows are not emulated (NotImplementedError).
+# same in NKI 0.6 at a3247f5b); its bitvec and logical rows are not emulated (NotImplementedError).
 # The activation functions are its activation table (l. 129-200, "Supported Activation Functions for NKI ISA").
 
 ALU_BINARY = {}  # binary ALU operators (tensor_tensor, tensor_scalar, scalar_tensor_tensor, nl.add, ...)
@@ -251,6 +251,11 @@ multiply = _binary("multiply", np.multiply, "x * y")
 maximum = _binary("maximum", np.maximum, "max(x, y)")
 minimum = _binary("minimum", np.minimum, "min(x, y)")
 power = _binary("power", np.power, "x ** y")
+# Compared by magnitude, the signed value kept (nl stub l. 380-466 at 3afa0fdf); ALU operators on trn3 only
+# (NKI 0.4.0 release notes, release-notes/components/nki.rst l. 23), checked where an instruction takes them.
+abs_max = _binary("abs_max", lambda x, y: np.where(np.abs(x) > np.abs(y), x, y), "x if |x| > |y| else y")
+abs_min = _binary("abs_min", lambda x, y: np.where(np.abs(x) < np.abs(y), x, y), "x if |x| < |y| else y")
+TRN3_ONLY = (abs_max, abs_min)
 equal = _comparison("equal", np.equal, "==")
 not_equal = _comparison("not_equal", np.not_equal, "!=")
 greater = _comparison("greater", np.greater, ">")
@@ -526,8 +531,6 @@ def matmul(x, y, transpose_x=False):
 
 # ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
 
-abs_max = not_emulated("nki.language.abs_max", "x y dtype")
-abs_min = not_emulated("nki.language.abs_min", "x y dtype")
 bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
 bitwise_or = not_emulated("nki.language.bitwise_or", "x y dtype")
 bitwise_xor = not_emulated("nki.language.bitwise_xor", "x y dtype")

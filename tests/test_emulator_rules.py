@@ -393,6 +393,8 @@ RULES = {
     "fmod is no ISA operator": Rule(tensor_scalar_with(nl.fmod, 3.0), tensor_scalar_with(nl.add, 3.0), ("nl.fmod", "Modulo", "nki.rst")),
     "divide in scalar_tensor_tensor": Rule(scalar_tensor_tensor_divide, scalar_tensor_tensor_add, ("nl.divide",)),
     "ALU op outside the operator table": Rule(tensor_scalar_with(nl.exp, 0.0), tensor_scalar_with(nl.abs, 0.0), ("exp", "nki.api.shared.rst")),
+    "abs_max runs on trn3 only": Rule(tensor_scalar_with(nl.abs_max, 1.0), tensor_scalar_with(nl.abs_max, 1.0),
+                                      ("abs_max", "trn3"), twin_target="trn3"),
     "scan ops are binary": Rule(scan_with_unary, scan_with_binary, ("abs", "two operands")),
     "reduction op not legal (power)": Rule(reduce_with(nl.power), reduce_with(nl.add), ("power", "Legal Reduction")),
     "reduction op not legal (equal)": Rule(reduce_with(nl.equal), reduce_with(nl.add), ("equal", "Legal Reduction")),
@@ -494,3 +496,18 @@ def test_version_and_target_settings_are_checked():
     with pytest.raises(ValueError, match="0.4, 0.5, 0.6"):
         nki_emulator.set_nki_version("0.9")
     assert nki_emulator.set_nki_version("0.6") == "0.4" and nki_emulator.nki_version() == "0.6"
+
+
+def abs_extremes(x, y):
+    a, b = load(x), load(y)
+    out = sbuf((x.shape[0], 2 * x.shape[1]))
+    nisa.tensor_tensor(dst=out[:, 0:x.shape[1]], data1=a, data2=b, op=nl.abs_max)
+    nisa.tensor_tensor(dst=out[:, x.shape[1]:], data1=a, data2=b, op=nl.abs_min)
+    return store(out)
+
+
+def test_abs_max_and_abs_min_keep_the_signed_value_on_trn3():
+    """nl stub (3afa0fdf l. 380, 424): abs_max(-5, 3) is -5, abs_min(-5, 3) is 3."""
+    nki_emulator.set_target("trn3")
+    x, y = np.array([[-5.0, 2.0]], np.float32), np.array([[3.0, -4.0]], np.float32)
+    np.testing.assert_array_equal(nki_emulator.jit(abs_extremes)(x, y), [[-5.0, -4.0, 3.0, 2.0]])
