@@ -213,6 +213,7 @@ class Core:
         self.grid = grid  # launched with kernel[lnc](...) rather than kernel(...)
         self.launch = launch
         self.shared_hbm_next = 0
+        self.barriers = 0  # core_barrier calls so far: the n-th meets the other core's n-th
         self.now = 0  # index of the instruction being issued
         self.issued = [None]  # instruction name by index
         self.tiles = []  # liveness records of the on-chip tiles allocated on this core

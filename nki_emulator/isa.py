@@ -949,6 +949,69 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     count("range_select", "vector", p, f, dst, (on_true_tile,), (comp_op0, comp_op1, reduce_op))
 
 
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    """VectorE: ``dst = src`` where ``predicate`` is non-zero (zero with ``reverse_pred``), ``dst`` kept elsewhere; a
+    scalar ``src`` is copied as a constant. As the isa stub lists (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py
+    l. 369-392): src (a tile), dst and predicate of one layout, predicate uint8/uint16/uint32, src and dst of one
+    dtype, src and predicate not both in PSUM."""
+    core = begin("tensor_copy_predicated")
+    tile_src = hasattr(src, "shape")
+    _operands(core, "tensor_copy_predicated", "vector", dst=dst, src=src if tile_src else None, predicate=predicate)
+    _same_layout("tensor_copy_predicated", ("dst", dst), ("predicate", predicate), *((("src", src),) if tile_src else ()))
+    if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
+        raise NkiValidationError(f"tensor_copy_predicated: predicate must be uint8, uint16 or uint32, got "
+                                 f"{predicate.dtype.name}")
+    if tile_src and (src.dtype != dst.dtype or (src.buffer is PSUM and predicate.buffer is PSUM)):
+        raise NkiValidationError("tensor_copy_predicated: src needs dst's dtype, and src and predicate may not both "
+                                 "be in PSUM")
+    p, f = _layout(dst)
+    chosen = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f) != 0
+    if reverse_pred:
+        chosen = ~chosen
+    values = np.asarray(src._data).reshape(p, f) if tile_src else np.full((p, f), src, dst.dtype)
+    if tile_src:
+        check_written("tensor_copy_predicated", "src", src)
+    # the elements not chosen keep dst's values (never-written ones then count as written, with their NaN fill)
+    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)))
+    count("tensor_copy_predicated", "vector", p, f, dst, (predicate,) + ((src,) if tile_src else ()))
+
+
+_PARTITION_REDUCTIONS = {nl.add: np.sum, nl.maximum: np.max}
+
+
+def tensor_partition_reduce(dst, op, data, name=None):
+    """GpSimd: reduce ``data`` across its partitions into ``dst`` (one partition, data's free layout); op nl.add or
+    nl.maximum (isa stub l. 992-997; bitwise_or/and, and average in 0.6, are not emulated)."""
+    if op not in _PARTITION_REDUCTIONS:
+        raise NkiValidationError(f"tensor_partition_reduce: op must be nl.add or nl.maximum (the emulated ones of add, "
+                                 f"max, bitwise_or, bitwise_and), got {getattr(op, '__name__', op)}")
+    core = begin("tensor_partition_reduce")
+    _operands(core, "tensor_partition_reduce", "gpsimd", dst=dst, data=data)
+    p, f = _layout(data)
+    if _layout(dst) != (1, f):
+        raise NkiValidationError(f"tensor_partition_reduce: dst must be 1 partition x {f} elements, got {dst.shape}")
+    write(dst, _PARTITION_REDUCTIONS[op](read("tensor_partition_reduce", "data", data).reshape(p, f), axis=0))
+    count("tensor_partition_reduce", "gpsimd", p, f, dst, (data,), (op,))
+
+
+def core_barrier(data, cores, engine=engine.gpsimd, name=None):
+    """Both cores of an LNC=2 launch wait here until the other arrives (isa stub l. 2183-2236): NeuronCore-v3 or
+    newer, ``cores=(0, 1)``, ``data`` in shared HBM. What one core wrote to ``data`` before the barrier is then
+    there for the other."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("core_barrier: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    core = begin("core_barrier")
+    if tuple(cores) != (0, 1) or core.num_programs != 2:
+        raise NkiValidationError(f"core_barrier: synchronises the two cores of an LNC=2 launch, cores=(0, 1); got "
+                                 f"cores={tuple(cores)} in a launch of {core.num_programs} program(s)")
+    if getattr(data, "buffer", None) is not HBM[1]:
+        raise NkiValidationError("core_barrier: data must be a tensor in shared HBM (nl.shared_hbm)")
+    core.barriers += 1
+    other = 1 - core.program_id
+    core.launch.exchange(core.program_id, other, other, ("core_barrier", core.barriers), None)
+    count("core_barrier", "gpsimd", 1, 1)
+
+
 _GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}  # per partition, by element size: isa stub sendrecv
 
 
@@ -1005,10 +1068,8 @@ class VirtualRegister:
 
 
 get_nc_sub_version = not_emulated("nki.isa.get_nc_sub_version", "")
-tensor_copy_predicated = not_emulated("nki.isa.tensor_copy_predicated", "dst src predicate reverse_pred name")
 nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx", "dst stationary moving stationary_scale moving_scale "
                                                     "tile_position tile_size accumulate name")
-tensor_partition_reduce = not_emulated("nki.isa.tensor_partition_reduce", "dst op data name")
 tensor_scalar_cumulative = not_emulated("nki.isa.tensor_scalar_cumulative", "dst src op0 op1 imm0 imm1 reduce_cmd name")
 activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op "
                                               "reduce_res reduce_cmd name")
@@ -1022,7 +1083,6 @@ rand_get_state = not_emulated("nki.isa.rand_get_state", "dst engine name")
 rand2 = not_emulated("nki.isa.rand2", "dst min max name")
 exponential = not_emulated("nki.isa.exponential", "dst src max_value reduce_res reduce_cmd reduce_init name")
 sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name")
-core_barrier = not_emulated("nki.isa.core_barrier", "data cores engine name")
 dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
 quantize_mx = not_emulated("nki.isa.quantize_mx", "dst src dst_scale name")
 select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "

@@ -74,20 +74,24 @@ def _layernorm_tkg(batch, seqlen, hidden, shard_on_h, dtype):
             "shard_on_h": shard_on_h}
 
 
-def _attention_bwd(batch, q_heads, kv_heads, seq_len, head_dim, dtype, causal):
-    # test/integration/nkilib/core/attention/test_attention_bwd.py generate_inputs (no sinks, window or packing)
+def _attention_bwd(batch, q_heads, kv_heads, seq_len, head_dim, dtype, causal, sinks=False):
+    # test/integration/nkilib/core/attention/test_attention_bwd.py generate_inputs (one sink per head or none; no
+    # window or packing)
     import torch
 
     module = importlib.import_module(CORE + "attention.attention_bwd_torch")
     q = _randn((batch, q_heads, head_dim, seq_len), dtype, 1)
     k, v = _randn((batch, kv_heads, head_dim, seq_len), dtype, 2), _randn((batch, kv_heads, head_dim, seq_len), dtype, 3)
     dy = _randn((batch, q_heads, head_dim, seq_len), dtype, 4)
+    sink = np.repeat(_randn((1, q_heads), dtype, 5), batch, axis=0) if sinks else None
+    scale = 1.0 if causal else None  # as the test's minimal configurations set it
     widen = lambda a: torch.from_numpy(np.asarray(a, np.float32))  # noqa: E731
-    o, lse, _ = module.compute_o_lse(widen(q), widen(k), widen(v), causal, True, softmax_scale=None,
-                                     sliding_window=-1, sinks=None, bound_min=None, bound_max=None)
+    o, lse, _ = module.compute_o_lse(widen(q), widen(k), widen(v), causal, True, softmax_scale=scale,
+                                     sliding_window=-1, sinks=widen(sink) if sinks else None, bound_min=None,
+                                     bound_max=None)
     return {"q_ref": q, "k_ref": k, "v_ref": v, "o_ref": o.float().numpy().astype(dtype), "dy_ref": dy,
-            "lse_ref": lse.float().numpy(), "sinks_ref": None, "use_causal_mask": causal, "mixed_precision": True,
-            "softmax_scale": None, "sliding_window": -1, "bound_min": None, "bound_max": None}
+            "lse_ref": lse.float().numpy(), "sinks_ref": sink, "use_causal_mask": causal, "mixed_precision": True,
+            "softmax_scale": scale, "sliding_window": -1, "bound_min": None, "bound_max": None}
 
 
 def _cross_entropy(positions, vocab, dtype, **options):
@@ -227,6 +231,12 @@ CASES = [
     ("attention_bwd 1x2x1 S256 d64 non-causal", "attention.attention_bwd:attention_bwd",
      "attention.attention_bwd_torch:attention_bwd_torch_ref",
      lambda: _attention_bwd(1, 2, 1, 256, 64, BF16, False), 1, 2e-2, 1e-5),
+    ("attention_bwd lnc2 2x2x1 S256 d128 causal", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(2, 2, 1, 256, 128, BF16, True), 2, 2e-2, 1e-5),
+    ("attention_bwd 1x2x1 S256 d64 causal sink", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(1, 2, 1, 256, 64, BF16, True, sinks=True), 1, 2e-2, 1e-5),
     ("rope d64 B1 H1 S16 contiguous", "embeddings.rope:RoPE", "embeddings.rope_torch:rope_torch_ref",
      lambda: _rope(64, 1, 1, 16, True, False), 2, BF16_EPS, 1e-3),
     ("rope d128 B8 H8 S128 relayout", "embeddings.rope:RoPE", "embeddings.rope_torch:rope_torch_ref",

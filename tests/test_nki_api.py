@@ -777,3 +777,38 @@ def test_nc_stream_shuffle_and_range_select():
     keep = (index >= 3) & (index < 7)
     np.testing.assert_array_equal(selected, np.where(keep, x, np.finfo(np.float32).min))
     np.testing.assert_array_equal(row_max[:, 0], x[:, keep].max(axis=1))
+
+
+def _halves_then_barrier(x):
+    """Each core writes its half of a shared tensor, then (after core_barrier) reads the whole of it."""
+    half = x.shape[0] // 2
+    rank = nl.program_id(0)
+    shared = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x[rank * half:(rank + 1) * half, :])
+    nisa.dma_copy(dst=shared[rank * half:(rank + 1) * half, :], src=tile)
+    nisa.core_barrier(data=shared, cores=(0, 1))
+    whole = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=whole, src=shared)
+    total = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.tensor_partition_reduce(total, nl.add, whole)
+    mask = nl.ndarray(x.shape, nl.uint8, buffer=nl.sbuf)
+    nisa.iota(dst=mask, pattern=[[0, x.shape[1]]], offset=0, channel_multiplier=1)  # partition p: value p
+    picked = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=picked, value=-1.0)
+    nisa.tensor_copy_predicated(dst=picked, src=whole, predicate=mask)  # all rows but row 0
+    out = nl.ndarray((x.shape[0] + 1, x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[0:x.shape[0], :], src=picked)
+    nisa.dma_copy(dst=out[x.shape[0]:, :], src=total)
+    return out
+
+
+def test_core_barrier_partition_reduce_and_predicated_copy():
+    """core_barrier (3afa0fdf isa stub l. 2183): what each core wrote before it is there for the other after it;
+    tensor_partition_reduce (l. 992) sums across partitions; tensor_copy_predicated (l. 369) copies where the
+    predicate is non-zero."""
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    out = nki_emulator.jit(_halves_then_barrier)[2](x)
+    np.testing.assert_array_equal(out[0], -1.0)
+    np.testing.assert_array_equal(out[1:4], x[1:])
+    np.testing.assert_array_equal(out[4], x.sum(axis=0))
