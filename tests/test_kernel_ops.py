@@ -44,6 +44,13 @@ def on_chip_peaks():
         yield peaks
 
 
+def limit_sbuf(monkeypatch, limit):
+    """The emulator's SBUF per partition cut to `limit` bytes (every SBUF figure of its target)."""
+    target = _runtime.target()
+    cut = {field.name: limit for field in dataclasses.fields(target) if field.name.startswith("sbuf_")}
+    monkeypatch.setattr(_runtime, "_target", dataclasses.replace(target, **cut))
+
+
 def random(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
 
@@ -64,18 +71,26 @@ def test_mlp_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch, activation
     dim, hidden, budget = 256, 1024, 40 * 1024
     monkeypatch.setattr(kernels, "SBUF_BUDGET", budget)
     assert kernels._mlp_chunk_tiles(dim, hidden, activation == "swiglu", 2, backward=True) < hidden // 128
-    monkeypatch.setattr(_runtime, "_target", dataclasses.replace(_runtime.target(), sbuf_partition_bytes=budget))
     x, w_up, w_down = random(200, dim), random(hidden, dim), random(dim, hidden)
     w_gate = random(hidden, dim) if activation == "swiglu" else None
-    kernels.mlp(x, w_up, w_down, activation, w_gate, mode="nki").float().sum().backward()
+    limit_sbuf(monkeypatch, budget)
+    with on_chip_peaks() as peaks:
+        kernels.mlp(x, w_up, w_down, activation, w_gate, mode="nki").float().sum().backward()
+    limit_sbuf(monkeypatch, peaks["sbuf"] - 1)  # the twin: one byte less than the kernels held, refused
+    with pytest.raises(nki_emulator.NkiValidationError, match="SBUF"):
+        kernels.mlp(x, w_up, w_down, activation, w_gate, mode="nki").float().sum().backward()
 
 
 def test_attention_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch):
     seq_len, head_dim = 512, 128
     plan = kernels._attention_sbuf_bytes(seq_len, head_dim, 2)
-    monkeypatch.setattr(_runtime, "_target", dataclasses.replace(_runtime.target(), sbuf_partition_bytes=plan))
     q, k, v = random(1, 2, seq_len, head_dim), random(1, 1, seq_len, head_dim), random(1, 1, seq_len, head_dim)
-    kernels.attention(q, k, v, mode="nki").float().sum().backward()
+    limit_sbuf(monkeypatch, plan)
+    with on_chip_peaks() as peaks:
+        kernels.attention(q, k, v, mode="nki").float().sum().backward()
+    limit_sbuf(monkeypatch, peaks["sbuf"] - 1)  # the twin: one byte less than the kernels held, refused
+    with pytest.raises(nki_emulator.NkiValidationError, match="SBUF"):
+        kernels.attention(q, k, v, mode="nki").float().sum().backward()
 
 
 def test_the_sbuf_budget_is_within_the_usable_sbuf_of_a_trn2():
