@@ -118,7 +118,7 @@ def attention(q, k, v, mode="auto"):
     The PyTorch path is SDPA, except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where
     `BlockCausalAttention` is faster.
     """
-    if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
+    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v)):
         return _attention_nki(q, k, v)
     return _attention_torch(q, k, v)
 
@@ -137,7 +137,7 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
     if (activation == "swiglu") != (w_gate is not None):
         raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
     dtype = _matmul_dtype(x)
-    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
                 _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
         return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
     return _mlp_torch(x, w_up, w_down, activation, w_gate)
@@ -146,7 +146,7 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
 def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
     """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
     The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
-    if _use_nki("rms_norm", mode, x.device.type, _rms_norm_shape_problem(x)):
+    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
         return _rms_norm_nki(x, weight, eps)
     return _rms_norm_torch(x, weight, eps)
 
@@ -157,7 +157,7 @@ def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
     One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
     The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
     dtype, which is what the matmul reading the norm would round it to anyway."""
-    if _use_nki("add_rms_norm", mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
+    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
         return _add_rms_norm_nki(x, branch, eps)
     return _add_rms_norm_torch(x, branch, eps, mode)
 
@@ -170,7 +170,7 @@ def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mo
     first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
     On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
     forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
-    if _use_nki("softcap_cross_entropy", mode, logits.device.type,
+    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
                 _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
         return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
     return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
@@ -185,7 +185,7 @@ def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
     the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
     (its own op)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if _use_nki("rope_norm", mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
+    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
         return _rope_norm_nki(x, cos, sin, n_heads, eps)
     return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
 
@@ -246,9 +246,13 @@ OPS = {}  # name -> KernelOp, in the order of the sections below; KERNEL_OPS (at
 
 
 def _declare(op):
+    """Adds `op` to OPS and returns it, for the section's NAME_OP = _declare(KernelOp(...)): the public op
+    names itself through it (`_use_nki(NAME_OP.name, ...)`), so a one-file export that leaves an op out
+    (kit/contest.py) leaves its declaration, and with it its kernels, out too."""
     if op.name in OPS:
         raise ValueError(f"kernel op {op.name!r} is declared twice")
     OPS[op.name] = op
+    return op
 
 
 def check_cases(dtype, device, generator, shapes=CheckShapes()):
@@ -331,7 +335,7 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     """
     if op_name not in OPS:
         raise ValueError(f"{op_name!r} is not a declared kernel op ({', '.join(OPS)}); declare it with "
-                         "_declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
+                         "NAME_OP = _declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
                          "\"Adding a kernel op\")")
     mode = parse_kernels(setting)[op_name]
     if mode == "torch":
@@ -1289,7 +1293,7 @@ def _attention_model_cases(c, batch_size, device, dtype):
              lambda q, k, v, mode: attention(q, k, v, mode=mode))]
 
 
-_declare(KernelOp(
+ATTENTION_OP = _declare(KernelOp(
     name="attention", call=attention,
     kernels=(flash_attention_fwd_kernel, flash_attention_bwd_kernel),
     torch_path=_attention_torch, shape_problem=_attention_shape_problem, cost_problem=None,
@@ -1872,7 +1876,7 @@ def _mlp_model_cases(c, batch_size, device, dtype):
              lambda x, w_up, w_down, w_gate, mode: mlp(x, w_up, w_down, c.mlp, w_gate, mode=mode))]
 
 
-_declare(KernelOp(
+MLP_OP = _declare(KernelOp(
     name="mlp", call=mlp,
     kernels=(mlp_fwd_kernel, mlp_bwd_kernel),
     torch_path=_mlp_torch, shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem,
@@ -2111,7 +2115,7 @@ def _rms_norm_model_cases(c, batch_size, device, dtype):
             ("rms_norm_fp32", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x.float(), mode=mode))]
 
 
-_declare(KernelOp(
+RMS_NORM_OP = _declare(KernelOp(
     name="rms_norm", call=rms_norm,
     kernels=(rms_norm_fwd_kernel, rms_norm_bwd_kernel),
     torch_path=_rms_norm_torch, shape_problem=_rms_norm_shape_problem, cost_problem=None,
@@ -2307,7 +2311,7 @@ def _add_rms_norm_model_cases(c, batch_size, device, dtype):
              lambda x, branch, mode: sum(o.float() for o in add_rms_norm(x.float(), branch, mode=mode)))]
 
 
-_declare(KernelOp(
+ADD_RMS_NORM_OP = _declare(KernelOp(
     name="add_rms_norm", call=add_rms_norm,
     kernels=(add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel),
     torch_path=_add_rms_norm_torch, shape_problem=_add_rms_norm_shape_problem, cost_problem=None,
@@ -2572,7 +2576,7 @@ def _softcap_cross_entropy_model_cases(c, batch_size, device, dtype):
                  c.vocab_size, "none", mode=mode))]
 
 
-_declare(KernelOp(
+SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
     name="softcap_cross_entropy", call=softcap_cross_entropy,
     kernels=(softcap_cross_entropy_fwd_kernel, softcap_cross_entropy_bwd_kernel),
     torch_path=_softcap_cross_entropy_torch, shape_problem=_softcap_cross_entropy_shape_problem, cost_problem=None,
@@ -2801,28 +2805,31 @@ def _rope_norm_torch(x, cos, sin, n_heads, eps, mode):
     return rms_norm(torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1), eps=eps, mode=mode)
 
 
-def _rope_norm_check_cases(shapes, dtype, device, generator):
-    from model import rotary_tables  # model.py imports this file
+def _rotary_angles(seq_len, head_dim, generator=None):
+    """cos and sin of random angles, (seq_len, head_dim / 2) each: tables a rotation could have (the kernels'
+    backward relies on cos^2 + sin^2 = 1), without model.py, which the submission leaves out of this file."""
+    angles = torch.rand(seq_len, head_dim // 2, generator=generator) * (2 * math.pi)
+    return angles.cos(), angles.sin()
 
+
+def _rope_norm_check_cases(shapes, dtype, device, generator):
     draw = _drawing(dtype, device, generator)
-    cos, sin = (t.to(device) for t in rotary_tables(shapes.rows, shapes.head_dim, 10000.0))  # not inputs: no gradient
+    cos, sin = (t.to(device) for t in _rotary_angles(shapes.rows, shapes.head_dim, generator))  # not inputs
     return [("rope_norm", lambda: (draw(shapes.batch, shapes.rows, shapes.n_head * shapes.head_dim),),
              lambda x, mode: rope_norm(x, cos, sin, shapes.n_head, mode=mode))]
 
 
 def _rope_norm_model_cases(c, batch_size, device, dtype):
     """q and k of one attention layer as one case: the step prices them together."""
-    from model import rotary_tables  # model.py imports this file
-
     draw = _model_drawing(device, dtype)
     B, T, D = batch_size, c.sequence_len, c.head_dim
-    tables = [t.to(device) for t in rotary_tables(T, D, c.rope_base)]
+    tables = [t.to(device) for t in _rotary_angles(T, D)]
     return [("rope_norm", 0, 0, lambda: (draw(B, T, c.n_head * D), draw(B, T, c.n_kv_head * D)),
              lambda q, k, mode: torch.cat((rope_norm(q, *tables, c.n_head, mode=mode).flatten(),
                                            rope_norm(k, *tables, c.n_kv_head, mode=mode).flatten())))]
 
 
-_declare(KernelOp(
+ROPE_NORM_OP = _declare(KernelOp(
     name="rope_norm", call=rope_norm,
     kernels=(rope_norm_fwd_kernel, rope_norm_bwd_kernel),
     torch_path=_rope_norm_torch, shape_problem=_rope_norm_shape_problem, cost_problem=None,
