@@ -19,6 +19,7 @@ Model
   partition) was exceeded there. A tile allocated but never used costs nothing.
 """
 
+import itertools
 import os
 import sys
 from enum import Enum
@@ -99,7 +100,8 @@ class _Liveness:
 
 
 class _Storage:
-    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness")
+    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness", "serial")
+    _serials = itertools.count()  # each storage's identity in the trace (Instruction.reads/writes)
 
     def __init__(self, array, buffer, name, label, initialised):
         self.array = array
@@ -110,6 +112,7 @@ class _Storage:
         self.written = None if initialised else np.zeros(array.shape + (array.itemsize,), np.bool_)
         self.matmul_written = np.zeros(array.shape, np.bool_) if buffer is PSUM else None
         self.liveness = None
+        self.serial = next(_Storage._serials)
 
 
 class NkiTensor:
@@ -519,6 +522,7 @@ def operand(core, instr, role, t, allowed, why):
         raise NkiValidationError(f"{instr}: {role} must be an NKI tensor, got {type(t).__name__}")
     if t._storage.buffer not in allowed:
         raise NkiValidationError(f"{instr}: {role} is in {t._storage.buffer.value}, but {why}")
+    core.accessed.append((role, t))  # for the trace's reads and writes (_runtime.count)
     liveness = t._storage.liveness
     if liveness is not None:
         if liveness.first < 0:
