@@ -70,7 +70,14 @@ ACCUMULATOR_READ = 64  # [ARCH] ActReadAccumulator "roughly 64 ScalarE cycles"; 
 DMA_ROW_OVERHEAD_BYTES = 512  # ASSUMPTION, see ASSUMPTIONS
 DMA_TRANSPOSE_EFFICIENCY = {"hbm": 0.9, "sbuf": 0.5}  # [TRN2] DMA Transpose: up to 90% (from HBM), 50% (SBUF2SBUF)
 
-ASSUMPTIONS = (
+# Calibrated against public hardware timings (nki_emulator/calibrate.py; the table in docs/results.md): factors
+# on the cost model's time where the measurements support one, and the fixed cost of a kernel launch. Only the
+# central estimate (_schedule.central_estimate) applies them.
+CALIBRATED = {}  # (generation, engine, "16-bit" or "32-bit" inputs, or None for any) -> factor
+LAUNCH_S = 0.0
+CALIBRATION_ASSUMPTIONS = ()
+
+ASSUMPTIONS = CALIBRATION_ASSUMPTIONS + (
     "MIN_II bounds every VectorE and ScalarE instruction, also where [ISA]'s table omits it "
     "(tensor_reduce, scalar_tensor_tensor): max(MIN_II, formula)",
     "TensorE costs are [ISA]'s average for back-to-back instructions of one shape (pipelined), whatever "
@@ -84,6 +91,13 @@ ASSUMPTIONS = (
 )
 
 _FP16 = ("bfloat16", "float16")
+
+
+def calibration_factor(instruction, generation):
+    """The CALIBRATED factor for an instruction on ``generation``: by engine and the width of its inputs."""
+    width = "16-bit" if all(d in _FP16 for d in instruction.dtypes[1:] or instruction.dtypes) else "32-bit"
+    by_engine = CALIBRATED.get((generation, instruction.engine, None), 1.0)
+    return CALIBRATED.get((generation, instruction.engine, width), by_engine)
 
 
 def _itemsize(name):

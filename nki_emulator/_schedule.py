@@ -30,13 +30,25 @@ allocate fewer buffers than one per tile), limits on DMA transfers in flight, SB
 from collections import defaultdict
 from typing import NamedTuple
 
-from ._cost import ENGINE_SPECS, MIN_II, instruction_seconds
+from ._cost import ENGINE_SPECS, LAUNCH_S, MIN_II, calibration_factor, instruction_seconds
 from ._runtime import target as current_target
 
 DEPENDENCY_S = 189e-9 - MIN_II / ENGINE_SPECS["trn1"].scalar_hz  # [PERF]: 264-cycle dependent chain, 143 ns extra
 DMA_FIXED_S = 1.3e-6  # [DMA]: "semaphore-to-start latency (~1300 ns cross-engine)" per transfer
 COMPUTE_TRACKS = ("tensor", "vector", "scalar", "gpsimd")
 _MERGE_ABOVE = 32  # accesses kept per tile before they merge into one (keeps long traces linear)
+
+
+CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes beyond the cost model
+    "each kernel call is scheduled (nki_emulator/_schedule.py): every engine runs its instructions in issue order; "
+    "an instruction waits for the tiles it reads to be written (+143 ns after a compute engine, [PERF]'s dependent "
+    "chain) and for the tiles it writes to be free; each DMA transfer pays 1.3 us of fixed cost ([DMA]), "
+    "overlapped with other transfers in flight; every allocation is its own buffer",
+    "each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
+    "docs/results.md), and a fixed cost per kernel launch (_cost.LAUNCH_S)",
+)
+NOT_MODELLED = ("host dispatch idle (FrontierForge measured ~19% of a compiled K82s4 step idle on it), the "
+                "compiler's own scheduling (reordering, fusion and spills), SBUF/PSUM port contention")
 
 
 class Slot(NamedTuple):
@@ -123,3 +135,24 @@ def schedule(trace, generation=None, seconds=instruction_seconds):
         slots.append(Slot(index, instruction.name, track, start, end))
         makespan = max(makespan, end)
     return {"slots": slots, "scheduled_s": makespan, "launches": launches}
+
+
+def calibrated_seconds(instruction, generation):
+    """The cost model's time times the calibrated factor for the instruction's engine (_cost.CALIBRATED)."""
+    return instruction_seconds(instruction, generation) * calibration_factor(instruction, generation)
+
+
+def central_estimate(trace, generation=None):
+    """The central estimate of a kernel call: the schedule with the calibrated factors, plus LAUNCH_S per
+    kernel launch. ``{"central_s", "scheduled_s" (its schedule, without the launches), "launches"}``."""
+    result = schedule(trace, generation, calibrated_seconds)
+    return {"central_s": result["scheduled_s"] + LAUNCH_S * result["launches"], "scheduled_s": result["scheduled_s"],
+            "launches": result["launches"]}
+
+
+def schedule_figures(trace, generation=None):
+    """What a kernel call's report adds to the bounds: ``scheduled_s`` (the schedule, the cost model as it is),
+    ``central_s`` (central_estimate) and ``launches``."""
+    central = central_estimate(trace, generation)
+    return {"scheduled_s": schedule(trace, generation)["scheduled_s"], "central_s": central["central_s"],
+            "launches": central["launches"]}
