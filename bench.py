@@ -34,8 +34,10 @@ engine, a bottleneck, an overlap bound (the busiest engine: estimate_s) and a se
 serial_s). A whole training step adds what the compiler generates around the kernels (projection and head
 matmuls, elementwise ops, the optimizer, the gradients' exchange), priced with the same table; its
 assumptions are STEP_ASSUMPTIONS. `--step_estimate` prints it, with the two public Trn2 measurements
-beside their estimates. Estimates, not measurements: host dispatch, dependencies between engines and
-compiler scheduling are left out.
+beside their estimates. Both print a range: the optimistic figure above (overlap bound) and a central one, each
+kernel call scheduled (nki_emulator/_schedule.py: in-order engines, the tiles' dependencies, DMA fixed cost) with
+the factors and launch cost calibrated against public hardware timings (nki_emulator/calibrate.py). Estimates, not
+measurements: host dispatch and the compiler's own scheduling are left out.
 """
 import argparse
 import contextlib
@@ -727,7 +729,7 @@ def print_step_range(optimistic, central, model_cfg):
                          ("central", central, "kernels scheduled, calibrated factors, launch cost")):
         print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s  {100 * r['tokens_per_s'] * flops / peak:4.0f}% MFU  "
               f"step {1e3 * r['step_s']:8.2f} ms  ({how})")
-    print(f"  not modelled (each would lower both): {nki_emulator.NOT_MODELLED}")
+    print(f"  not modelled: {nki_emulator.NOT_MODELLED}")
     print("  the central figure assumes:")
     for line in nki_emulator.CENTRAL_ASSUMPTIONS + tuple(nki_emulator.CALIBRATION_ASSUMPTIONS):
         print(f"  - {line}")

@@ -47,8 +47,10 @@ CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes 
     "each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
     "docs/results.md), and a fixed cost per kernel launch (_cost.LAUNCH_S)",
 )
-NOT_MODELLED = ("host dispatch idle (FrontierForge measured ~19% of a compiled K82s4 step idle on it), the "
-                "compiler's own scheduling (reordering, fusion and spills), SBUF/PSUM port contention")
+NOT_MODELLED = ("host dispatch idle (FrontierForge measured ~19% of a compiled K82s4 step idle on it; it would lower "
+                "both figures); the compiler's own scheduling (it may interleave independent loop iterations that "
+                "this schedule runs in program order, which would raise the central figure towards the optimistic "
+                "one, and it fuses and spills, either way); SBUF/PSUM port contention (lower)")
 
 
 class Slot(NamedTuple):
