@@ -3,7 +3,7 @@
 Run by hand, not in CI (it needs checkouts, and takes minutes: the kernels run at their measured shapes):
 
     git clone https://github.com/aws-neuron/aws-neuron-sdk   # or any checkout / bare git dir of it
-    OPENBLAS_NUM_THREADS=1 python -m nki_emulator.calibrate --sdk=aws-neuron-sdk [--only=mamba] [--json=calibration.json]
+    OPENBLAS_NUM_THREADS=1 python -m nki_emulator.calibrate --sdk=aws-neuron-sdk [--only=mamba] [--json=rows.json]
 
 (one BLAS thread: the kernels issue many small matmuls, which threads only slow down)
 
@@ -26,6 +26,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -43,7 +44,8 @@ SDK_MATMUL = "nki/examples/matrix_multiplication/matrix_multiplication_nki_kerne
 SDK_MAMBA = "nki/examples/fused_mamba/mamba_nki_kernels.py"
 KOPT = ("aws-neuron-sdk nki/guides/tutorials/kernel-optimization.rst, profile of version {} "
         "(nki/img/how-to/v{}-full.png, trn2, fp32)")
-MM223 = "aws-neuron-sdk v2.23.0 general/nki/tutorials/matrix_multiplication.rst, latency table ({}; trn1.32xlarge, bf16)"
+MM223 = ("aws-neuron-sdk v2.23.0 general/nki/tutorials/matrix_multiplication.rst, latency table ({}; trn1.32xlarge, "
+         "bf16)")
 MAMBA = "aws-neuron-sdk nki/guides/tutorials/fused_mamba.rst ({})"
 
 # kernel, source, hardware, (file, function or code-block index), shape, dtype, measured seconds
@@ -58,7 +60,8 @@ POINTS = [
                             ("nki_matmul_hoist_load_", "Optimization 1", 42.96),
                             ("nki_matmul_block_free_dimension_", "Optimization 2", 22.07),
                             ("nki_matmul_fully_optimized_", "Optimization 3", 6.97))],
-    dict(kernel="mamba_v1", source=MAMBA.format("toy example: 172.93 usec"), hardware="trn1", code=("mamba", "mamba_v1"),
+    dict(kernel="mamba_v1", source=MAMBA.format("toy example: 172.93 usec"), hardware="trn1",
+         code=("mamba", "mamba_v1"),
          shape=dict(batch=1, channels=256, seq_len=512, state=16), dtype="float32", measured_s=172.93e-6),
     dict(kernel="mamba_v1", source=MAMBA.format("4K channels: 2.34 ms"), hardware="trn1", code=("mamba", "mamba_v1"),
          shape=dict(batch=1, channels=4096, seq_len=512, state=16), dtype="float32", measured_s=2.34e-3),
@@ -121,7 +124,13 @@ def inputs(point):
             rng.random((b, n, t), np.float32), rng.random((b, n, t), np.float32)]
 
 
-def run_point(point, sdk, folder):
+def trace_of(point, sdk, folder, cache):
+    """The point's trace and a note on what the emulator refused once it was whole; kept in `cache` (a folder) when
+    given, so that the table can be priced again (other factors) without running the kernels again."""
+    path = cache and os.path.join(cache, re.sub(r"\W+", "_", f"{point['kernel']}_{point['shape']}") + ".pkl")
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
     kernel = load_kernel(point["code"], sdk, folder)
     fn = getattr(kernel, "fn", kernel)
     defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
@@ -140,12 +149,19 @@ def run_point(point, sdk, folder):
                 note = str(e).split(";")[0]
     finally:
         nki_emulator.set_target(previous)
-    bounds = estimate(counts.trace, point["hardware"])
-    central = central_estimate(counts.trace, point["hardware"])
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump((counts.trace, note), f)
+    return counts.trace, note
+
+
+def price(point, trace, note):
+    bounds = estimate(trace, point["hardware"])
     return {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
-            "engines_s": bounds["engines"],
-            "scheduled_s": schedule(counts.trace, point["hardware"])["scheduled_s"], "central_s": central["central_s"],
-            "instructions": len(counts.trace), "note": note}
+            "engines_s": bounds["engines"], "scheduled_s": schedule(trace, point["hardware"])["scheduled_s"],
+            "central_s": central_estimate(trace, point["hardware"])["central_s"], "instructions": len(trace),
+            "note": note}
 
 
 def table(rows):
@@ -154,8 +170,8 @@ def table(rows):
     for r in rows:
         shape = "x".join(str(v) for v in r["shape"].values())
         ms = {k: f"{1e3 * r[k]:.3f}" for k in ("measured_s", "overlap_s", "scheduled_s", "central_s", "serial_s")}
-        lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | {ms['measured_s']} | "
-                     f"{ms['overlap_s']} | {ms['scheduled_s']} | {ms['central_s']} | {ms['serial_s']} | "
+        lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | "
+                     f"{ms['measured_s']} | {ms['overlap_s']} | {ms['scheduled_s']} | {ms['central_s']} | {ms['serial_s']} | "
                      f"{r['central_s'] / r['measured_s']:.2f} |")
     within = sum(abs(r["central_s"] / r["measured_s"] - 1) <= 0.25 for r in rows)
     lines.append(f"\n{within} of {len(rows)} central estimates within 25% of the measured time (times in ms)")
@@ -167,6 +183,8 @@ def main(argv=None):
     parser.add_argument("--sdk", required=True, help="a checkout (or bare git dir) of aws-neuron/aws-neuron-sdk")
     parser.add_argument("--only", default="", help="run only the points whose kernel name contains this")
     parser.add_argument("--json", default="", help="also write the rows here")
+    parser.add_argument("--cache", default="", help="a folder to keep each point's trace in (pickle), so that a "
+                        "second run prices them again without running the kernels")
     args = parser.parse_args(argv)
     nki_emulator.install()
     rows = []
@@ -175,7 +193,7 @@ def main(argv=None):
             if args.only not in point["kernel"]:
                 continue
             started = time.time()
-            rows.append({**point, **run_point(point, args.sdk, folder)})
+            rows.append({**point, **price(point, *trace_of(point, args.sdk, folder, args.cache))})
             print(f"{point['kernel']} {point['shape']}: {time.time() - started:.0f} s to emulate", file=sys.stderr)
             if args.json:  # after each point: a long run keeps what it has
                 with open(args.json, "w") as f:

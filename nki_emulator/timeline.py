@@ -48,7 +48,8 @@ def draw(result, path, title):
     names = sorted({s.name for s in result["slots"]})
     for row, track in enumerate(tracks):
         for name in names:
-            bars = [(1e6 * s.start, 1e6 * (s.end - s.start)) for s in result["slots"] if s.track == track and s.name == name]
+            bars = [(1e6 * s.start, 1e6 * (s.end - s.start)) for s in result["slots"]
+                    if s.track == track and s.name == name]
             if bars:
                 ax.broken_barh(bars, (row - 0.4, 0.8), color=colours(names.index(name) % 20), label=name)
     handles = {h.get_label(): h for h in ax.get_children() if getattr(h, "get_label", None) and h.get_label() in names}

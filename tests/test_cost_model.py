@@ -11,8 +11,9 @@ import pytest
 import nki_emulator
 import nki_emulator.isa as nisa
 import nki_emulator.language as nl
-from nki_emulator import ENGINE_SPECS, Instruction, estimate, instruction_seconds, timeline
-from nki_emulator._schedule import DEPENDENCY_S, DMA_FIXED_S, LAUNCH_S, central_estimate, schedule
+from nki_emulator import ASSUMPTIONS, ENGINE_SPECS, Instruction, estimate, instruction_seconds, timeline
+from nki_emulator._schedule import (DEPENDENCY_S, DMA_FIXED_S, LAUNCH_S, calibrated_seconds, central_estimate,
+                                    schedule)
 
 BF16, FP32 = "bfloat16", "float32"
 
@@ -343,3 +344,13 @@ def test_the_timeline_is_a_trace_event_file_with_one_event_per_instruction_and_o
     assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(1e6 * result["scheduled_s"])
     with open(png_path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrated_factors_apply_to_their_engine_dtype_and_generation_only():
+    bf16, fp32 = matmul(128, 512), matmul(128, 512, FP32)
+    assert calibrated_seconds(bf16, "trn2") == pytest.approx(instruction_seconds(bf16, "trn2") / 0.8524)
+    assert calibrated_seconds(fp32, "trn2") == instruction_seconds(fp32, "trn2")  # fp32 matched the hardware
+    load = dma(128, 2048)
+    assert calibrated_seconds(load, "trn1") == pytest.approx(instruction_seconds(load, "trn1") * 51.80 / 35.9)
+    assert calibrated_seconds(load, "trn2") == instruction_seconds(load, "trn2")
+    assert all(any(key in line for line in ASSUMPTIONS) for key in ("85.24%", "51.80 ms", "18 us"))  # cited
