@@ -10,9 +10,11 @@ The cost model (:mod:`._cost`) gives two bounds, the busiest engine (everything 
   Tiles are rectangles of partitions x bytes (``Instruction.reads`` / ``writes``), so two column slices of
   one tile do not wait for each other. Every allocation is its own tile, so a tile allocated inside a loop is
   a fresh one each iteration, as if the compiler gave each iteration its own buffer (the best case).
-- a DMA transfer moves its bytes over the shared DMA engines (its cost-model time, one transfer after
-  another) after the fixed cost DMA_FIXED_S, which transfers in flight overlap; each transfer is drawn on
-  the lowest-numbered "dma queue" track free when it starts, so the tracks show how many were in flight.
+- a DMA transfer waits in its queue (loads into SBUF, stores out of it and other copies are three queues, each
+  in order) and pays the fixed cost DMA_FIXED_S, which transfers in flight overlap, then moves its bytes over the
+  DMA engines that all transfers share (its cost-model time, in the first gap of their bandwidth long enough);
+  each transfer is drawn on the lowest-numbered "dma queue" track free when it starts, so the tracks show how
+  many were in flight.
 - a new kernel launch starts when everything of the previous one has ended.
 
 Sources (aws-neuron/aws-neuron-sdk at HEAD, as in :mod:`._cost`):
@@ -27,6 +29,8 @@ Not modelled: the compiler's own scheduling (it may reorder instructions across 
 allocate fewer buffers than one per tile), limits on DMA transfers in flight, SBUF/PSUM port contention.
 """
 
+import bisect
+import math
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -107,13 +111,38 @@ class _Tiles:
                 self.writes[w[0]] = _merged(self.writes[w[0]])
 
 
+class _Bandwidth:
+    """When the shared DMA engines are busy: sorted, disjoint (start, end) intervals, touching ones merged."""
+
+    def __init__(self):
+        self.busy = []
+
+    def reserve(self, ready, duration):
+        """Book the first gap of ``duration`` seconds from ``ready`` on; returns its start."""
+        at = bisect.bisect_right(self.busy, (ready, math.inf))
+        start = max(ready, self.busy[at - 1][1]) if at else ready
+        while at < len(self.busy) and self.busy[at][0] < start + duration:
+            start, at = max(start, self.busy[at][1]), at + 1
+        self.busy.insert(at, (start, start + duration))
+        if at + 1 < len(self.busy) and self.busy[at + 1][0] <= start + duration:  # merge with the next
+            self.busy[at:at + 2] = [(start, self.busy[at + 1][1])]
+        if at and self.busy[at - 1][1] >= start:  # and with the one before
+            self.busy[at - 1:at + 1] = [(self.busy[at - 1][0], self.busy[at][1])]
+        return start
+
+
+def _dma_queue(instruction):
+    sbuf_dst, sbuf_src = instruction.buffers[0] == "sbuf", "sbuf" in instruction.buffers[1:]
+    return "load" if sbuf_dst and not sbuf_src else "store" if sbuf_src and not sbuf_dst else "copy"
+
+
 def schedule(trace, generation=None, seconds=instruction_seconds):
     """Schedule ``trace`` (``counts.trace``) on one NeuronCore of ``generation`` (default: the emulator's target).
     ``seconds(instruction, generation)`` prices each instruction (default: the cost model's).
     Returns ``{"slots": [Slot], "scheduled_s": when the last instruction ends, "launches": kernel launches}``."""
     generation = generation or current_target().name
     free = dict.fromkeys(COMPUTE_TRACKS, 0.0)
-    dma_free, queues, tiles, slots = 0.0, [], _Tiles(), []
+    queue_start, bandwidth, lanes, tiles, slots = {}, _Bandwidth(), [], _Tiles(), []
     launch, launches, launch_start, makespan = None, 0, 0.0, 0.0
     for index, instruction in enumerate(trace):
         if instruction.launch != launch or launch is None:  # a new kernel starts after the last one has ended
@@ -122,11 +151,13 @@ def schedule(trace, generation=None, seconds=instruction_seconds):
         ready = max(launch_start, tiles.ready(instruction.reads, instruction.writes))
         duration = seconds(instruction, generation)
         if instruction.engine == "dma":
-            moving = max(ready + DMA_FIXED_S, dma_free, launch_start + DMA_FIXED_S)
-            start, end, visible = moving - DMA_FIXED_S, moving + duration, moving + duration
-            dma_free = end
-            lane = next((q for q, busy_until in enumerate(queues) if busy_until <= start), len(queues))
-            queues[lane:lane + 1] = [end]
+            queue = _dma_queue(instruction)
+            moving = bandwidth.reserve(max(ready, queue_start.get(queue, 0.0)) + DMA_FIXED_S, duration)
+            queue_start[queue] = moving - DMA_FIXED_S
+            start, end = moving - DMA_FIXED_S, moving + duration
+            visible = end
+            lane = next((q for q, busy_until in enumerate(lanes) if busy_until <= start), len(lanes))
+            lanes[lane:lane + 1] = [end]
             track = f"dma queue {lane}"
         else:
             track = instruction.engine

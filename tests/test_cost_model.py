@@ -302,6 +302,12 @@ def test_a_dma_queue_overlaps_the_fixed_cost_of_transfers_and_moves_their_bytes_
     slots = schedule(trace, "trn2")["slots"]
     assert slots[1].start == pytest.approx(slots[0].end)  # no compute latency after a DMA: its fixed cost has it
     assert slots[2].end == pytest.approx(DMA_FIXED_S + 2 * d)
+    # a store waiting for compute holds up its own queue, not the loads behind it, which take the idle bandwidth
+    store = Instruction("dma_copy", "dma", 128, 1024, (BF16, BF16), ("shared_hbm", "sbuf"))
+    trace = [transfers[0], on(use, [tile(0)], [tile(50)]), on(store, [tile(50)], [tile(200, 1)]), transfers[1]]
+    slots = schedule(trace, "trn2")["slots"]
+    assert slots[3].end == pytest.approx(DMA_FIXED_S + 2 * d)  # as if the store were not there
+    assert slots[2].start == pytest.approx(slots[1].end + DEPENDENCY_S)  # the store waits for what it stores
 
 
 def test_a_new_kernel_launch_starts_after_the_last_one_ended_and_the_central_estimate_adds_the_launch_cost():
