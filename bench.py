@@ -405,7 +405,8 @@ def print_kernels(rows, on_trainium):
               "dispatch idle, the compiler's own scheduling")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
           + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
-             f"{'est us':>7} {'sched':>7} {'central':>7} {'serial':>7}  {'bound':<7}" + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
+             f"{'est us':>7} {'sched':>7} {'central':>7} {'serial':>7}  {'bound':<7}"
+             + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
              + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
         if r["flops"]:
@@ -595,7 +596,8 @@ def kernel_step_costs(model_cfg, tokens_per_call, central=False):
             counts = emulate(lambda *a: call(*a, "nki"), inputs, backward=True)
             if central:
                 c = nki_emulator.central_estimate(counts.trace, "trn2")
-                costs[name] = c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * model_cfg.sequence_len / tokens_per_call
+                per_sequence = model_cfg.sequence_len / tokens_per_call  # a call's launches shared by its sequences
+                costs[name] = c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * per_sequence
             else:
                 costs[name] = kernel_estimate(counts)["estimate_s"]
         except (RuntimeError, ValueError):  # a shape the kernel cannot take: compiled plain ops instead
