@@ -42,12 +42,12 @@ DMA_FIXED_S = 1.3e-6  # [DMA]: "semaphore-to-start latency (~1300 ns cross-engin
 COMPUTE_TRACKS = ("tensor", "vector", "scalar", "gpsimd")
 _MERGE_ABOVE = 32  # accesses kept per tile before they merge into one (keeps long traces linear)
 
-
 CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes beyond the cost model
     "each kernel call is scheduled (nki_emulator/_schedule.py): every engine runs its instructions in issue order; "
     "an instruction waits for the tiles it reads to be written (+143 ns after a compute engine, [PERF]'s dependent "
-    "chain) and for the tiles it writes to be free; each DMA transfer pays 1.3 us of fixed cost ([DMA]), "
-    "overlapped with other transfers in flight; every allocation is its own buffer",
+    "chain) and for the tiles it writes to be free; DMA transfers wait in three in-order queues (loads, stores, "
+    "other copies), each paying 1.3 us of fixed cost ([DMA]) overlapped with other transfers in flight, and share "
+    "the DMA bandwidth; every allocation is its own buffer",
     "each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
     "docs/results.md), and a fixed cost per kernel launch (_cost.LAUNCH_S)",
 )
