@@ -26,7 +26,8 @@ Sources (aws-neuron/aws-neuron-sdk at HEAD, as in :mod:`._cost`):
   DMA transfer incurs descriptor setup, synchronization and semaphore-to-start latency (~1300 ns).
 
 Not modelled: the compiler's own scheduling (it may reorder instructions across engines, hoist loads and
-allocate fewer buffers than one per tile), limits on DMA transfers in flight, SBUF/PSUM port contention.
+allocate fewer buffers than one per tile), limits on DMA transfers in flight, SBUF/PSUM port contention; the two
+programs of an LNC=2 launch are scheduled on one core's engines (the estimates launch at LNC=1).
 """
 
 import bisect
