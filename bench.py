@@ -732,8 +732,8 @@ def print_step_range(optimistic, central, model_cfg):
         print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s  {100 * r['tokens_per_s'] * flops / peak:4.0f}% MFU  "
               f"step {1e3 * r['step_s']:8.2f} ms  ({how})")
     print(f"  not modelled: {nki_emulator.NOT_MODELLED}")
-    print("  the central figure assumes:")
-    for line in nki_emulator.CENTRAL_ASSUMPTIONS + tuple(nki_emulator.CALIBRATION_ASSUMPTIONS):
+    print("  the central figure assumes (its factors: the 'calibrated:' entries of the assumptions below):")
+    for line in nki_emulator.CENTRAL_ASSUMPTIONS:
         print(f"  - {line}")
 
 
