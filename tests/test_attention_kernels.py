@@ -86,7 +86,7 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
         torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
     with torch.no_grad():  # the logsumexp the forward op hands to the backward: lse[b, h, p, t] is query t*128+p
-        _, lse = kernels._flash_attention(q, k, v, 1.0 / math.sqrt(head_dim))
+        _, lse = kernels._flash_attention(q, k, v, 1.0 / math.sqrt(head_dim), seq_len)
     assert lse.dtype == torch.float32 and lse.shape == (batch, n_heads, 128, seq_len // 128)
     lse_by_query = lse.transpose(-1, -2).reshape(batch, n_heads, seq_len)
     torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
@@ -114,12 +114,12 @@ def test_ops_pass_torch_library_opcheck():
     relies on them; v as the model passes it, a (B, Hkv, T, D) view of a (B, T, Hkv, D) tensor."""
     q, k, _ = random_qkv(1, 2, 1, 128, 64, torch.float32)
     v = torch.randn(1, 128, 1, 64).transpose(1, 2).requires_grad_()
-    args = (q, k, v, 0.125)
+    args = (q, k, v, 0.125, 128)
     torch.library.opcheck(kernels._flash_attention, args)
     out, lse = kernels._flash_attention(*args)
     backward_op = torch.ops.nanogpt_trn.flash_attention_bwd
     torch.library.opcheck(backward_op, (q.detach(), k.detach(), v.detach(), out.detach(),
-                                        torch.randn_like(out), lse, 0.125))
+                                        torch.randn_like(out), lse, 0.125, 128))
 
 
 @pytest.mark.skipif(kernels.nki is not nki_emulator, reason="counts what the emulator runs")
@@ -141,12 +141,13 @@ def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full():
                 shapes.count((128, 128, head_dim)), len(counts.transposes))
 
     with nki_emulator.counting() as counts:
-        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125)
+        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125, seq_len)
     # score columns, mask matmuls, P @ V chunk matmuls, P transposes + q and k turned into columns
     assert tally(counts) == (visible_chunks * 128, n_tiles, visible_chunks, visible_chunks + 2 * n_tiles)
 
     with nki_emulator.counting() as counts:
-        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125)
+        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125,
+                                                                 seq_len)
     # scores and dP columns, mask matmuls, dV/dK/dQ chunk matmuls, dS transposes + 4 layout changes per head
     assert tally(counts) == (2 * visible_chunks * 128, n_tiles, 3 * visible_chunks, visible_chunks + 4 * n_tiles)
 
