@@ -2,6 +2,8 @@
 the PyTorch paths (BlockCausalAttention on CPU in fp32, SDPA with a mask elsewhere), the NKI forward and
 backward kernels under the emulator (they skip the key blocks wholly outside the window), dispatch that
 falls back with the reason for a window the kernels do not take, the step estimate, training and scoring.
+(What the kernels skip is counted in test_attention_kernels.py's
+test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full.)
 
 Tolerances as in test_attention_kernels.py: the references run in float64 on the very inputs the kernels get.
 """
@@ -113,31 +115,6 @@ def test_nki_windowed_attention_matches_reference(batch, n_heads, n_kv_heads, se
     lse_by_query = lse.transpose(-1, -2).reshape(batch, n_heads, seq_len)
     expected = torch.logsumexp(windowed_scores(q.detach().double(), k.detach().double(), window), dim=-1)
     torch.testing.assert_close(lse_by_query.double(), expected, **LSE_TOLERANCE)
-
-
-@pytest.mark.skipif(kernels.nki is not nki_emulator, reason="counts what the emulator runs")
-def test_kernels_skip_key_blocks_outside_the_window():
-    """Counted by the emulator (d = 64 tells the matmul kinds apart): scores only for the key chunks in a
-    query tile's window, one edge-mask matmul per tile whose window starts past key 0, three mask operands."""
-    head_dim, seq_len, window = 64, 1024, 256
-    n_tiles, reach = seq_len // 128, window // 128
-    seen_chunks = sum(min(t + 1, reach + 1) for t in range(n_tiles))  # 21 of the causal 36
-    masks = n_tiles + (n_tiles - reach)  # a diagonal per tile, an edge per tile from tile `reach` on
-    q, k, v = (t.detach() for t in random_qkv(1, 1, 1, seq_len, head_dim, torch.bfloat16))
-
-    def tally(counts):
-        shapes = [(kk, m, n) for kk, m, n, _ in counts.matmul_shapes]
-        assert counts.by_instruction["affine_select"] == 3
-        return (sum(n for kk, _, n in shapes if kk == head_dim), shapes.count((128, 128, 128)),
-                shapes.count((128, 128, head_dim)), len(counts.transposes))
-
-    with nki_emulator.counting() as counts:
-        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125, window)
-    assert tally(counts) == (seen_chunks * 128, masks, seen_chunks, seen_chunks + 2 * n_tiles)
-    with nki_emulator.counting() as counts:
-        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125,
-                                                                  window)
-    assert tally(counts) == (2 * seen_chunks * 128, masks, 3 * seen_chunks, seen_chunks + 4 * n_tiles)
 
 
 # ---- dispatch: a window the kernels do not take runs PyTorch, and says why -----------------------------
