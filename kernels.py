@@ -2281,7 +2281,7 @@ class BlockCausalAttention(torch.autograd.Function):
         q, k, v = (q * scale).reshape(-1, T, d), k.reshape(-1, T, d), v.reshape(-1, T, d)
         block = CPU_QUERY_BLOCK
         above_diagonal = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
-        before_window = above_diagonal.mT  # from the key where query 0's window starts: key c < query r
+        before_window = above_diagonal.mT.contiguous()  # from the key where query 0's window starts: key c < query r
         probs, outs = [], []
         for start, end, first in _cpu_query_blocks(T, window):
             rows = end - start
