@@ -284,7 +284,7 @@ def _mask_operands(dtype, seq_len, window):
     nisa.affine_select(diagonal, [[-1, TILE]], 1, nl.zeros((TILE, TILE), dtype=dtype), _MASKED_SCORE,
                        cmp_op=nl.greater_equal)
     edge = None
-    if window < seq_len - TILE + 1:  # some query tile's window starts after key 0
+    if window <= seq_len - TILE:  # some query tile's window starts after key 0
         edge = nl.ndarray((TILE, TILE), dtype=dtype)
         nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
                            on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
@@ -494,9 +494,10 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
     pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
     h // (H / Hkv); scale is the softmax scale; query i sees keys i - window .. i (FA3's window_size
-    (window, 0)), window a multiple of 128 (S or more: every key up to the query). Returns out (B, H, S, d) in the input dtype and lse
-    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
-    the backward needs. S is limited by the backward's SBUF plan (flash_attention_bwd_kernel).
+    (window, 0)), window a multiple of 128 (S or more: every key up to the query). Returns out (B, H, S, d)
+    in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query
+    t*128 + p at [b, h, p, t], which the backward needs. S is limited by the backward's SBUF plan
+    (flash_attention_bwd_kernel).
 
     Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
     (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
@@ -508,8 +509,8 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece,
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped); with a window, keys start at
-    128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of up to 4 blocks
-    (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
+    128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of
+    up to 4 blocks (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
     registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
     reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
     on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
@@ -655,12 +656,13 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     accumulator. Then key blocks of up to 512 keys outside, the 128-query tiles that see them inside:
     recompute P = exp(scale * q.T k - lse) (ScalarE from PSUM; causal bias on the diagonal chunk only,
     blocks above the diagonal skipped; with a window, the edge bias on a tile's first chunk, the chunks
-    before it and the query tiles past the window of a block's last chunk skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM,
-    VectorE multiplies in SBUF); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles
-    (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed (4 TensorE
-    transposes per block, copied out by VectorE) and is added into SBUF. The
-    softmax scale is applied once, when dQ and dK are written; a pair's first query head writes dK and
-    dV (scaled) from PSUM, later ones add onto them, the last writes the input dtype.
+    before it and the query tiles past the window of a block's last chunk skipped), dP = dO V^T,
+    dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF); dV += P^T dO and
+    dK += dS^T Q accumulate in PSUM over the query tiles (queries are already on the partitions: no
+    transpose), dQ += dS K needs dS transposed (4 TensorE transposes per block, copied out by VectorE) and
+    is added into SBUF. The softmax scale is applied once, when dQ and dK are written; a pair's first
+    query head writes dK and dV (scaled) from PSUM, later ones add onto them, the last writes the input
+    dtype.
 
     SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
     O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
@@ -2281,7 +2283,7 @@ class BlockCausalAttention(torch.autograd.Function):
         q, k, v = (q * scale).reshape(-1, T, d), k.reshape(-1, T, d), v.reshape(-1, T, d)
         block = CPU_QUERY_BLOCK
         above_diagonal = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
-        before_window = above_diagonal.mT.contiguous()  # from the key where query 0's window starts: key c < query r
+        before_window = above_diagonal.mT.contiguous()  # from where query 0's window starts: key c < query r
         probs, outs = [], []
         for start, end, first in _cpu_query_blocks(T, window):
             rows = end - start
