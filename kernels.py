@@ -106,6 +106,8 @@ def parse_kernels(setting):
 
 _fallbacks_logged = set()
 _choices = None  # while preview_fallbacks runs: {op: {"nki" or "torch": [reasons]}}
+BUILD_FAILURES = {}  # {op: why} of the ops whose NKI kernel failed to build in this run: PyTorch from then on
+# (train.py fills it after a KernelBuildError and empties it when the run ends)
 
 
 def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
@@ -115,11 +117,14 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
     "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on shapes); "auto" and
     "prefer" fall back to PyTorch and log why, once per (op, reason): a warning on a neuron device or under
-    "prefer", info elsewhere.
+    "prefer", info elsewhere. An op in BUILD_FAILURES runs on PyTorch in every mode, unlogged here (train.py
+    said it when the kernel failed).
     """
     mode = parse_kernels(setting)[op_name]
     if mode == "torch":
         return _chose(op_name, False, "kernels=torch")
+    if op_name in BUILD_FAILURES:  # in any mode: train.py said so when it happened
+        return _chose(op_name, False, BUILD_FAILURES[op_name])
     if nki is None:
         if mode == "nki":
             raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not usable ({NKI_IMPORT_ERROR}); "
@@ -199,19 +204,48 @@ def _jitted(kernel, lnc):
     return nki.jit(kernel)[lnc]
 
 
+class KernelBuildError(Exception):
+    """An NKI kernel failed at its first call: a compile or trace error (under the emulator, any exception of
+    its first run). `op`: its op in KERNEL_OPS, which can run on PyTorch instead; `why`: the record's reason.
+    Not a RuntimeError: bench.py takes those from the glue as "the kernel cannot take these shapes"."""
+
+    def __init__(self, op, cause):
+        lines = str(cause).strip().splitlines()
+        self.op = op
+        self.why = f"NKI kernel failed to build: {type(cause).__name__}" + (f": {lines[0]}" if lines else "")
+        super().__init__(f"{op}: {self.why}")
+
+
+_built_kernels = set()  # the kernel functions that have run once in this process
+
+
+def _kernel_op(kernel):
+    """The op of KERNEL_OPS an NKI kernel function serves, from its name, which holds the op's (the longest
+    that fits: add_rms_norm_fwd_kernel is add_rms_norm's, flash_attention_bwd_kernel attention's)."""
+    return max((op for op in KERNEL_OPS if op in kernel.__name__), key=len)
+
+
 def _run_kernel(kernel, *args):
     """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
     outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
     NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
-    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference."""
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at a kernel's
+    first call in this process (its build: trace and compile, under the emulator its first run) comes out as
+    KernelBuildError naming the op; at any later call, as it is."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    launch = _jitted(kernel, _logical_core_degree())
-    if device.type == "neuron":
-        outputs = launch(*args)
-    else:
-        outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    try:
+        launch = _jitted(kernel, _logical_core_degree())
+        if device.type == "neuron":
+            outputs = launch(*args)
+        else:
+            outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception as error:
+        if kernel in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
+            raise
+        raise KernelBuildError(_kernel_op(kernel), error) from error
+    _built_kernels.add(kernel)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
     return tuple(out.to(device) for out in outputs)
