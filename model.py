@@ -11,7 +11,8 @@ Architecture (the Trainium Frontier baseline's choices):
 
 Optional levers competitors measured on Trn2 (all off by default; train.py's --preset=frontier turns them on):
 value embeddings with gates, residual/x0 scalars, a multi-token-prediction auxiliary loss, and a chunked
-softcap cross-entropy that never holds the (tokens, vocab) fp32 logits.
+softcap cross-entropy that never holds the (tokens, vocab) fp32 logits. Also off by default: sliding-window
+attention on some layers (window_pattern, nanochat's per-layer S/L pattern).
 
 Attention, MLP and norm run through kernels.py, which picks NKI kernels or PyTorch.
 """
