@@ -271,7 +271,7 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
     return [
         ("attention", attention_flops, 3.5 * attention_flops,  # backward recomputes P: 5 matmuls to forward's 2
          lambda: (tensor(B, H, T, D), tensor(B, Hkv, T, D), tensor(B, Hkv, T, D)),
-         lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode)),
+         lambda q, k, v, mode, window=None: kernels.attention(q, k, v, mode=mode, window=window)),
         (f"mlp ({model_cfg.mlp})", mlp_flops, 3 * mlp_flops,
          lambda: (tensor(B, T, C), tensor(hidden, C, scale=C ** -0.5), tensor(C, hidden, scale=hidden ** -0.5),
                   tensor(hidden, C, scale=C ** -0.5) if n_up == 2 else None),
@@ -592,14 +592,22 @@ def kernel_step_costs(model_cfg, tokens_per_call, central=False):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
+
+        def seconds(run):  # one sequence's forward + backward: the overlap bound, or (central) the schedule
+            counts = emulate(run, inputs, backward=True)
+            if not central:
+                return kernel_estimate(counts)["estimate_s"]
+            c = nki_emulator.central_estimate(counts.trace, "trn2")
+            per_sequence = model_cfg.sequence_len / tokens_per_call  # a call's launches shared by its sequences
+            return c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * per_sequence
+
         try:
-            counts = emulate(lambda *a: call(*a, "nki"), inputs, backward=True)
-            if central:
-                c = nki_emulator.central_estimate(counts.trace, "trn2")
-                per_sequence = model_cfg.sequence_len / tokens_per_call  # a call's launches shared by its sequences
-                costs[name] = c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * per_sequence
+            if name == "attention":  # each layer at its window (a window skips key blocks): the layers' mean
+                windows = model_cfg.attention_windows()
+                at = {w: seconds(lambda *a: call(*a, "nki", window=w)) for w in set(windows)}
+                costs[name] = statistics.fmean(at[w] for w in windows)
             else:
-                costs[name] = kernel_estimate(counts)["estimate_s"]
+                costs[name] = seconds(lambda *a: call(*a, "nki"))
         except (RuntimeError, ValueError):  # a shape the kernel cannot take: compiled plain ops instead
             costs[name] = None
     return costs
