@@ -34,8 +34,10 @@ engine, a bottleneck, an overlap bound (the busiest engine: estimate_s) and a se
 serial_s). A whole training step adds what the compiler generates around the kernels (projection and head
 matmuls, elementwise ops, the optimizer, the gradients' exchange), priced with the same table; its
 assumptions are STEP_ASSUMPTIONS. `--step_estimate` prints it, with the two public Trn2 measurements
-beside their estimates. Estimates, not measurements: host dispatch, dependencies between engines and
-compiler scheduling are left out.
+beside their estimates. Both print a range: the optimistic figure above (overlap bound) and a central one, each
+kernel call scheduled (nki_emulator/_schedule.py: in-order engines, the tiles' dependencies, DMA fixed cost) with
+the factors and launch cost calibrated against public hardware timings (nki_emulator/calibrate.py). Estimates, not
+measurements: host dispatch and the compiler's own scheduling are left out.
 """
 import argparse
 import contextlib
@@ -243,6 +245,7 @@ def kernel_estimate(counts):
     tensor_s = estimate["engines"]["tensor"]
     return {
         **estimate,
+        **nki_emulator.schedule_figures(counts.trace, "trn2"),  # scheduled_s, central_s (calibrated + launches)
         "tensore_utilisation": counts.matmul_flops / (tensor_s * PE_FLOPS_PER_CYCLE * TRN2.tensor_hz) if tensor_s else 0.0,
         "matmuls": len(counts.matmul_shapes),
         "transposes": len(counts.transposes),
@@ -268,7 +271,7 @@ def kernel_cases(model_cfg, batch_size, device, dtype):
     return [
         ("attention", attention_flops, 3.5 * attention_flops,  # backward recomputes P: 5 matmuls to forward's 2
          lambda: (tensor(B, H, T, D), tensor(B, Hkv, T, D), tensor(B, Hkv, T, D)),
-         lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode)),
+         lambda q, k, v, mode, window=None: kernels.attention(q, k, v, mode=mode, window=window)),
         (f"mlp ({model_cfg.mlp})", mlp_flops, 3 * mlp_flops,
          lambda: (tensor(B, T, C), tensor(hidden, C, scale=C ** -0.5), tensor(C, hidden, scale=hidden ** -0.5),
                   tensor(hidden, C, scale=C ** -0.5) if n_up == 2 else None),
@@ -317,14 +320,15 @@ def _compiled_fallback(model_cfg, name, batch_size, backward):
     return {**estimate, "serial_s": sum(estimate["engines"].values())}
 
 
-def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS):
+def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS, timeline=None):
     """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
     the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
     PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
     (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
     fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
-    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure."""
+    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure. `timeline`: a folder for each emulated
+    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png)."""
     dtype = runtime.compute_dtype(cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
@@ -365,6 +369,9 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS)
                                **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
                 else:
                     row.update(kernel_estimate(counts), priced="nki")
+                    if timeline:
+                        nki_emulator.timeline.write(counts.trace, nki_emulator.schedule(counts.trace, "trn2"), timeline,
+                                                    f"{row['op']}_{direction.replace('+', '_')}", f"{name} {direction}")
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
             row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
             rows.append(row)
@@ -391,11 +398,15 @@ def print_kernels(rows, on_trainium):
     if not on_trainium:
         print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py), and "
               "the compiled PyTorch fallback priced as plain ops (compiled_ops): us busy per engine (T TensorE, V "
-              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (busiest engine) and the "
-              "serial bound (sum); 'torch ms' is this machine's PyTorch path")
+              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (est: busiest engine, the "
+              "optimistic figure), the schedule (sched: engines in order, dependencies, DMA fixed cost), the central "
+              "figure (central: the schedule with the calibrated factors and launch cost, nki_emulator._cost."
+              "CALIBRATED) and the serial bound (sum); 'torch ms' is this machine's PyTorch path. Not modelled: host "
+              "dispatch idle, the compiler's own scheduling")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
           + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
-             f"{'est us':>7} {'serial':>7}  {'bound':<7}" + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
+             f"{'est us':>7} {'sched':>7} {'central':>7} {'serial':>7}  {'bound':<7}"
+             + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
              + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
         if r["flops"]:
@@ -411,7 +422,8 @@ def print_kernels(rows, on_trainium):
             line += (f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
                      f"  {r['choice']}")
         else:
-            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
+            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['scheduled_s']:>7.1f} {1e6 * r['central_s']:>7.1f} "
+                     f"{1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
                      + "".join(f"{1e6 * r['engines'][e]:>8.1f}" for e in ENGINE_LETTERS)
                      + f"  {100 * r['tensore_utilisation']:>10.0f}%")
         if not on_trainium:
@@ -501,11 +513,14 @@ def _linear(tokens, fan_in, fan_out):
             "backward": _gemm(tokens, fan_out, fan_in) + _gemm(fan_out, tokens, fan_in)}
 
 
+_pricing = [nki_emulator.instruction_seconds]  # how compiled ops are priced: the cost model, or (central) calibrated
+
+
 def _engine_seconds(op):
     """{engine: busy seconds} of an op, over (count, instruction) pairs."""
     engines = dict.fromkeys(ENGINE_LETTERS, 0.0)
     for count, instruction in op:
-        engines[instruction.engine] += count * nki_emulator.instruction_seconds(instruction, "trn2")
+        engines[instruction.engine] += count * _pricing[-1](instruction, "trn2")
     return engines
 
 
@@ -559,8 +574,9 @@ def compiled_estimate(ops):
             "bottleneck": max(engines, key=engines.get)}
 
 
-def kernel_step_costs(model_cfg, tokens_per_call):
-    """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s), or None where
+def kernel_step_costs(model_cfg, tokens_per_call, central=False):
+    """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s; central: its
+    calibrated schedule plus its launches' cost shared by the call's sequences), or None where
     the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
     cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
@@ -576,8 +592,22 @@ def kernel_step_costs(model_cfg, tokens_per_call):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
+
+        def seconds(run):  # one sequence's forward + backward: the overlap bound, or (central) the schedule
+            counts = emulate(run, inputs, backward=True)
+            if not central:
+                return kernel_estimate(counts)["estimate_s"]
+            c = nki_emulator.central_estimate(counts.trace, "trn2")
+            per_sequence = model_cfg.sequence_len / tokens_per_call  # a call's launches shared by its sequences
+            return c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * per_sequence
+
         try:
-            costs[name] = kernel_estimate(emulate(lambda *a: call(*a, "nki"), inputs, backward=True))["estimate_s"]
+            if name == "attention":  # each layer at its window (a window skips key blocks): the layers' mean
+                windows = model_cfg.attention_windows()
+                at = {w: seconds(lambda *a: call(*a, "nki", window=w)) for w in set(windows)}
+                costs[name] = statistics.fmean(at[w] for w in windows)
+            else:
+                costs[name] = seconds(lambda *a: call(*a, "nki"))
         except (RuntimeError, ValueError):  # a shape the kernel cannot take: compiled plain ops instead
             costs[name] = None
     return costs
@@ -628,9 +658,17 @@ def _layer_ops(c, sequences, kernel_costs):
     return seconds
 
 
-def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
+def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None, central=False):
     """One optimizer step of train.py on `ranks` LNC=1 Trn2 NeuronCores, estimated (STEP_ASSUMPTIONS):
-    {component: seconds per step}, step_s, tokens_per_s (the job's), params."""
+    {component: seconds per step}, step_s, tokens_per_s (the job's), params. `central`: the central figure
+    (CENTRAL_ASSUMPTIONS) instead of the optimistic one."""
+    if central:
+        _pricing.append(nki_emulator.calibrated_seconds)
+        try:
+            return step_estimate(cfg, model_cfg, ranks, kernel_costs or kernel_step_costs(
+                model_cfg, cfg.batch_size * model_cfg.sequence_len, central=True))
+        finally:
+            _pricing.pop()
     c = model_cfg
     kernel_costs = kernel_step_costs(c, cfg.batch_size * c.sequence_len) if kernel_costs is None else kernel_costs
     with torch.device("meta"):  # shapes only
@@ -689,6 +727,22 @@ def print_step_estimate(r, model_cfg):
     for name, seconds in sorted(r["components"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:<30} {1e3 * seconds:9.2f} ms  {100 * seconds / r['step_s']:5.1f}%")
     print(f"  {'step':<30} {1e3 * r['step_s']:9.2f} ms  -> {r['tokens_per_s']:,.0f} tokens/s")
+
+
+def print_step_range(optimistic, central, model_cfg):
+    """The optimistic and the central figure, with what the central one assumes and what neither models."""
+    with torch.device("meta"):
+        flops = GPT(dataclasses.replace(model_cfg)).flops_per_token()
+    peak = optimistic["ranks"] * runtime.PEAK_FLOPS["trn2"]
+    print("\nthe Trn2 step as a range (one number misleads; docs/results.md, calibration):")
+    for name, r, how in (("optimistic", optimistic, "every kernel at its busiest engine, no launch cost"),
+                         ("central", central, "kernels scheduled, calibrated factors, launch cost")):
+        print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s  {100 * r['tokens_per_s'] * flops / peak:4.0f}% MFU  "
+              f"step {1e3 * r['step_s']:8.2f} ms  ({how})")
+    print(f"  not modelled: {nki_emulator.NOT_MODELLED}")
+    print("  the central figure assumes (its factors: the 'calibrated:' entries of the assumptions below):")
+    for line in nki_emulator.CENTRAL_ASSUMPTIONS:
+        print(f"  - {line}")
 
 
 # Public measurements on Trn2, each set beside the estimate for its shapes; the estimate is not fitted to them.
@@ -1467,6 +1521,8 @@ def main(argv):
     parser.add_argument("--versus_nanogpt", metavar="DIR", help="tokens/s against karpathy/nanoGPT's model.py in "
                         "DIR (a checkout of yours) at the same shapes, steps interleaved in one process")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--timeline", metavar="DIR", help="with --kernels off Trainium: each emulated kernel call's "
+                        "schedule as a trace-event .json (open in ui.perfetto.dev) and a .png in DIR")
     parser.add_argument("--ablation", action="store_true", help="val_bpb of baseline, frontier and each lever alone (CPU)")
     parser.add_argument("--ablation_seeds", type=int, default=3)
     parser.add_argument("--ablation_steps", type=int, default=80)
@@ -1499,9 +1555,11 @@ def main(argv):
         print(f"computing in {cfg.dtype} because {dtype_reason}")
     ranks = args.ranks or world_size
     if args.step_estimate:
-        results = {"step_estimate": step_estimate(cfg, model_cfg, ranks), "references": reference_estimates()}
+        results = {"step_estimate": step_estimate(cfg, model_cfg, ranks), "references": reference_estimates(),
+                   "central": step_estimate(cfg, model_cfg, ranks, central=True)}
         if rank == 0:
             print_step_estimate(results["step_estimate"], model_cfg)
+            print_step_range(results["step_estimate"], results["central"], model_cfg)
             print_references(results["references"])
     elif args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device, ranks)}
@@ -1519,7 +1577,7 @@ def main(argv):
                                                             args.bench_windows, args.bench_warmup, device_type, device)}
         print_versus(results["versus_nanogpt"], model_cfg, cfg.batch_size)
     elif args.kernels:
-        results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device)}
+        results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device, timeline=args.timeline)}
         if rank == 0:
             print_kernels(results["kernels"], device_type == "neuron")
     else:

@@ -248,7 +248,7 @@ def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
     import kernels
 
     monkeypatch.setattr(kernels, "attention",  # attention without its causal mask
-                        lambda q, k, v, mode: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+                        lambda q, k, v, mode, window: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="changed logits at or before it"):
         contest.check_causality(model, 100, 32, "cpu")
 

@@ -23,19 +23,19 @@ RUN = TINY_RUN + ["--n_layer=1", "--sequence_len=128", "--batch_size=1", "--eval
                   "--kernels=torch,attention:nki"]
 
 
-def flash_attention_fwd_kernel(q, k, v, scale):  # the op's name in the kernel's, as kernels._kernel_op reads it
+def flash_attention_fwd_kernel(q, k, v, scale, window):  # the op's name in the kernel's, as kernels._kernel_op reads it
     nl.ndarray((256, 1), dtype=nl.float32, buffer=nl.sbuf)  # 256 partitions of 128: refused at its first call
-    return REAL_FWD(q, k, v, scale)
+    return REAL_FWD(q, k, v, scale, window)
 
 
-def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
+def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     nl.ndarray((256, 1), dtype=nl.float32, buffer=nl.sbuf)
-    return REAL_BWD(q, k, v, out, d_out, lse, scale)
+    return REAL_BWD(q, k, v, out, d_out, lse, scale, window)
 
 
-def refused_from_batch_2(q, k, v, scale):  # no op's name: flash_attention_fwd_kernel's name is given below
+def refused_from_batch_2(q, k, v, scale, window):  # no op's name: flash_attention_fwd_kernel's name is given below
     nl.ndarray((q.shape[0] * 128, 1), dtype=nl.float32, buffer=nl.sbuf)  # fine at batch 1, refused at 2
-    return REAL_FWD(q, k, v, scale)
+    return REAL_FWD(q, k, v, scale, window)
 
 
 @pytest.fixture(autouse=True)
