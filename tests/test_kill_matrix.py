@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 import torch
 
-import bench
 import kernels
 import nki_emulator
+from kit import device_check
 from nki_emulator import isa as emulated_isa
 from nki_emulator import language as emulated_nl
 from nki_emulator._memory import HBM
@@ -225,11 +225,16 @@ def _kernel_test_cases():
 
 
 def _check_cases():
-    """(name, run) for bench.py --check's kernel checks (forward+backward) that the faults reach."""
+    """(name, run) for bench.py --check's kernel checks (forward+backward, the first shape of each) that the
+    faults reach."""
     wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted", "add_rms_norm", "softcap_cross_entropy",
               "rope_norm")
-    return [(f"--check {name}", lambda call=call, inputs=inputs: bench._check_kernel(call, inputs(), grad=True))
-            for name, inputs, call in bench._kernel_checks(torch.bfloat16, "cpu", seed=7) if name in wanted]
+    cases = {}
+    for case in device_check.kernel_cases(device_check.CPU_SHAPES, torch.bfloat16, "cpu", seed=7):
+        if case.name in wanted:
+            cases.setdefault(case.name, case)
+    return [(f"--check {name}", lambda case=case: device_check.check_kernel(case, grad=True))
+            for name, case in cases.items()]
 
 
 def kill_matrix(fault):
@@ -279,7 +284,7 @@ def test_an_output_the_kernel_never_wrote_comes_back_nan():
     out = nki_emulator.simulate(nki_emulator.jit(half_written))(torch.ones(128, 8))
     assert torch.equal(out[:64], torch.ones(64, 8)) and out[64:].isnan().all()
     with pytest.raises(AssertionError, match="not finite"):
-        bench.refuse_degenerate("out", out, [])
+        device_check.refuse_degenerate("out", out, [])
 
 
 @pytest.mark.parametrize("output, message", [(torch.zeros(4, 3), "all 12 values are zero"),
@@ -288,5 +293,5 @@ def test_an_output_the_kernel_never_wrote_comes_back_nan():
 def test_degenerate_outputs_fail_whatever_the_tolerance(output, message):
     inputs = [torch.randn(4, 3), torch.arange(12.0).view(4, 3)]
     with pytest.raises(AssertionError, match=message):
-        bench.refuse_degenerate("out", output, inputs)
-    bench.refuse_degenerate("out", torch.randn(4, 3), inputs)  # an ordinary output passes
+        device_check.refuse_degenerate("out", output, inputs)
+    device_check.refuse_degenerate("out", torch.randn(4, 3), inputs)  # an ordinary output passes

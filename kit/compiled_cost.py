@@ -1,0 +1,109 @@
+"""
+What the compiler generates around the NKI kernels, priced for one Trn2 NeuronCore with the emulator's cost
+model (nki_emulator/_cost.py): bf16 matmuls tiled into nc_matmuls, elementwise passes on VectorE and ScalarE,
+HBM traffic. An op is a list of (count, instruction); its time is its busiest engine. bench.py's step estimate
+prices the projections, the head, the optimizer and every kernel op's compiled fallback (compiled_ops) with
+it; its assumptions are bench.STEP_ASSUMPTIONS.
+"""
+import math
+
+import nki_emulator
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
+HEAD_PASSES = {"forward": ((3, 0), 2), "backward": ((3, 1), 1)}  # ((VectorE 1-, 2-input), ScalarE) over the logits
+
+
+def instruction(engine, name, elements, inputs, dtype, ops=("add",)):
+    """`elements` values through one instruction on 128 partitions (the compiler's ideal tiling)."""
+    return nki_emulator.Instruction(name, engine, 128, math.ceil(elements / 128), (dtype,) * (1 + inputs),
+                                    ("sbuf",) * (1 + inputs), ops)
+
+
+def hbm(elements, dtype):
+    """`elements` values moved between HBM and SBUF in 128-partition rows."""
+    return nki_emulator.Instruction("dma_copy", "dma", 128, math.ceil(elements / 128), (dtype, dtype),
+                                    ("sbuf", "shared_hbm"))
+
+
+def passes(elements, one_input=0, two_input=0, scalar=0, dtype="float32"):
+    """Elementwise passes over `elements` values, each reading its inputs from HBM and writing to HBM."""
+    op = [(one_input, instruction("vector", "tensor_scalar", elements, 1, dtype, ("multiply",))),
+          (two_input, instruction("vector", "tensor_tensor", elements, 2, dtype, ("multiply",))),
+          (scalar, instruction("scalar", "activation", elements, 1, dtype, ("exp",)))]
+    return op + [(2 * one_input + 3 * two_input + 2 * scalar, hbm(elements, dtype))]
+
+
+def gemm(m, k, n, batch=1):
+    """(m, k) @ (k, n), `batch` times, in bf16: the tiles as nc_matmuls, their PSUM evictions, the HBM traffic."""
+    out_tiles = batch * math.ceil(m / 128) * math.ceil(n / 512)
+    tiles, width = out_tiles * math.ceil(k / 128), min(n, 512)
+    matmul = nki_emulator.Instruction("nc_matmul", "tensor", min(k, 128), width, ("float32", "bfloat16", "bfloat16"),
+                                      ("psum", "sbuf", "sbuf"), stationary=min(m, 128))
+    evict = [nki_emulator.Instruction("tensor_copy", engine, min(m, 128), width, ("bfloat16", "float32"), ("sbuf", "psum"))
+             for engine in ("vector", "scalar")]
+    return [(tiles, matmul), (out_tiles / 2, evict[0]), (out_tiles / 2, evict[1]),
+            (1, hbm(batch * (m * k + k * n + m * n), "bfloat16"))]
+
+
+def linear(tokens, fan_in, fan_out):
+    """A bias-free linear layer over `tokens` rows: forward, and backward's dX and dW."""
+    return {"forward": gemm(tokens, fan_in, fan_out),
+            "backward": gemm(tokens, fan_out, fan_in) + gemm(fan_out, tokens, fan_in)}
+
+
+def engine_seconds(op):
+    """{engine: busy seconds} of an op, over (count, instruction) pairs."""
+    engines = dict.fromkeys(ENGINES, 0.0)
+    for count, instruction in op:
+        engines[instruction.engine] += count * nki_emulator.instruction_seconds(instruction, "trn2")
+    return engines
+
+
+def op_seconds(op):
+    """An op's time: its busiest engine."""
+    return max(engine_seconds(op).values())
+
+
+def compiled_ops(name, c, sequences, norm_elements=None):
+    """{"forward": ops, "backward": ops} of kernel op `name` (one of kernels.KERNEL_OPS) compiled as plain
+    ops instead (STEP_ASSUMPTIONS), for one layer and `sequences` sequences; each op a list of (count,
+    instruction). RMSNorm is priced over `norm_elements` values (default: the sequences' residual stream)."""
+    T, C, H, D = c.sequence_len, c.n_embd, c.n_head, c.head_dim
+    N, hidden, n_up = sequences * T, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    if name == "attention":  # full T x T scores: q k^T and p v forward; dP (a qk), dV, dQ, dK (pv's) backward
+        scores = sequences * H * T * T
+        qk, pv = gemm(T, D, T, sequences * H), gemm(T, T, D, sequences * H)
+        return {"forward": [qk, pv, passes(scores, one_input=3, two_input=1, scalar=1)],  # mask, max, exp, normalise, cast
+                "backward": [qk, pv, pv, pv, passes(scores, one_input=1, two_input=1)]}
+    if name == "mlp":  # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
+        up, down = linear(N, C, hidden), linear(N, hidden, C)
+        return {"forward": [up["forward"]] * n_up + [down["forward"], passes(N * hidden, one_input=2, dtype="bfloat16")],
+                "backward": [up["backward"]] * n_up + [down["backward"],
+                                                        passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16")]}
+    if name == "rms_norm":  # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
+        elements = N * C if norm_elements is None else norm_elements
+        return {"forward": [passes(elements, one_input=3)], "backward": [passes(elements, one_input=4, two_input=1)]}
+    if name == "add_rms_norm":  # the residual add as a two-input pass, then the norm of the sum; backward: the
+        # norm's passes and the sum of the two gradients that reach the sum
+        norm = compiled_ops("rms_norm", c, sequences)
+        return {direction: [passes(N * C, two_input=1)] + norm[direction] for direction in ("forward", "backward")}
+    if name == "softcap_cross_entropy":
+        return {direction: [passes(N * c.vocab_size, *vector, scalar)]
+                for direction, (vector, scalar) in HEAD_PASSES.items()}
+    if name == "rope_norm":  # q and k: the rotary's bf16 passes each way, then QK-norm's
+        elements = N * (H + c.n_kv_head) * D
+        norm = compiled_ops("rms_norm", c, sequences, elements)
+        return {direction: [passes(elements, one_input=1, two_input=3, dtype="bfloat16")] + norm[direction]
+                for direction in ("forward", "backward")}
+    raise ValueError(f"no compiled pricing for kernel op {name!r}")
+
+
+def compiled_estimate(ops):
+    """A sequence of ops run one after another: estimate_s (the sum of each op's busiest engine), the engines'
+    busy seconds summed over the ops, and the bottleneck (the busiest engine overall)."""
+    engines = dict.fromkeys(ENGINES, 0.0)
+    for op in ops:
+        for engine, seconds in engine_seconds(op).items():
+            engines[engine] += seconds
+    return {"estimate_s": sum(op_seconds(op) for op in ops), "engines": engines,
+            "bottleneck": max(engines, key=engines.get)}
