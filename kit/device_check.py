@@ -149,6 +149,7 @@ def kernel_cases(shapes, dtype, device, seed):
     cases.append(KernelCase("rms_norm", "rms_norm weighted", rows,
                             lambda: (tensor(B, N, dim), (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)),
                             lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
+
     # as the model calls it: the residual stream in fp32 (under autocast too), a branch in the matmuls' dtype;
     # the norm compared as the next matmul takes it, in the branch's dtype (the kernel returns it so)
     def add_rms_norm(x, branch, mode):
