@@ -1,5 +1,5 @@
 """
-Evaluate a saved checkpoint: val_bpb (`bpb`) and the CORE suite (`core`).
+Evaluate a saved checkpoint: val_bpb (`bpb`) and the CORE suite (`core`); or say what it holds (`info`).
 
     python evaluate.py bpb --checkpoint=out/final.pt                      # val_bpb at context 1024
     python evaluate.py bpb --competition_dir=PATH                         # the contest's own evaluate_bpb
@@ -7,6 +7,7 @@ Evaluate a saved checkpoint: val_bpb (`bpb`) and the CORE suite (`core`).
     python evaluate.py core --checkpoint out/final.pt --max_per_task=100  # a quick, approximate pass
     torchrun --standalone --nproc_per_node=4 evaluate.py core --checkpoint=out/final.pt   # data-parallel
     python evaluate.py core --help                                        # every flag
+    python evaluate.py info --checkpoint=out/final.pt                     # its config, step, kernels, digests
 
 CORE is the DCLM paper's 22-task in-context suite (HellaSwag, ARC, PIQA, Winograd, LAMBADA, BoolQ, ...), run
 rule for rule as nanochat's scripts/base_eval.py and nanochat/core_eval.py run it, so its numbers compare with
@@ -41,9 +42,12 @@ import os
 import random
 import sys
 import tempfile
+import textwrap
 import time
 import zipfile
 from contextlib import nullcontext
+
+from kit import runtime  # before torch: it sets the environment torch reads as it loads (OMP_WAIT_POLICY)
 
 import torch
 import torch.distributed as dist
@@ -52,7 +56,7 @@ from tqdm import tqdm
 
 import data
 import train
-from kit import checkpoint, checkpoint_io, contest, runtime
+from kit import checkpoint, checkpoint_io, contest
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's EVAL_BUNDLE_URL
 # nanochat publishes no checksum; this sha256 is the one several independent public projects recorded for
@@ -419,6 +423,23 @@ def run_bpb(args):
     return {"val_bpb": val_bpb}
 
 
+def run_info(args):
+    """A checkpoint's kind, step, charged time, digest status, per-op kernels record and both configs, printed;
+    nothing is loaded onto a device and no data is read. Returns what it printed, as a dict."""
+    info = checkpoint.describe_checkpoint(args.checkpoint)
+    train_time = f", {info['train_time']:.1f} s charged" if info["train_time"] is not None else ""
+    lines = [f"{info['path']}: {info['kind']}", f"step {info['step']:,}{train_time}", f"digests: {info['digests']}",
+             "kernels (what each op ran in training, and why):"]
+    record = info["kernels"] or {}
+    width = max(map(len, record), default=0)
+    lines += [f"  {op:<{width}}  {r['ran']:<13}  {r['why']}" for op, r in record.items()] or ["  not recorded"]
+    for title in ("model_config", "train_config"):
+        settings = ", ".join(f"{k}={v!r}" for k, v in info[title].items())
+        lines += [f"{title}:", textwrap.fill(settings, 118, initial_indent="  ", subsequent_indent="  ")]
+    print("\n".join(lines))
+    return info
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
@@ -445,8 +466,12 @@ def main(argv=None):
                       help="auto: bf16 autocast on neuron/cuda, fp32 on cpu")
     core.add_argument("--data_dir", help="where the checkpoint's trained tokenizer lives (default: its training run's)")
     core.add_argument("--out", help="the JSON report (default: <checkpoint without .pt>_core.json)")
+    info = commands.add_parser("info", description=run_info.__doc__,
+                               help="what a checkpoint holds: its config, step, kernels record and digest status")
+    info.add_argument("--checkpoint", default="out/final.pt",
+                      help="final.pt, a ckpt_*.pt or a sharded ckpt_*.dcp folder (default: %(default)s)")
     args = parser.parse_args(argv)
-    return {"core": run_core, "bpb": run_bpb}[args.command](args)
+    return {"core": run_core, "bpb": run_bpb, "info": run_info}[args.command](args)
 
 
 def cli(argv=None):

@@ -106,6 +106,8 @@ def parse_kernels(setting):
 
 _fallbacks_logged = set()
 _choices = None  # while preview_fallbacks runs: {op: {"nki" or "torch": [reasons]}}
+BUILD_FAILURES = {}  # {op: why} of the ops whose NKI kernel failed to build in this run: PyTorch from then on
+# (train.py fills it after a KernelBuildError and empties it when the run ends)
 
 
 def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
@@ -115,11 +117,14 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
     "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on shapes); "auto" and
     "prefer" fall back to PyTorch and log why, once per (op, reason): a warning on a neuron device or under
-    "prefer", info elsewhere.
+    "prefer", info elsewhere. An op in BUILD_FAILURES runs on PyTorch in every mode, unlogged here (train.py
+    said it when the kernel failed).
     """
     mode = parse_kernels(setting)[op_name]
     if mode == "torch":
         return _chose(op_name, False, "kernels=torch")
+    if op_name in BUILD_FAILURES:  # in any mode: train.py said so when it happened
+        return _chose(op_name, False, BUILD_FAILURES[op_name])
     if nki is None:
         if mode == "nki":
             raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not usable ({NKI_IMPORT_ERROR}); "
@@ -199,19 +204,48 @@ def _jitted(kernel, lnc):
     return nki.jit(kernel)[lnc]
 
 
+class KernelBuildError(Exception):
+    """An NKI kernel failed at its first call: a compile or trace error (under the emulator, any exception of
+    its first run). `op`: its op in KERNEL_OPS, which can run on PyTorch instead; `why`: the record's reason.
+    Not a RuntimeError: bench.py takes those from the glue as "the kernel cannot take these shapes"."""
+
+    def __init__(self, op, cause):
+        lines = str(cause).strip().splitlines()
+        self.op = op
+        self.why = f"NKI kernel failed to build: {type(cause).__name__}" + (f": {lines[0]}" if lines else "")
+        super().__init__(f"{op}: {self.why}")
+
+
+_built_kernels = set()  # the kernel functions that have run once in this process
+
+
+def _kernel_op(kernel):
+    """The op of KERNEL_OPS an NKI kernel function serves, from its name, which holds the op's (the longest
+    that fits: add_rms_norm_fwd_kernel is add_rms_norm's, flash_attention_bwd_kernel attention's)."""
+    return max((op for op in KERNEL_OPS if op in kernel.__name__), key=len)
+
+
 def _run_kernel(kernel, *args):
     """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
     outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
     NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
-    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference."""
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at a kernel's
+    first call in this process (its build: trace and compile, under the emulator its first run) comes out as
+    KernelBuildError naming the op; at any later call, as it is."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    launch = _jitted(kernel, _logical_core_degree())
-    if device.type == "neuron":
-        outputs = launch(*args)
-    else:
-        outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    try:
+        launch = _jitted(kernel, _logical_core_degree())
+        if device.type == "neuron":
+            outputs = launch(*args)
+        else:
+            outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception as error:
+        if kernel in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
+            raise
+        raise KernelBuildError(_kernel_op(kernel), error) from error
+    _built_kernels.add(kernel)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
     return tuple(out.to(device) for out in outputs)
@@ -256,7 +290,7 @@ TILE = 128  # queries per query tile, keys per key chunk: the partition count
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
-_MASKED_SCORE = -1e30  # added to scores above the diagonal; exp() of it scaled is exactly 0
+_MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
 def _head_dim_pieces(head_dim):
@@ -270,17 +304,31 @@ def _head_dim_pieces(head_dim):
     return tuple(pieces)
 
 
-def _causal_mask_operands(dtype):
-    """Two 128x128 tiles whose matmul identity.T @ bias is the causal bias of a diagonal chunk: 0 where
-    key <= query (free index <= partition), _MASKED_SCORE above. TensorE adds it onto the scores in PSUM,
-    so masking costs one small matmul instead of a PSUM->SBUF copy plus a GpSimd affine_select (which
-    cannot read PSUM) on the engines that are already the busiest."""
+def _mask_operands(dtype, seq_len, window):
+    """(identity, diagonal bias, edge bias, window): 128x128 tiles whose matmul identity.T @ bias is the bias
+    of a partly visible key chunk. The diagonal's: 0 where key <= query (free index <= partition),
+    _MASKED_SCORE above. The window's first chunk (keys from query tile t's first query - window, `window` a
+    multiple of 128), only where a window cuts: 0 where key >= query - window (free index >= partition),
+    _MASKED_SCORE below. TensorE adds a bias onto the scores in PSUM, so masking costs one small matmul
+    instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the engines that
+    are already the busiest."""
     identity = nl.ndarray((TILE, TILE), dtype=dtype)
     nisa.affine_select(identity, [[-1, TILE]], 1, nl.ones((TILE, TILE), dtype=dtype), 0.0, cmp_op=nl.equal)
-    bias = nl.ndarray((TILE, TILE), dtype=dtype)
-    nisa.affine_select(bias, [[-1, TILE]], 1, nl.zeros((TILE, TILE), dtype=dtype), _MASKED_SCORE,
+    diagonal = nl.ndarray((TILE, TILE), dtype=dtype)
+    nisa.affine_select(diagonal, [[-1, TILE]], 1, nl.zeros((TILE, TILE), dtype=dtype), _MASKED_SCORE,
                        cmp_op=nl.greater_equal)
-    return identity, bias
+    edge = None
+    if window <= seq_len - TILE:  # some query tile's window starts after key 0
+        edge = nl.ndarray((TILE, TILE), dtype=dtype)
+        nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
+                           on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
+                           cmp_op=nl.greater_equal)
+    return identity, diagonal, edge, window
+
+
+def _first_key(query_tile, window):
+    """The first key query tile `query_tile` sees: its first query's window start, a chunk boundary."""
+    return max(0, query_tile * TILE - window)
 
 
 def _load_rows(src, b, h, dtype):
@@ -361,18 +409,21 @@ def _transpose_chunks(dst, src):
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
     """scores (128 queries, width keys, PSUM fp32) = q.T @ k over the head-dim pieces, unscaled, for
-    query tile `query_tile` and the keys from `start`; on the block that holds the diagonal (always its
-    last 128 keys) the causal bias is accumulated onto those keys. Every matmul says `accumulate=`: the
-    mask adds into a slice of a tile the first matmul wrote, which accumulate=None would detect per
+    query tile `query_tile` and the keys from `start` (mask: `_mask_operands`); on the block that holds the
+    diagonal (always its last 128 keys) the causal bias is accumulated onto those keys, on the block that
+    starts the tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`:
+    a mask adds into a slice of a tile the first matmul wrote, which accumulate=None would detect per
     location by the ISA doc but per bank by the architecture guide."""
     width = scores.shape[1]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
     for piece in range(len(q_cols)):
         nisa.nc_matmul(scores, q_cols[piece][:, queries], k_cols[piece][:, start:start + width],
                        accumulate=piece > 0)
+    identity, diagonal, edge, window = mask
     if start + width == (query_tile + 1) * TILE:
-        identity, bias = mask
-        nisa.nc_matmul(scores[:, width - TILE:width], identity, bias, accumulate=True)
+        nisa.nc_matmul(scores[:, width - TILE:width], identity, diagonal, accumulate=True)
+    if start == query_tile * TILE - window:
+        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=identity, moving=edge, accumulate=True)
 
 
 def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, query_tile):
@@ -387,9 +438,10 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
     softmax's rescale, once per group instead of once per block."""
     head_dim, dtype = v_rows.shape[2], v_rows.dtype
     neg_max_all, sum_all = stats
-    n_keys = (query_tile + 1) * TILE  # causal: blocks wholly above the diagonal are never computed
-    single_group = n_keys <= KEY_GROUP
-    for group_start in range(0, n_keys, KEY_GROUP):
+    # blocks wholly above the diagonal or wholly before the window are never computed
+    key_start, n_keys = _first_key(query_tile, mask[3]), (query_tile + 1) * TILE
+    single_group = n_keys - key_start <= KEY_GROUP
+    for group_start in range(key_start, n_keys, KEY_GROUP):
         group_stop = min(group_start + KEY_GROUP, n_keys)
         last_group = group_stop == n_keys
         starts = []
@@ -417,7 +469,7 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
             group_max = nl.ndarray((TILE, 1), dtype=nl.float32)
             nisa.tensor_reduce(group_max, nl.maximum, block_max, axis=1)
             nisa.tensor_scalar(group_neg_max, group_max, nl.multiply, -scale)
-        if group_start == 0:
+        if group_start == key_start:
             neg_max = group_neg_max
         else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
             new_neg_max = neg_max_all[:, query_tile:query_tile + 1] if last_group else \
@@ -450,7 +502,7 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
 
         if single_group:
             out_acc, row_sum = group_out, group_sum
-        elif group_start == 0:
+        elif group_start == key_start:
             out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32)
             nisa.tensor_copy(out_acc, group_out)
             row_sum = group_sum
@@ -469,15 +521,17 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
     nisa.dma_copy(out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], out_tile)
 
 
-def flash_attention_fwd_kernel(q, k, v, scale):
-    """Causal flash attention forward, grouped-query heads.
+def flash_attention_fwd_kernel(q, k, v, scale, window):
+    """Causal flash attention forward, grouped-query heads, optionally in a sliding window.
 
     Inputs (HBM), as the model holds them: q (B, H, S, d), k and v (B, Hkv, S, d); all bf16 (or all fp32:
     then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
     pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
-    h // (H / Hkv); scale is the softmax scale. Returns out (B, H, S, d) in the input dtype and lse
-    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
-    the backward needs. S is limited by the backward's SBUF plan (flash_attention_bwd_kernel).
+    h // (H / Hkv); scale is the softmax scale; query i sees keys i - window .. i (FA3's window_size
+    (window, 0)), window a multiple of 128 (S or more: every key up to the query). Returns out (B, H, S, d)
+    in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query
+    t*128 + p at [b, h, p, t], which the backward needs. S is limited by the backward's SBUF plan
+    (flash_attention_bwd_kernel).
 
     Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
     (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
@@ -488,8 +542,9 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     of a pair are loaded once and serve its G query heads. For each 128-query tile i, keys [0, 128(i+1))
     go in blocks of up to 512: S = q_tile.T @ k_block (one 128x128x512 matmul per head-dim piece,
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
-    diagonal block only (blocks wholly above the diagonal are skipped). Per group of up to 4 blocks
-    (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
+    diagonal block only (blocks wholly above the diagonal are skipped); with a window, keys start at
+    128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of
+    up to 4 blocks (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
     registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
     reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
     on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
@@ -515,9 +570,10 @@ def flash_attention_fwd_kernel(q, k, v, scale):
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
     dtype = q.dtype
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
-    mask = _causal_mask_operands(dtype)
+    mask = _mask_operands(dtype, seq_len, window)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         k_cols = _load_cols(k, b, kv_head, dtype, True)
@@ -537,23 +593,26 @@ def flash_attention_fwd_kernel(q, k, v, scale):
 
 
 def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
-    """Query tile i against the key block starting at `start`: adds dV and dK of the block's keys into
-    the PSUM accumulators dk_block, dv_block (one (128 keys, d) tile per 128-key chunk) and dQ of the tile
-    into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the kernel builds."""
+    """Query tile i against the keys it sees of the key block starting at `start`: adds dV and dK of those
+    keys into the PSUM accumulators dk_block, dv_block (one (128 keys, d) tile per 128-key chunk of the
+    block) and dQ of the tile into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the
+    kernel builds, mask `_mask_operands`."""
     q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta = head
     k_cols, k_rows, v_cols = kv
     dtype, head_dim = k_rows.dtype, k_rows.shape[2]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
-    width = min(KEY_BLOCK, (query_tile + 1) * TILE - start)
-    n_chunks = width // TILE
+    tile_first_key = _first_key(query_tile, mask[3])
+    first = max(start, tile_first_key)  # the block's chunks before the window are skipped
+    width = min(start + KEY_BLOCK, (query_tile + 1) * TILE) - first
+    n_chunks, skipped = width // TILE, (first - start) // TILE
 
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(scores, q_cols, k_cols, query_tile, start, mask)
+    _scores(scores, q_cols, k_cols, query_tile, first, mask)
     probs = nl.ndarray((TILE, width), dtype=dtype)  # P recomputed from lse: exp(scale * s - lse)
     nisa.activation(probs, nl.exp, scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
     dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T over the d pieces
     for piece in range(len(do_cols)):
-        nisa.nc_matmul(dprobs, do_cols[piece][:, queries], v_cols[piece][:, start:start + width],
+        nisa.nc_matmul(dprobs, do_cols[piece][:, queries], v_cols[piece][:, first:first + width],
                        accumulate=piece > 0)
     # dS = P * (dP - D), the scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's
     # product has both inputs in SBUF in the input dtype (its fast case, N cycles, not 2N)
@@ -566,16 +625,16 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
     # at the query tile on its diagonal, the first one that sees its keys.
     for c in range(n_chunks):
         chunk = slice(c * TILE, (c + 1) * TILE)
-        started = query_tile > start // TILE + c
-        nisa.nc_matmul(dv_block[c], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dk_block[c], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
+        started = query_tile > first // TILE + c
+        nisa.nc_matmul(dv_block[skipped + c], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dk_block[skipped + c], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
 
     dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
     _transpose_chunks(dscores_t, dscores)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
     for c in range(n_chunks):
-        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, start // TILE + c, :], accumulate=c > 0)
-    if start == 0:
+        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, first // TILE + c, :], accumulate=c > 0)
+    if first == tile_first_key:
         nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
     else:
         nisa.tensor_tensor(dq_acc[:, query_tile, :], dq_acc[:, query_tile, :], dq_block, nl.add)
@@ -614,10 +673,10 @@ def _add_kv_grad(dst, acc, block, scale, first, last):
             nisa.scalar_tensor_tensor(target[:, c, :], block[c], nl.multiply, scale, nl.add, acc[:, c, :])
 
 
-def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
-    """Causal flash attention backward, grouped-query heads: dQ, dK, dV.
+def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
+    """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
-    Inputs (HBM): q, k, v, scale as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
+    Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d), the gradient of out, in the input dtype. Returns dq
     (B, H, S, d), dk and dv (B, Hkv, S, d) in the input dtype, laid out as the inputs; dk and dv summed
     over the G query heads that share each kv head. Same limits as the forward, and an SBUF limit:
@@ -630,12 +689,14 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     dO rows and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ
     accumulator. Then key blocks of up to 512 keys outside, the 128-query tiles that see them inside:
     recompute P = exp(scale * q.T k - lse) (ScalarE from PSUM; causal bias on the diagonal chunk only,
-    blocks above the diagonal skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM,
-    VectorE multiplies in SBUF); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles
-    (queries are already on the partitions: no transpose), dQ += dS K needs dS transposed (4 TensorE
-    transposes per block, copied out by VectorE) and is added into SBUF. The
-    softmax scale is applied once, when dQ and dK are written; a pair's first query head writes dK and
-    dV (scaled) from PSUM, later ones add onto them, the last writes the input dtype.
+    blocks above the diagonal skipped; with a window, the edge bias on a tile's first chunk, the chunks
+    before it and the query tiles past the window of a block's last chunk skipped), dP = dO V^T,
+    dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF); dV += P^T dO and
+    dK += dS^T Q accumulate in PSUM over the query tiles (queries are already on the partitions: no
+    transpose), dQ += dS K needs dS transposed (4 TensorE transposes per block, copied out by VectorE) and
+    is added into SBUF. The softmax scale is applied once, when dQ and dK are written; a pair's first
+    query head writes dK and dV (scaled) from PSUM, later ones add onto them, the last writes the input
+    dtype.
 
     SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
     O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
@@ -656,10 +717,11 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
     dtype = q.dtype
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    mask = _causal_mask_operands(dtype)
+    mask = _mask_operands(dtype, seq_len, window)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         k_rows = _load_rows(k, b, kv_head, dtype)
@@ -679,7 +741,8 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale):
                 for c in range(chunks.stop - chunks.start):
                     dk_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
                     dv_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
-                for i in range(start // TILE, n_tiles):  # only query tiles at or below the block see it
+                # only the query tiles from the block's first chunk to the window past its last see it
+                for i in range(start // TILE, min(n_tiles, chunks.stop + window // TILE)):
                     _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, i, start)
                 _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
                              scale, first, last)
@@ -705,8 +768,9 @@ def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
     return seq_len * head_dim // TILE * (8 * itemsize + 16) + 6 * 1024
 
 
-def _attention_shape_problem(q, k, v):
-    """None when the attention kernels take these tensors; else what is wrong and how to fix it."""
+def _attention_shape_problem(q, k, v, window=None):
+    """None when the attention kernels take these tensors and window (`attention`'s); else what is wrong and
+    how to fix it."""
     batch, n_heads, seq_len, head_dim = q.shape
     if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:] or n_heads % k.shape[1]:
         return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not causal self-attention "
@@ -721,6 +785,9 @@ def _attention_shape_problem(q, k, v):
         return "the sequence length is not a multiple of 128, the kernels' tile; use such a sequence_len"
     if q.dtype not in (torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; the kernels take all bfloat16 or all float32"
+    if window is not None and (window < TILE or window % TILE):
+        return (f"window={window} is not a multiple of 128 keys, the kernels' tile (they skip or mask whole "
+                "128-key chunks); use such a window (window_pattern's S windows are)")
     if _attention_sbuf_bytes(seq_len, head_dim, q.element_size()) > SBUF_BUDGET:
         return (f"the sequence length is over what the backward kernel's SBUF plan holds at head_dim={head_dim} "
                 "(sequence_len x head_dim up to 4096 x 128 in bfloat16, 2048 x 128 in float32: K, V, Q, dO, O "
@@ -729,38 +796,38 @@ def _attention_shape_problem(q, k, v):
 
 
 def _flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_kernel(flash_attention_fwd_kernel, q, k, v, scale)
+                             scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(flash_attention_fwd_kernel, q, k, v, scale, window)
 
 
-def _flash_attention_forward_fake(q, k, v, scale):
+def _flash_attention_forward_fake(q, k, v, scale, window):
     batch, n_heads, seq_len, head_dim = q.shape
     return (q.new_empty(batch, n_heads, seq_len, head_dim),
             q.new_empty(batch, n_heads, TILE, seq_len // TILE, dtype=torch.float32))
 
 
 def _flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                              d_out: torch.Tensor, lse: torch.Tensor,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_kernel(flash_attention_bwd_kernel, q, k, v, out, d_out, lse, scale)
+                              d_out: torch.Tensor, lse: torch.Tensor, scale: float,
+                              window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_kernel(flash_attention_bwd_kernel, q, k, v, out, d_out, lse, scale, window)
 
 
-def _flash_attention_backward_fake(q, k, v, out, d_out, lse, scale):
+def _flash_attention_backward_fake(q, k, v, out, d_out, lse, scale, window):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flash_attention_setup_context(ctx, inputs, output):
-    q, k, v, scale = inputs
+    q, k, v, scale, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mark_non_differentiable(lse)  # an output only for the backward's sake
-    ctx.scale = scale
+    ctx.scale, ctx.window = scale, window
 
 
 def _flash_attention_vjp(backward_op, ctx, d_out, d_lse):  # d_lse: None, lse is non-differentiable
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = backward_op(q, k, v, out, d_out.to(out.dtype), lse, ctx.scale)
-    return dq, dk, dv, None
+    dq, dk, dv = backward_op(q, k, v, out, d_out.to(out.dtype), lse, ctx.scale, ctx.window)
+    return dq, dk, dv, None, None
 
 
 if nki is not None:
@@ -2223,13 +2290,20 @@ CPU_BLOCK_ATTENTION_MAX_LEN = 2048  # measured faster than SDPA up to here (x1.4
 # keeps T*T/2 probabilities per head for backward, so longer contexts use SDPA's O(T) memory
 
 
+def _cpu_query_blocks(seq_len, window):
+    """(start, end, first key) of each block of CPU_QUERY_BLOCK queries: the keys it scores are first .. end."""
+    for start in range(0, seq_len, CPU_QUERY_BLOCK):
+        yield start, min(start + CPU_QUERY_BLOCK, seq_len), 0 if window is None else max(0, start - window)
+
+
 class BlockCausalAttention(torch.autograd.Function):
-    """Exact causal attention for short contexts on CPU. SDPA's flash kernel keeps only the logsumexp
-    and recomputes scores and softmax in backward; at short T memory is cheap and the recomputation is
-    not. Queries go in blocks of CPU_QUERY_BLOCK; block i scores only the keys up to its own end, with
-    one batched matmul over all batch x heads, so the masked upper triangle is computed only on the
-    diagonal blocks, and the softmax of every block is kept for backward (T x T / 2 floats per head:
-    2 MB a layer at B=8, H=2, T=256).
+    """Exact causal attention for short contexts on CPU, optionally in a sliding window (`attention`'s).
+    SDPA's flash kernel keeps only the logsumexp and recomputes scores and softmax in backward; at short T
+    memory is cheap and the recomputation is not. Queries go in blocks of CPU_QUERY_BLOCK; block i scores
+    only the keys from its first query's window start to its own end, with one batched matmul over all
+    batch x heads, so masked scores are computed only on the diagonal blocks and the blocks where a window
+    starts, and the softmax of every block is kept for backward (T x T / 2 floats per head without a
+    window: 2 MB a layer at B=8, H=2, T=256).
 
     q, k, v: (B, H, T, d), H equal for all three (GQA expands k and v first). `attention` uses it for
     fp32 on CPU; bf16 stays on SDPA, whose speed against this on bf16 hardware has not been measured.
@@ -2237,23 +2311,28 @@ class BlockCausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, window):
         shape, (T, d) = q.shape, q.shape[-2:]
         scale = d ** -0.5
         q, k, v = (q * scale).reshape(-1, T, d), k.reshape(-1, T, d), v.reshape(-1, T, d)
         block = CPU_QUERY_BLOCK
         above_diagonal = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
+        before_window = above_diagonal.mT.contiguous()  # from where query 0's window starts: key c < query r
         probs, outs = [], []
-        for start in range(0, T, block):
-            end = min(start + block, T)
-            scores = torch.bmm(q[:, start:end], k[:, :end].mT)  # (B*H, rows, keys up to this block's end)
-            scores[:, :, start:end] += above_diagonal[: end - start, : end - start]
+        for start, end, first in _cpu_query_blocks(T, window):
+            rows = end - start
+            scores = torch.bmm(q[:, start:end], k[:, first:end].mT)  # (B*H, rows, keys first .. end)
+            scores[:, :, start - first:] += above_diagonal[:rows, :rows]
+            edge = None if window is None else start - window  # where the block's first query's window starts
+            if edge is not None and edge + rows > 0:
+                cut = max(0, -edge)  # the edge tile's columns before key 0
+                scores[:, :, edge + cut - first:edge + rows - first] += before_window[:rows, cut:rows]
             p = torch.softmax(scores, dim=-1)
             probs.append(p)
-            outs.append(torch.bmm(p, v[:, :end]))
+            outs.append(torch.bmm(p, v[:, first:end]))
         out = torch.cat(outs, dim=1)
         ctx.save_for_backward(q, k, v, out, *probs)
-        ctx.shape = shape
+        ctx.shape, ctx.window = shape, window
         return out.view(shape)
 
     @staticmethod
@@ -2263,41 +2342,51 @@ class BlockCausalAttention(torch.autograd.Function):
         d_out = d_out.reshape(out.shape)
         d_out_dot_out = (d_out * out).sum(dim=-1, keepdim=True)  # rowsum(P * dP), per query
         dq_blocks, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-        block = CPU_QUERY_BLOCK
-        for i, start in enumerate(range(0, T, block)):
-            end = min(start + block, T)
-            p, d_out_block = probs[i], d_out[:, start:end]
-            dv[:, :end].baddbmm_(p.mT, d_out_block)
-            d_scores = torch.bmm(d_out_block, v[:, :end].mT).sub_(d_out_dot_out[:, start:end]).mul_(p)
-            dq_blocks.append(torch.bmm(d_scores, k[:, :end]))
-            dk[:, :end].baddbmm_(d_scores.mT, q[:, start:end])
+        for p, (start, end, first) in zip(probs, _cpu_query_blocks(T, ctx.window)):
+            d_out_block = d_out[:, start:end]
+            dv[:, first:end].baddbmm_(p.mT, d_out_block)
+            d_scores = torch.bmm(d_out_block, v[:, first:end].mT).sub_(d_out_dot_out[:, start:end]).mul_(p)
+            dq_blocks.append(torch.bmm(d_scores, k[:, first:end]))
+            dk[:, first:end].baddbmm_(d_scores.mT, q[:, start:end])
         dq = torch.cat(dq_blocks, dim=1).mul_(d ** -0.5)
-        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape)
+        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None
 
 
 # -----------------------------------------------------------------------------
 # the operations model.py calls
 
 
-def attention(q, k, v, mode="auto"):
-    """Causal self-attention with grouped-query heads.
+def attention(q, k, v, mode="auto", window=None):
+    """Causal self-attention with grouped-query heads, optionally in a sliding window.
 
     q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
-    Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T a multiple
-    of 128, head_dim <= 256 and T x head_dim within the backward's SBUF plan (see `_attention_shape_problem`). The PyTorch path is SDPA, except fp32 on
-    CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
+    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
+    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
+    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
+    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
+    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
     """
-    if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v)):
+    seq_len = q.size(-2)
+    if window is not None and window < 0:
+        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
+    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
+        window = None
+    if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v, window)):
         # as they come, no copies in the graph: the kernels change layouts on chip, and index each (S, d)
         # head per 128-row tile, so v may be the model's transposed view of a (B, T, Hkv, D) tensor
-        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)))
+        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)), seq_len if window is None else window)
         return out
-    if q.device.type == "cpu" and q.dtype == torch.float32 and q.size(-2) <= CPU_BLOCK_ATTENTION_MAX_LEN:
+    if q.device.type == "cpu" and q.dtype == torch.float32 and seq_len <= CPU_BLOCK_ATTENTION_MAX_LEN:
         groups = q.size(1) // k.size(1)
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return BlockCausalAttention.apply(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.size(1) != q.size(1))
+        return BlockCausalAttention.apply(q, k, v, window)
+    mask = None
+    if window is not None:  # key j visible to query i: i - window <= j <= i
+        distance = torch.arange(seq_len, device=q.device)[:, None] - torch.arange(seq_len, device=q.device)
+        mask = (distance >= 0) & (distance <= window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.size(1) != q.size(1))
 
 
 def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):

@@ -11,7 +11,8 @@ Architecture (the Trainium Frontier baseline's choices):
 
 Optional levers competitors measured on Trn2 (all off by default; train.py's --preset=frontier turns them on):
 value embeddings with gates, residual/x0 scalars, a multi-token-prediction auxiliary loss, and a chunked
-softcap cross-entropy that never holds the (tokens, vocab) fp32 logits.
+softcap cross-entropy that never holds the (tokens, vocab) fp32 logits. Also off by default: sliding-window
+attention on some layers (window_pattern, nanochat's per-layer S/L pattern).
 
 Attention, MLP and norm run through kernels.py, which picks NKI kernels or PyTorch.
 """
@@ -71,6 +72,9 @@ class GPTConfig:
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4 * n_embd (swiglu: 8/3 * n_embd rounded up to 128)", bounds=(0, None))
     rope_base: float = opt(10000.0, "RoPE base frequency (10000 is usual)", above=1)
     logit_softcap: float = opt(15.0, "logits = cap * tanh(logits / cap); 0 disables", bounds=(0, None))
+    window_pattern: str = opt("L", "attention window per layer, the pattern tiled over the layers, the last layer "
+                              "always L: L = the whole context, S = the last sequence_len/4 tokens rounded up to "
+                              "128 (nanochat's; it uses SSSL)")
     kernels: str = opt("auto", "auto (NKI on Trainium where the shapes fit and the cost model expects it faster) | nki "
                        "(NKI or an error) | torch (never NKI) | prefer (NKI wherever it fits); or per op, e.g. "
                        "attention:nki,mlp:torch (ops: " + ", ".join(kernels.KERNEL_OPS) + ")")
@@ -88,6 +92,20 @@ class GPTConfig:
         # checkpoints store the resolved number
         if self.n_kv_head == 0:
             self.n_kv_head = self.n_head
+
+    @property
+    def short_window(self):
+        """Earlier tokens an S layer's queries see besides their own: a quarter of the context, rounded up to
+        the attention kernels' 128-key tile (nanochat's rule, there for FA3's tile)."""
+        return math.ceil(self.sequence_len / 4 / 128) * 128
+
+    def attention_windows(self):
+        """Per layer, the earlier tokens each query sees (FA3's left window_size: keys i - window .. i), or
+        None for the whole context: window_pattern tiled over the layers, the last layer always whole."""
+        windows = [self.short_window if self.window_pattern[i % len(self.window_pattern)] == "S" else None
+                   for i in range(self.n_layer)]
+        windows[-1] = None
+        return windows
 
     @property
     def head_dim(self):
@@ -128,6 +146,9 @@ class GPTConfig:
         if attention_mode == "nki" and self.sequence_len % 128:
             problems.append(f"kernels='nki' needs sequence_len to be a multiple of 128 (NKI attention tiles), "
                             f"got {self.sequence_len}; or use kernels='auto'")
+        if not self.window_pattern or set(self.window_pattern) - set(WINDOW_KINDS):
+            problems.append(f"window_pattern={self.window_pattern!r} must be letters {' and '.join(WINDOW_KINDS)} "
+                            "(L: the whole context, S: a short window), e.g. SSSL")
         if self.value_embeds and self.n_embd < VE_GATE_CHANNELS:
             problems.append(f"value_embeds gates read the first {VE_GATE_CHANNELS} channels; n_embd={self.n_embd} is smaller")
         if self.mtp_extra >= self.sequence_len:
@@ -137,6 +158,7 @@ class GPTConfig:
 
 
 VE_GATE_CHANNELS = 32  # a value embedding's gate reads this many residual channels (nanochat's choice)
+WINDOW_KINDS = ("L", "S")  # window_pattern's letters: long (the whole context) and short
 
 
 def has_value_embed(layer, n_layer):
@@ -156,9 +178,10 @@ def rotary_tables(seq_len, head_dim, base):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config, ve=False):
+    def __init__(self, config, ve=False, window=None):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.window = window  # earlier tokens each query sees, None for all (GPTConfig.attention_windows)
         self.kernels = config.kernels
         self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
@@ -177,7 +200,7 @@ class CausalSelfAttention(nn.Module):
         # RoPE, then QK-norm (it bounds the logits without a tuned scale): (B, T, H*D) -> (B, H, T, D)
         q = kernels.rope_norm(self.c_q(x), cos, sin, self.n_head, mode=self.kernels)
         k = kernels.rope_norm(self.c_k(x), cos, sin, self.n_kv_head, mode=self.kernels)
-        y = kernels.attention(q, k, v, mode=self.kernels)  # (B, H, T, D)
+        y = kernels.attention(q, k, v, mode=self.kernels, window=self.window)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -195,9 +218,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, ve=False, norm_output=True):
+    def __init__(self, config, ve=False, norm_output=True, window=None):
         super().__init__()
-        self.attn = CausalSelfAttention(config, ve)
+        self.attn = CausalSelfAttention(config, ve, window)
         self.mlp = MLP(config)
         self.kernels = config.kernels
         self.norm_output = norm_output  # whether what reads the block's output first is its norm
@@ -223,8 +246,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         ve_layers = [i for i in range(config.n_layer) if config.value_embeds and has_value_embed(i, config.n_layer)]
         # the residual scalars rescale x between blocks, so there only the last block hands on the norm of its output
-        self.blocks = nn.ModuleList([Block(config, i in ve_layers, not config.residual_scalars or i == config.n_layer - 1)
-                                     for i in range(config.n_layer)])
+        last = config.n_layer - 1
+        self.blocks = nn.ModuleList([Block(config, i in ve_layers, not config.residual_scalars or i == last, window)
+                                     for i, window in enumerate(config.attention_windows())])
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.padded_vocab_size, kv_dim) for i in ve_layers})
         if config.residual_scalars:
@@ -333,10 +357,12 @@ class GPT(nn.Module):
         6 * N_matmul: each matmul weight costs 2 FLOPs per token forward and 4 backward (grads of input
         and weight); the padded head counts as computed. The attention term covers q @ k^T and p @ v at
         full (non-causal) length, as PaLM and nanoGPT count it, so it over-counts the useful causal work
-        by up to 2x on that term. Recomputation and elementwise ops are not counted.
+        by up to 2x on that term; a layer with a window counts the window instead of sequence_len (as
+        nanochat's estimate_flops). Recomputation and elementwise ops are not counted.
         """
         c = self.config
-        return 6 * self.num_params(matmul_only=True) + 12 * c.n_layer * c.n_head * c.head_dim * c.sequence_len
+        keys = sum(c.sequence_len if w is None else min(w, c.sequence_len) for w in c.attention_windows())
+        return 6 * self.num_params(matmul_only=True) + 12 * c.n_head * c.head_dim * keys
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

@@ -23,6 +23,7 @@ import time
 
 PROCESS_START = time.monotonic()  # the contest's clock counts start-up from the process's start, imports included
 
+from kit import runtime  # noqa: E402  before torch: it sets the environment torch reads as it loads (OMP_WAIT_POLICY)
 import collections  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
@@ -36,8 +37,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from kernels import preview_fallbacks  # noqa: E402
-from kit import checkpoint, contest, flags, memory, optim, runtime  # noqa: E402
+import kernels  # noqa: E402
+from kit import checkpoint, contest, flags, memory, optim  # noqa: E402
 from model import GPT, GPTConfig, opt  # noqa: E402
 
 
@@ -180,13 +181,47 @@ def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=Fals
     raw_model.kernels_ran for the checkpoints)."""
     model = raw_model
     with runtime.autocast_context(cfg, device_type):  # what each kernel op runs, logged and kept for scoring
-        raw_model.kernels_ran = preview_fallbacks(raw_model, *example)
+        raw_model.kernels_ran = kernels.preview_fallbacks(raw_model, *example)
     if cfg.compile:
         # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
         model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
     if dist.is_initialized() and not sharded:
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
     return model
+
+
+def kernel_build_failure(error):
+    """The kernels.KernelBuildError behind `error`, or None: a compiler may have wrapped it (dynamo's
+    BackendCompilerFailed keeps it as its context)."""
+    while error is not None and not isinstance(error, kernels.KernelBuildError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def surviving_build_failures(work, trainee, log):
+    """(work(trainee.model), the trainee to go on with), for the first call of the kernels: their build. A
+    paid run cannot be retried, so an NKI kernel that fails to build (kernels.KernelBuildError) does not end
+    it: its op runs on PyTorch for the rest of the run (kernels.BUILD_FAILURES, which the per-op record of the
+    checkpoints then gives as the reason), said in one line; the failed try's gradients are dropped, the
+    module the step calls is built again (compiled: dynamo forgets the old graph and compiles once more,
+    before the clock starts) and `work` runs again, on the same batches. The PyTorch path computes the same
+    function. Any other failure, or one after the first call, ends the run as before. Every rank runs the
+    same kernels at the same shapes, so the ranks fail, and fall back, alike."""
+    while True:
+        try:
+            return work(trainee.model), trainee
+        except Exception as error:
+            failure = kernel_build_failure(error)
+            if failure is None or failure.op in kernels.BUILD_FAILURES:
+                raise
+        kernels.BUILD_FAILURES[failure.op] = failure.why
+        log("kernel_fallback", f"warning: {failure.op}: {failure.why}; {failure.op} runs on PyTorch for the rest of "
+            "the run (docs/troubleshooting.md)", op=failure.op, why=failure.why)
+        trainee.raw_model.zero_grad(set_to_none=True)
+        if trainee.sharding is not None:
+            trainee.sharding.arm_gradients()
+        torch._dynamo.reset()
+        trainee = trainee._replace(model=trainee.rebuild())
 
 
 def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip, sharding=None):
@@ -374,8 +409,15 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
         scheduled = schedule(cfg, step, progress)
         apply_schedule(trainee.optimizers, scheduled, trainee.raw_model)
         micro_batches = [corpus.next_batch() for _ in range(round(batch.micro_steps * scheduled["batch_fraction"]))]
-        loss, grad_norm = train_step(trainee.model, trainee.raw_model, trainee.optimizers, micro_batches, ranks.device,
-                                     autocast, cfg.grad_clip, trainee.sharding)
+
+        def this_step(model):  # on the module given (surviving_build_failures may build another)
+            return train_step(model, trainee.raw_model, trainee.optimizers, micro_batches, ranks.device, autocast,
+                              cfg.grad_clip, trainee.sharding)
+
+        if steps_this_run == 0:  # the backward kernels build here (and all of them with no evaluation before)
+            (loss, grad_norm), trainee = surviving_build_failures(this_step, trainee, watch.log)
+        else:
+            loss, grad_norm = this_step(trainee.model)
         runtime.synchronize(ranks.device_type)
         step, steps_this_run = step + 1, steps_this_run + 1
         if trainee.ema and step % cfg.ema_every == 0:
@@ -415,8 +457,9 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
 # the run
 
 # What a step trains: the module it calls (compiled, DDP-wrapped), the model itself, its optimizers, the
-# optimizer's sharding over the ranks and the weights' EMA (each None when off).
-Trainee = collections.namedtuple("Trainee", "model raw_model optimizers sharding ema")
+# optimizer's sharding over the ranks and the weights' EMA (each None when off), and how the module is
+# built (again after a kernel failed to build: surviving_build_failures).
+Trainee = collections.namedtuple("Trainee", "model raw_model optimizers sharding ema rebuild")
 
 
 def make_trainee(cfg, model_cfg, ranks, corpus, state):
@@ -431,8 +474,9 @@ def make_trainee(cfg, model_cfg, ranks, corpus, state):
     step, charged = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
     ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=ranks.device)
-    model = wrap_for_training(raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens), sharded)
-    return Trainee(model, raw_model, optimizers, sharding, ema), step, charged
+    rebuild = functools.partial(wrap_for_training, raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens),
+                                sharded)
+    return Trainee(rebuild(), raw_model, optimizers, sharding, ema, rebuild), step, charged
 
 
 def final_save(cfg, step, raw_model, ema, ranks, clock):
@@ -504,7 +548,9 @@ def main(argv):
             clock = ChargedClock(cfg.time_budget_s, cfg.startup_steps, cfg.startup_cap_s, charged_before)
             evaluating = corpus.val_batches is not None
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
-            first_eval = evaluate_now(step) if evaluating else None
+            first_eval = None
+            if evaluating:  # the forward kernels' first call: they build here
+                first_eval, trainee = surviving_build_failures(lambda _: evaluate_now(step), trainee, log)
             checkpoints = checkpoint.Checkpoints(cfg, raw_model, trainee.optimizers, trainee.sharding, corpus, ranks, log)
 
             def side_work(step):
@@ -534,6 +580,7 @@ def main(argv):
                 sample(cfg, raw_model, corpus, device, autocast)
             return {"first_eval": first_eval, "final_eval": final_eval, "step": step}
         finally:
+            kernels.BUILD_FAILURES.clear()  # the next run in this process builds every kernel again
             if dist.is_initialized():
                 dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ presets with their sources, and the exporter that writes this kit as the one tra
 (the contest's clock is train.py's ChargedClock, beside the loop it times).
 """
 import ast
+import builtins
 import dataclasses
 import importlib.util
 import os
@@ -12,6 +13,7 @@ import sys
 
 import torch
 
+import kernels
 from model import GPT
 
 
@@ -210,38 +212,73 @@ def announce(cfg, prepare):
 # The kit's root, where train.py and prepare.py's usual place are; in the one-file submission, that file's folder.
 KIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBMISSION_ARGS = []  # export_submission writes the exporting run's flags here: the upload's defaults
-# What the one-file submission leaves out: the kit's own data path (and with it data.py and its downloads)
-# and the exporter, each replaced by a stand-in that says why ("" = nothing left refers to it).
+# What the one-file submission replaces: the kit's own data path (and with it data.py and its downloads) and the
+# exporter, each by a stand-in that says why. What nothing else in the file reaches then drops out by itself.
 KIT_ONLY = {
     "kit_corpus": "def kit_corpus(cfg):\n    raise FileNotFoundError(\"no prepare.py beside this train.py: a submission "
-                 "trains on the contest's data only\")\n",
+                  "trains on the contest's data only\")\n",
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
-    "bundle_source": "",
-    "check_submission": "",
-    "check_causality": "",
-    "SUBMISSION_LIMIT_BYTES": "",
-    "SECTION_RULE": "",
-    "SUBMISSION_IMPORTS": "",
-    "BUNDLED": "",
-    "defined_names": "",
-    "bundled_import": "",
-    "is_reexport": "",
-    "module_text": "",
-    "without_docstrings": "",
-    "KIT_ONLY": "",
 }
+ENTRY_POINTS = ("main", "load_for_eval")  # train.py's run and the contest scorer's hook: what the file must reach
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
 # its clock's start): each before its first importer, as a module's names are used at its import only by the
-# modules after it (model.py's kernels.KERNEL_OPS ...)
-BUNDLED = {"contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py", "flags": "kit/flags.py",
-           "optim": "kit/optim.py", "runtime": "kit/runtime.py", "memory": "kit/memory.py",
+# modules after it (model.py's kernels.KERNEL_OPS ...); runtime.py first, before any torch import, as in train.py
+BUNDLED = {"runtime": "kit/runtime.py", "contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py",
+           "flags": "kit/flags.py", "optim": "kit/optim.py", "memory": "kit/memory.py",
            "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
 
 
 def defined_names(node):
-    return {n for n in [getattr(node, "name", None)] + [t.id for t in getattr(node, "targets", [])
-                                                        if isinstance(t, ast.Name)] if n}
+    """The names a top-level statement defines: a def's or class's, an assignment's, or those of an `if` made
+    of nothing else (kernels.py's `if nki is not None: _mlp_op = ...`)."""
+    branches = node.body + node.orelse if isinstance(node, ast.If) else []
+    if branches and all(defined_names(n) and not isinstance(n, ast.If) for n in branches):
+        return set().union(*map(defined_names, branches))
+    targets = getattr(node, "targets", [getattr(node, "target", None)])
+    return {n for n in [getattr(node, "name", None)] + [t.id for t in targets if isinstance(t, ast.Name)] if n}
+
+
+def referenced_names(node):
+    """Every name `node` may use from the one file's namespace: bare names, and attributes, which reach the
+    inlined modules' names (`kernels.mlp`, `runtime.say`); an attribute of anything else only keeps a
+    definition that happens to share its name."""
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def reachable_names(trees, replaced):
+    """The top-level definitions of the bundled modules (`trees`: {module: ast}) that the run can reach: from
+    the ENTRY_POINTS and every statement that defines nothing (imports, the `__main__` block, module-level
+    calls), through every name each reached definition refers to. `replaced` ({name: text}): definitions that
+    become their stand-in, so what only they referred to is not reached through them."""
+    definitions, roots = {}, set(ENTRY_POINTS)
+    for tree in trees.values():
+        for node in tree.body:
+            if bundled_import(node) is not None or is_reexport(node):
+                continue
+            names = defined_names(node)
+            for name in names:
+                definitions.setdefault(name, []).append(node)
+            if not names:
+                roots |= referenced_names(node)
+    reached, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in definitions:
+            continue
+        reached.add(name)
+        for node in definitions[name]:
+            todo += referenced_names(ast.parse(replaced[name]) if name in replaced else node)
+    return reached
+
+
+def unused_op_stub(op):
+    """The stand-in for kernels.py's public function of an op the exported run never calls (its kernels, glue
+    and shape rules then drop out): a clear error, should other flags ever call it."""
+    return (f"def {op}(*args, **kwargs):  # this file's run never calls it, so its kernels are left out\n"
+            f"    raise NotImplementedError(\"{op}: this submission leaves it out, as the run it was exported for "
+            f"never calls it; export again with the flags that do\")\n")
 
 
 def bundled_import(node):
@@ -268,25 +305,34 @@ def is_reexport(node):
         and node.value.value.id in BUNDLED and node.value.attr == node.targets[0].id
 
 
-def bundle_source(root, argv):
+def bundle_source(root, argv, unused_ops=()):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
-    names for the one file's module (`bundled_import`), the KIT_ONLY definitions (and so data.py, with its
-    downloads) left out or stubbed, and `argv` baked in as SUBMISSION_ARGS. Comments are kept, so it reads as
-    the kit does (section rules and blank lines shortened); the inlined modules' docstrings become their first
-    paragraph as comments and their functions' and classes' are left out (`without_docstrings`), so the kit
-    fits the portal's limit; their whole text stays in the kit's files. Raises ValueError where two modules
-    define one name."""
+    names for the one file's module (`bundled_import`), the KIT_ONLY definitions and `unused_ops` (kernel
+    ops the run never calls) replaced by stand-ins, only the definitions the run can reach
+    (`reachable_names`: so no data preparation, no exporter, no kernels of an op it never calls), and `argv`
+    baked in as SUBMISSION_ARGS. Comments are kept, so it reads as the kit does (section rules and blank lines
+    shortened); the inlined modules' docstrings become their first paragraph as comments and their functions'
+    and classes' are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
+    ValueError where two modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
+    trees = {name: ast.parse(text) for name, text in texts.items()}
     defined = {}
-    for name, text in texts.items():
-        for node in ast.parse(text).body:
-            for n in set() if is_reexport(node) else defined_names(node) - set(KIT_ONLY):
+    for name, tree in trees.items():
+        for node in tree.body:
+            for n in set() if is_reexport(node) else defined_names(node):
                 if n in defined and defined[n] != name:
                     raise ValueError(f"{n} is defined in both {BUNDLED[defined[n]]} and {BUNDLED[name]}")
                 defined[n] = name
-    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n{module_text(without_docstrings(texts[name]), argv)}"
+    missing = [op for op in unused_ops if defined.get(op) != "kernels"]
+    if missing:
+        raise ValueError(f"kernels.py defines no function {missing[0]}, the op's name: the exporter leaves out an op "
+                         "by replacing its public function")
+    replaced = {**KIT_ONLY, **{op: unused_op_stub(op) for op in unused_ops}}
+    keep = reachable_names(trees, replaced)
+    modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n"
+                      f"{module_text(without_docstrings(texts[name]), argv, keep, replaced)}"
                       for name in BUNDLED if name != "train")
-    source = module_text(texts["train"], argv, inline=modules + f"\n# ===== train.py =====\n")
+    source = module_text(texts["train"], argv, keep, replaced, inline=modules + "\n# ===== train.py =====\n")
     # section rules in 5 characters instead of 78, one blank line between definitions instead of two
     source = re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub("# ---", source))
     check_submission(source)
@@ -309,9 +355,10 @@ def without_docstrings(text):
     return "".join(lines)
 
 
-def module_text(text, argv, inline=None):
-    """A module's text, top-level statement by statement (each with the comments above it); `inline`, for
-    train.py, the other modules' texts, put at its first import of them."""
+def module_text(text, argv, keep, replaced, inline=None):
+    """A module's text, top-level statement by statement (each with the comments above it): those defining
+    nothing in `keep` left out, those in `replaced` replaced; `inline`, for train.py, the other modules'
+    texts, put at its first import of them."""
     tree = ast.parse(text)
     lines, out, previous_end = text.splitlines(keepends=True), [], 0
     for node in tree.body:
@@ -327,10 +374,10 @@ def module_text(text, argv, inline=None):
                 chunk = "".join(f"# {line}".rstrip() + "\n" for line in first.splitlines())
         elif bundled_import(node) is not None:
             chunk, inline = (inline or "") + bundled_import(node), ""
-        elif is_reexport(node):
+        elif is_reexport(node) or names and not names & keep:
             chunk = ""
-        elif names & set(KIT_ONLY):
-            chunk = KIT_ONLY[(names & set(KIT_ONLY)).pop()]
+        elif names & set(replaced):
+            chunk = replaced[(names & set(replaced)).pop()]
         elif names == {"SUBMISSION_ARGS"}:
             chunk = f"SUBMISSION_ARGS = {argv!r}  # the flags of the run that exported this file\n"
         out.append(gap + chunk)
@@ -347,8 +394,8 @@ SUBMISSION_IMPORTS = {"torch", "numpy", "nki", "torch_neuronx", "prepare"}
 
 def check_submission(source):
     """What the contest takes: one file under the portal's size limit, importing only the standard
-    library, torch, numpy, the Neuron stack and prepare.py, with no download code and nothing of the
-    kit's own data path. Raises ValueError naming the first problem."""
+    library, torch, numpy, the Neuron stack and prepare.py, with no download code, and defining every name
+    it reads. Raises ValueError naming the first problem."""
     size = len(source.encode())
     if size > SUBMISSION_LIMIT_BYTES:
         raise ValueError(f"the submission is {size:,} bytes; the contest takes at most {SUBMISSION_LIMIT_BYTES:,}")
@@ -361,11 +408,31 @@ def check_submission(source):
             if top not in SUBMISSION_IMPORTS and top not in sys.stdlib_module_names or top in ("urllib", "http", "socket", "requests"):
                 raise ValueError(f"the submission imports {module}, which the contest's environment may lack or forbids")
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    leftovers = sorted(used & ({"data", "urlopen", "hf_hub_download"} | {k for k, v in KIT_ONLY.items() if not v}))
+    leftovers = sorted(used & {"data", "urlopen", "hf_hub_download"})
     if leftovers:
         raise ValueError(f"the submission still refers to {leftovers}, which it leaves out")
+    unbound = sorted(free_names(tree))
+    if unbound:
+        raise ValueError(f"the submission reads {', '.join(unbound)} but defines none of them: a definition the "
+                         "exporter left out is still used")
     if "def load_for_eval" not in source:
         raise ValueError("the submission defines no load_for_eval, which the scorer calls")
+
+
+def free_names(tree):
+    """The names `tree` reads that nothing in it binds (no definition, assignment, argument, import or
+    `except ... as`) and that are not builtins: each a NameError waiting for the line that reads it."""
+    bound = set(dir(builtins)) | {"__file__", "__name__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) or isinstance(node, ast.arg):
+            bound.add(node.id if isinstance(node, ast.Name) else node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
 
 
 def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=None):
@@ -393,8 +460,24 @@ def check_causality(model, vocab_size, length, device, prepare=None, tokenizer=N
                 raise ValueError(f"changing tokens after position {t} changed no later logit: the check is blind")
 
 
+def ops_called(model, batch_size):
+    """The kernel ops `model` calls in the exported run: a training step's forward, the evaluation's and the
+    scorer's (kernels.preview_fallbacks, on fake tensors: nothing is computed)."""
+    tokens = torch.zeros(batch_size, model.config.sequence_len, dtype=torch.long)
+    training = model.training
+    try:
+        called = set(kernels.preview_fallbacks(model.train(), tokens, tokens))
+        model.eval()
+        called |= set(kernels.preview_fallbacks(model, tokens))
+        called |= set(kernels.preview_fallbacks(model, tokens, tokens, "none"))
+    finally:
+        model.train(training)
+    return called
+
+
 def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
-    """Writes the one-file train.py after a causality check of the model it would train."""
+    """Writes the one-file train.py after a causality check of the model it would train, leaving out the
+    kernel ops that model never calls; says how many bytes are left under the portal's limit."""
     path = cfg.export_submission
     torch.manual_seed(cfg.seed)
     model = GPT(dataclasses.replace(model_cfg, vocab_size=vocab_size)).eval()
@@ -405,11 +488,14 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
         check_causality(model, vocab_size, min(model_cfg.sequence_len, 256), "cpu", prepare, tokenizer)
     except ValueError as e:
         raise ValueError(f"not exporting: the model is not causal ({e})") from e
+    unused = [op for op in kernels.KERNEL_OPS if op not in ops_called(model, cfg.batch_size)]
     # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
     flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
-    source = bundle_source(KIT_ROOT, flags)
+    source = bundle_source(KIT_ROOT, flags, unused)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(source)
-    print(f"wrote {path}: {len(source.encode()):,} bytes (limit {SUBMISSION_LIMIT_BYTES:,}), defaults {flags}; "
-          f"causality check passed")
+    size = len(source.encode())
+    print(f"wrote {path}: {size:,} bytes, {SUBMISSION_LIMIT_BYTES - size:,} left under the portal's "
+          f"{SUBMISSION_LIMIT_BYTES:,}; defaults {flags}; kernel ops left out (never called): "
+          f"{', '.join(unused) or 'none'}; causality check passed")

@@ -4,6 +4,17 @@ its dtype and peak, distributed start-up and ranks, the run's log (with what it 
 stop signals. (cf. nanochat's nanochat/common.py)
 """
 import os
+import sys
+
+# CPU threads: torch's intra-op pool is an OpenMP team whose threads spin while they wait for work (libgomp's
+# default). On a CPU that another process shares, each parallel region then waits for the thread that process
+# holds up: with one core of a 2-core EPYC kept busy, train.py ran at a third of its quiet tokens/s, and at
+# twice that with OMP_WAIT_POLICY=PASSIVE (waiting threads sleep), which cost nothing measurable on the quiet
+# machine (docs/training.md, "CPU threads"). OpenMP reads the variable once, as torch loads it: train.py and
+# evaluate.py import this module before torch. A user's own setting wins.
+OMP_WAIT_POLICY_BY_KIT = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
+if OMP_WAIT_POLICY_BY_KIT:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 # The Neuron compiler's flags, for every entry point (each imports this module before it compiles anything):
 # TorchNeuron reads NEURON_CC_FLAGS each time it compiles a graph or an op, not at import
@@ -299,13 +310,25 @@ class Stopped(Exception):
     """A stop signal arrived before there was anything worth saving."""
 
 
+def omp_wait_policy():
+    """How OpenMP's threads wait, as the start-up line says it: the kit's default, the user's, or none applied."""
+    if OMP_WAIT_POLICY_BY_KIT:
+        return "OMP_WAIT_POLICY=PASSIVE (the kit's default: waiting CPU threads sleep, fair to other processes)"
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (yours)"
+    return "OMP_WAIT_POLICY not set: torch was imported before kit/runtime.py could set it"
+
+
 def log_config(log, cfg, trainee, ranks, batch, dtype_reason):
-    """The run's start-up line: the model, the ranks, the batch and the compute dtype."""
+    """The run's start-up line: the model, the ranks, the batch, the compute dtype, on a CPU how its threads
+    wait (omp_wait_policy); and in the log, what each kernel op runs and why (kernels.preview_fallbacks)."""
     raw_model, sharded = trainee.raw_model, " (optimizer sharded)" if trainee.sharding is not None else ""
+    threads = f"; {omp_wait_policy()}" if ranks.device_type == "cpu" else ""
     log("config", f"{raw_model.num_params():,} parameters, {raw_model.flops_per_token() / 1e6:.1f} MFLOP/token, "
         f"{ranks.world_size} rank(s) on {ranks.device_type}{sharded}, {batch.micro_steps} micro-step(s) of {batch.tokens // batch.micro_steps:,} "
-        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}", train_config=asdict(cfg),
-        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type, dtype_reason=dtype_reason)
+        f"tokens per step; computing in {cfg.dtype} because {dtype_reason}{threads}", train_config=asdict(cfg),
+        model_config=asdict(raw_model.config), world_size=ranks.world_size, device=ranks.device_type,
+        dtype_reason=dtype_reason, kernels=raw_model.kernels_ran, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
 
 
 def epoch_plan(cfg, train_tokens, total_tokens):

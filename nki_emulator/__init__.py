@@ -9,24 +9,27 @@ limit). ``nki.jit`` first checks the kernel's source against the NKI meta-progra
 come back as the same kind, and with torch tensors a kernel that returns one output gives it back bare,
 not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
 :class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`). ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
-trn2) picks the generation whose limits apply. Memory model: see :mod:`._memory`.
+trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6")`` (or env
+``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. Memory model: see :mod:`._memory`.
 
 In tests, :func:`install` makes ``import nki`` give the real package when it imports, else this one.
 """
 
 import functools
-import inspect
 import sys
+import threading
 
 import numpy as np
 
 from . import isa, language, typing
 from ._cost import ASSUMPTIONS, ENGINE_SPECS, estimate, instruction_seconds, matmul_cycles
-from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
-from ._runtime import Core, Counts, Instruction, NkiValidationError, counting, running, set_target, target
+from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
+from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
+                       set_target, target)
 from ._subset import check_kernel
 
-__all__ = ["jit", "simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
+__all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
+           "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
            "language", "isa", "typing", "dtype"]
 
@@ -49,6 +52,9 @@ def simulate(kernel):
     return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
 
 
+cpu_simulate = simulate  # the name nki-library's test harness calls (test/utils/simulation_setup.py simulate_kernel)
+
+
 class Kernel:
     """A jit-wrapped kernel. ``kernel(...)`` runs on one NeuronCore; ``kernel[2](...)`` runs the two
     programs of a logical NeuronCore (``nl.program_id(0)`` 0 then 1, one after the other) sharing
@@ -65,18 +71,46 @@ class Kernel:
                                      f"got {lnc!r}")
         return Kernel(self.fn, lnc, grid=True)
 
+    def _run_programs(self, args, kwargs):
+        """Run the launch's programs (program 0 first, then the other where program 0 waits in a sendrecv or ends);
+        the last program's return value is the kernel's."""
+        launch = Launch()
+        results, errors = [None] * self.lnc, [None] * self.lnc
+        holding = [threading.Event() for _ in range(self.lnc)]
+
+        def program(program_id):
+            with launch.baton:
+                holding[program_id].set()
+                core = Core(program_id, self.lnc, self.grid, launch)
+                try:
+                    with running(core):
+                        results[program_id] = self.fn(*args, **kwargs)
+                    check_capacity(core)
+                except BaseException as error:  # re-raised in the caller's thread below
+                    errors[program_id] = error
+                finally:
+                    launch.finished.add(program_id)
+                    launch.baton.notify_all()
+
+        if self.lnc == 1:
+            program(0)
+        else:
+            threads = [threading.Thread(target=program, args=(i,), daemon=True) for i in range(self.lnc)]
+            for thread, held in zip(threads, holding):
+                thread.start()
+                held.wait()  # program 0 takes the baton before program 1 starts
+            for thread in threads:
+                thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
+        return results[-1]
+
     def __call__(self, *args, **kwargs):
-        self._check_arguments(args, kwargs)
         torch_out = any(_is_torch(a) for a in (*args, *kwargs.values()))
         args = tuple(_to_device(a, f"argument {i}") for i, a in enumerate(args))
         kwargs = {k: _to_device(v, f"argument {k!r}") for k, v in kwargs.items()}
-        shared_hbm = []
-        for program in range(self.lnc):
-            core = Core(program, self.lnc, self.grid, shared_hbm)
-            with running(core):
-                result = self.fn(*args, **kwargs)
-            check_capacity(core)
-        outputs = _to_host(result, torch_out)
+        outputs = _to_host(self._run_programs(args, kwargs), torch_out)
         if torch_out and isinstance(outputs, tuple) and len(outputs) == 1:
             # TorchNeuron returns a kernel's only output bare, however the kernel wrapped it: one return type
             # gives one tensor, several a tuple (torch_neuronx/nki_hop.py, nki_kernel_wrapper's meta and
@@ -84,19 +118,6 @@ class Kernel:
             # parmoham-aws/test-repo-parmoham).
             return outputs[0]
         return outputs
-
-
-    def _check_arguments(self, args, kwargs):
-        """The NKI front end binds the kernel's own parameters to what the caller passes, positionally
-        or by keyword, and ignores their defaults (leanprover/KLR KLR/NKI/Simplify.lean ``args``,
-        l. 492-505: "argument ... not supplied"); the helpers a kernel calls do take defaults
-        (KLR/Trace/NKI.lean ``bindArgs``, l. 280-299)."""
-        parameters = list(inspect.signature(self.fn).parameters.values())
-        missing = [p.name for p in parameters[len(args):] if p.name not in kwargs
-                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if missing:
-            raise NkiValidationError(f"nki.jit: {self.fn.__qualname__}: argument {missing[0]} not supplied (the NKI "
-                                     f"front end does not apply a kernel's defaults: pass {', '.join(missing)})")
 
 
 # ---- host <-> device -------------------------------------------------------------------------------
@@ -140,8 +161,10 @@ def _to_host(result, torch_out):
         return tuple(_to_host(item, torch_out) for item in result)
     if not isinstance(result, NkiTensor):
         return result
-    if result.buffer is not MemoryRegion.shared_hbm:
-        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated with buffer=nl.shared_hbm; "
+    if result.buffer not in HBM:
+        # nl.hbm (private HBM) outputs are returned too: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst
+        # l. 38-41 and the nonzero_with_count example, nki/api/nki/isa/__init__.py l. 2834-2838
+        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
                                  f"this one is in {result.buffer.value}")
     array = np.array(result._data)
     if not torch_out:
@@ -168,5 +191,8 @@ def install():
         return nki
     except ImportError:
         pass
-    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa, "nki.typing": typing})
+    # nki.isa.constants: the enums (engine, dge_mode, matmul_perf_mode, ...) under the module path nki-library imports
+    # them from (output_projection_tkg.py; nki-library's test/utils/simulation_setup.py aliases it the same way)
+    sys.modules.update({"nki": sys.modules[__name__], "nki.language": language, "nki.isa": isa, "nki.typing": typing,
+                        "nki.isa.constants": isa})
     return sys.modules[__name__]

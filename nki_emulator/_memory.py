@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from ._runtime import NkiValidationError, PARTITIONS, PSUM_PARTITION_BYTES, current, target
+from ._unemulated import UnemulatedDType
 
 
 class MemoryRegion(Enum):
@@ -63,6 +64,8 @@ FP32 = DTYPES["float32"]
 
 def as_dtype(dtype, what="dtype"):
     """Normalise an NKI dtype (``nl.bfloat16``, ``np.float32``, ``"bfloat16"``, a tensor's dtype)."""
+    if isinstance(dtype, UnemulatedDType):
+        raise NotImplementedError(f"{what}: {dtype} is not emulated by the CPU NKI emulator")
     try:
         result = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else np.dtype(dtype)
     except TypeError:
@@ -115,11 +118,12 @@ class _Storage:
 class NkiTensor:
     """A view of a storage: shape, dtype and buffer of an NKI tensor (kernel argument or allocation)."""
 
-    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect", "_subscript")
+    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect", "_subscript", "_outside")
 
-    def __init__(self, storage, data, written, matmul_written, indirect=False):
+    def __init__(self, storage, data, written, matmul_written, indirect=False, outside=None):
         self._storage, self._data, self._written, self._matmul_written = storage, data, written, matmul_written
         self._indirect = indirect  # made by ap(scalar_offset=...): addressed through a runtime index
+        self._outside = outside  # made by an ap() that leaves its storage: why (only an instruction refuses it)
         self._subscript = None  # made by t[key]: (KLR's shape of it, its integer-indexed dims, strided?)
 
     shape = property(lambda self: self._data.shape)
@@ -248,7 +252,7 @@ class NkiTensor:
                 return a[index]
         written = None if self._written is None else fn(self._written, 1)
         matmul_written = None if self._matmul_written is None else fn(self._matmul_written, 0)
-        return NkiTensor(self._storage, fn(self._data, 0), written, matmul_written)
+        return NkiTensor(self._storage, fn(self._data, 0), written, matmul_written, outside=self._outside)
 
     def __getitem__(self, key):
         """NumPy-style basic indexing: ints, slices (step >= 1), ``...``, ``nl.ds``; returns a view.
@@ -399,9 +403,16 @@ class NkiTensor:
                                      f"{row_bytes // element.itemsize}, got {strides[0]}")
         low = start + element.itemsize * sum((c - 1) * s for s, c in zip(strides, counts) if s < 0)
         high = start + element.itemsize * (1 + sum((c - 1) * s for s, c in zip(strides, counts) if s > 0))
-        if min(counts) < 1 or start % element.itemsize or low < 0 or high > storage.array.nbytes:
-            raise NkiValidationError(f"ap: pattern {pattern} starting at byte {start} leaves the storage of "
-                                     f"{storage.array.nbytes} bytes (or is not aligned to {element.name})")
+        if min(counts) < 1 or start % element.itemsize:
+            raise NkiValidationError(f"ap: pattern {pattern} starting at byte {start} is empty or not aligned to "
+                                     f"{element.name}")
+        if low < 0 or high > storage.array.nbytes:
+            # A view may be made and left unused: nki-library's output_projection_tkg.py builds a stationary ap for
+            # a column past its weights and skips the matmul (``if h_2_idx < cfg.h_2_size``). An instruction refuses.
+            outside = (f"an access pattern {pattern} from byte {start} that leaves its storage of "
+                       f"{storage.array.nbytes} bytes ({storage.label})")
+            placeholder = np.zeros(counts, element)
+            return NkiTensor(storage, placeholder, None, None, outside=outside)
 
         def strided(flat, bytes_per_entry, per_element):
             """The pattern over ``flat``, an array with one entry per ``bytes_per_entry`` bytes of storage;
@@ -428,8 +439,10 @@ def _check_slice(k, n, dim):
     start = 0 if start is None else int(start) + (n if start < 0 else 0)
     stop = n if stop is None else int(stop) + (n if stop < 0 else 0)
     step = 1 if step is None else int(step)
-    if not (0 <= start < stop <= n and step >= 1):
-        raise NkiValidationError(f"tensor index: slice {k.start}:{k.stop}:{k.step} is empty or out of bounds "
+    # An empty slice makes an empty view, which only an instruction refuses (``operand``): nki-library's
+    # cross_entropy.py takes ``targets_hbm[nl.ds(0, 0)]`` on the core that gets no positions, and runs.
+    if not (0 <= start <= stop <= n and step >= 1):
+        raise NkiValidationError(f"tensor index: slice {k.start}:{k.stop}:{k.step} is out of bounds "
                                  f"for dim {dim} of size {n}")
     return slice(start, stop, step)
 
@@ -447,14 +460,15 @@ def allocate(shape, dtype, buffer, name, what="ndarray"):
     label = f"{name or 'tile'} {shape} {dtype.name} in {buffer.value}, allocated at {site}"
     if buffer in ON_CHIP:
         _check_on_chip_shape(shape, dtype, buffer, what)
-    if buffer is MemoryRegion.shared_hbm and core.program_id > 0:
+    if buffer is MemoryRegion.shared_hbm and core.shared_hbm_next < len(core.launch.shared_hbm):
         return _shared_alias(core, shape, dtype, what)
     storage = _Storage(np.full(shape, _sentinel(dtype), dtype), buffer, name, label, initialised=False)
     if buffer in ON_CHIP:
         storage.liveness = _Liveness(storage.array.size // shape[0] * dtype.itemsize, buffer, label)
         core.tiles.append(storage.liveness)
     if buffer is MemoryRegion.shared_hbm:
-        core.shared_hbm.append(storage)
+        core.launch.shared_hbm.append(storage)
+        core.shared_hbm_next += 1
     return NkiTensor(storage, storage.array, storage.written, storage.matmul_written)
 
 
@@ -466,7 +480,7 @@ def _check_on_chip_shape(shape, dtype, buffer, what):
         raise NkiValidationError(f"{what}: partition dim {shape[0]} exceeds the {PARTITIONS} partitions of "
                                  f"{buffer.value.upper()} (nl.tile_size.pmax)")
     per_partition = int(np.prod(shape[1:])) * dtype.itemsize
-    limit = target().psum_tile_bytes if buffer is PSUM else target().sbuf_partition_bytes
+    limit = target().psum_tile_bytes if buffer is PSUM else target().sbuf_usable_bytes
     if per_partition > limit:
         kind = "one PSUM bank" if buffer is PSUM else "an SBUF partition"
         raise NkiValidationError(f"{what}: a {shape} {dtype.name} tile needs {per_partition} bytes per partition, "
@@ -474,14 +488,12 @@ def _check_on_chip_shape(shape, dtype, buffer, what):
 
 
 def _shared_alias(core, shape, dtype, what):
-    """Program k > 0 of an LNC launch: the n-th shared_hbm allocation is program 0's n-th one."""
-    index = core.shared_hbm_next
+    """The n-th shared_hbm allocation of a program that another program of its launch made first: the same one."""
+    storage = core.launch.shared_hbm[core.shared_hbm_next]
     core.shared_hbm_next += 1
-    if index >= len(core.shared_hbm) or core.shared_hbm[index].array.shape != shape \
-            or core.shared_hbm[index].array.dtype != dtype:
+    if storage.array.shape != shape or storage.array.dtype != dtype:
         raise NkiValidationError(f"{what}: program {core.program_id} allocated shared_hbm tensors that differ "
-                                 "from program 0's; every program of an LNC launch must allocate the same ones")
-    storage = core.shared_hbm[index]
+                                 "from the other program's; every program of an LNC launch must allocate the same ones")
     return NkiTensor(storage, storage.array, storage.written, None)
 
 
@@ -493,7 +505,7 @@ def wrap_host(array, buffer, label):
 
 def check_capacity(core):
     """Raise if the live on-chip tiles of ``core`` ever exceeded SBUF or PSUM capacity."""
-    limits = {SBUF: target().sbuf_partition_bytes, PSUM: PSUM_PARTITION_BYTES}
+    limits = {SBUF: target().sbuf_usable_bytes, PSUM: PSUM_PARTITION_BYTES}
     for buffer, limit in limits.items():
         tiles = [t for t in core.tiles if t.buffer is buffer and t.first >= 0]
         events = sorted([(t.first, t.nbytes) for t in tiles] + [(t.last + 1, -t.nbytes) for t in tiles])
@@ -507,8 +519,8 @@ def check_capacity(core):
             listing = "; ".join(f"{t.label} ({t.nbytes} B/partition)" for t in alive[:4])
             raise NkiValidationError(
                 f"{core.issued[peak_at]} (instruction #{peak_at}): {buffer.value.upper()} holds {peak} bytes per "
-                f"partition of live tiles, over the {limit} bytes ({limit // 1024} KiB) per partition of "
-                f"{target().name}; largest live tiles: {listing}")
+                f"partition of live tiles, over the {limit} bytes per partition a kernel may use on {target().name} "
+                f"(nl.tile_size.total_available_sbuf_size for SBUF; 16 KiB for PSUM); largest live tiles: {listing}")
 
 
 # ---- operand access used by the instructions ------------------------------------------------------
@@ -519,6 +531,11 @@ def operand(core, instr, role, t, allowed, why):
         raise NkiValidationError(f"{instr}: {role} must be an NKI tensor, got {type(t).__name__}")
     if t._storage.buffer not in allowed:
         raise NkiValidationError(f"{instr}: {role} is in {t._storage.buffer.value}, but {why}")
+    if t.size == 0:
+        raise NkiValidationError(f"{instr}: {role} is an empty view {t.shape}; an instruction needs at least one "
+                                 "element")
+    if t._outside is not None:
+        raise NkiValidationError(f"{instr}: {role} is {t._outside}")
     liveness = t._storage.liveness
     if liveness is not None:
         if liveness.first < 0:

@@ -5,8 +5,10 @@ the instruction the next index on its core (memory liveness is measured in these
 with :func:`count`, which adds it to every open :func:`counting` context.
 """
 
+import collections
 import contextlib
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,15 +32,18 @@ class Target:
 
     name: str
     nc_version: str  # member name of nki.isa.nc_version
-    sbuf_partition_bytes: int
+    sbuf_partition_bytes: int  # the SBUF memory of one partition (nl.tile_size.sbuf_size_bytes / 128)
+    sbuf_usable_bytes: int  # what a kernel may allocate in one partition (nl.tile_size.total_available_sbuf_size)
     psum_tile_bytes: int  # widest PSUM tile: one bank, or the whole PSUM on NeuronCore-v4
     matmul_dst_dtypes: tuple  # nc_matmul may write these dtypes to PSUM
 
 
+# The usable SBUF per partition is what the NKI front end sets nl.tile_size.total_available_sbuf_size to, per
+# generation (leanprover/KLR KLR/Trace.lean l. 52-54: 180224, 212984, 245752); the compiler keeps the rest.
 TARGETS = {
-    "trn1": Target("trn1", "gen2", 192 * KiB, PSUM_BANK_BYTES, ("float32",)),
-    "trn2": Target("trn2", "gen3", 224 * KiB, PSUM_BANK_BYTES, ("float32",)),
-    "trn3": Target("trn3", "gen4", 256 * KiB, PSUM_PARTITION_BYTES, ("float32", "bfloat16")),
+    "trn1": Target("trn1", "gen2", 192 * KiB, 180224, PSUM_BANK_BYTES, ("float32",)),
+    "trn2": Target("trn2", "gen3", 224 * KiB, 212984, PSUM_BANK_BYTES, ("float32",)),
+    "trn3": Target("trn3", "gen4", 256 * KiB, 245752, PSUM_PARTITION_BYTES, ("float32", "bfloat16")),
 }
 _TARGET_ALIASES = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
 
@@ -64,6 +69,37 @@ def set_target(name):
 
 def target():
     return _target
+
+
+# The NKI release whose documented rules apply. The contest's is 0.4 (Neuron 2.30.0, aws-neuron-sdk 3afa0fdf); 0.6
+# is the current one (Neuron 2.32.0, a3247f5b). A refusal that depends on it names it ("NKI 0.4").
+NKI_VERSIONS = ("0.4", "0.5", "0.6")
+
+
+def _check_version(version):
+    if version not in NKI_VERSIONS:
+        raise ValueError(f"unknown NKI version {version!r} for the emulator; use one of {', '.join(NKI_VERSIONS)}")
+    return version
+
+
+_nki_version = _check_version(os.environ.get("NKI_EMULATOR_NKI_VERSION", "0.4"))
+
+
+def set_nki_version(version):
+    """Select the NKI release whose rules are enforced ("0.4", "0.5" or "0.6"); returns the previous one. The
+    default is the contest's 0.4, or the ``NKI_EMULATOR_NKI_VERSION`` environment variable."""
+    global _nki_version
+    previous, _nki_version = _nki_version, _check_version(version)
+    return previous
+
+
+def nki_version():
+    return _nki_version
+
+
+def nki_since(version):
+    """Whether the selected NKI release is ``version`` or newer."""
+    return NKI_VERSIONS.index(_nki_version) >= NKI_VERSIONS.index(version)
 
 
 class Counts:
@@ -143,20 +179,41 @@ def count_transpose(partitions, free, dtype_name):
         counts.transposes.append((partitions, free, dtype_name))
 
 
+class Launch:
+    """What the programs of one kernel launch share. ``shared_hbm``: the n-th ``nl.shared_hbm`` allocation of every
+    program is the same storage, as both cores of a logical NeuronCore address the same shared HBM tensor.
+    ``baton``: the programs of an LNC=2 launch run on threads, one at a time, handing over only where one waits for
+    the other (``nisa.sendrecv``), so a launch runs the same way every time. ``mail``: what a sendrecv sent and its
+    partner has not yet received, by (pipe_id, sender, receiver)."""
+
+    def __init__(self):
+        self.shared_hbm = []
+        self.baton = threading.Condition()
+        self.mail = {}
+        self.finished = set()
+
+    def exchange(self, me, send_to, receive_from, pipe_id, payload):
+        """Post ``payload`` for ``send_to`` and return what ``receive_from`` sent to this program on ``pipe_id``."""
+        self.mail.setdefault((pipe_id, me, send_to), collections.deque()).append(payload)
+        self.baton.notify_all()
+        inbox = (pipe_id, receive_from, me)
+        self.baton.wait_for(lambda: self.mail.get(inbox) or receive_from in self.finished)
+        if not self.mail.get(inbox):
+            raise NkiValidationError(f"sendrecv: program {me} waits on pipe_id {pipe_id} for program {receive_from}, "
+                                     "which ended without sending to it (every sendrecv needs its partner's)")
+        return self.mail[inbox].popleft()
+
+
 class Core:
-    """The NeuronCore that one program of a kernel launch runs on.
+    """The NeuronCore that one program of a kernel launch runs on."""
 
-    ``shared_hbm`` is shared by the programs of one launch: program 0 records its ``nl.shared_hbm``
-    allocations there and later programs get the same storage back, allocation by allocation, as
-    both cores of a logical NeuronCore address the same shared HBM tensor.
-    """
-
-    def __init__(self, program_id, num_programs, grid, shared_hbm):
+    def __init__(self, program_id, num_programs, grid, launch):
         self.program_id = program_id
         self.num_programs = num_programs
         self.grid = grid  # launched with kernel[lnc](...) rather than kernel(...)
-        self.shared_hbm = shared_hbm
+        self.launch = launch
         self.shared_hbm_next = 0
+        self.barriers = 0  # core_barrier calls so far: the n-th meets the other core's n-th
         self.now = 0  # index of the instruction being issued
         self.issued = [None]  # instruction name by index
         self.tiles = []  # liveness records of the on-chip tiles allocated on this core
@@ -166,27 +223,27 @@ class Core:
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
 
 
-_core = None
+_running = threading.local()  # .core: the core this thread's program runs on
 
 
 def current(what):
     """The running core; NKI calls are only meaningful inside a kernel."""
-    if _core is None:
+    core = getattr(_running, "core", None)
+    if core is None:
         raise NkiValidationError(f"{what}: called outside a kernel; launch the kernel with nki.jit")
-    return _core
+    return core
 
 
 @contextlib.contextmanager
 def running(core):
-    global _core
-    if _core is not None:
+    if getattr(_running, "core", None) is not None:
         raise NkiValidationError("nki.jit: a kernel cannot launch another kernel; call sub-kernels as plain "
                                  "functions (they carry no @nki.jit)")
-    _core = core
+    _running.core = core
     try:
         yield core
     finally:
-        _core = None
+        _running.core = None
 
 
 def begin(name):

@@ -30,3 +30,15 @@ def module_getattr(module_name, unemulated_names):
         raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+class UnemulatedDType:
+    """An NKI dtype without a numpy counterpart here (tfloat32, the packed MX types): it exists and compares by
+    identity, so a kernel can test ``dtype in (nl.float32, nl.float8_e4m3fn_x4)`` as nki-library's
+    output_projection_cte_parameters.py does; allocating with it raises NotImplementedError."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"nki.language.{self.name}"

@@ -18,13 +18,15 @@ all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / t
 ``engine=nisa.gpsimd_engine``.
 """
 
-from enum import Enum
+import sys
+from enum import Enum, IntEnum
 
 import numpy as np
 
 from . import language as nl
 from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
-from ._runtime import NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, target
+from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, nki_since,
+                       nki_version, target)
 from ._unemulated import not_emulated
 
 
@@ -61,6 +63,10 @@ class dge_mode(Enum):
     none = 3
 
 
+constants = sys.modules[__name__]  # ``from nki.isa import constants``: the enums above (see nki_emulator.install)
+_DGE = dge_mode  # the enum, under a name that the dge_mode arguments of the DMA instructions do not hide
+
+
 class oob_mode(Enum):
     error = 0
     skip = 1
@@ -78,7 +84,13 @@ class dma_engine(Enum):
     gpsimd_dma = 1
 
 
-class nc_version(Enum):
+_DMA_ENGINES = dma_engine  # the enum, under a name that sendrecv's dma_engine argument does not hide
+
+
+class nc_version(IntEnum):
+    """Ordered and comparable with ints, as nki-library compares it (``get_nc_version() >= nc_version.gen3``
+    in attention_cte.py, mlp_cte_constants.py; ``>= 3`` in experimental/collectives/fgcc.py)."""
+
     gen2 = 2  # Trn1
     gen3 = 3  # Trn2
     gen4 = 4  # Trn3
@@ -152,6 +164,11 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
              name=None):
     """DMA ``dst = src`` between HBM and SBUF (or within either). Elements are copied in row-major order
     and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach."""
+    _check_dma_options("dma_copy", priority, dge_mode, engine)
+    if dge_mode is _DGE.hwdge and dst.dtype != src.dtype:
+        # NKI 0.3.0 breaking change: aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 189
+        raise NkiValidationError(f"dma_copy: with dge_mode=hwdge src and dst need one dtype (got {src.dtype.name} and "
+                                 f"{dst.dtype.name}); reinterpret with .view() or convert on an engine")
     core = begin("dma_copy")
     for role, t in (("dst", dst), ("src", src)):
         operand(core, "dma_copy", role, t, (SBUF,) + HBM,
@@ -167,6 +184,20 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     count_dma(dst.size * dst.dtype.itemsize)
     rows = dst if dst.buffer is SBUF or src.buffer is not SBUF else src  # the SBUF side sets the rows
     count("dma_copy", "dma", *_layout(rows), dst, (src,))
+
+
+def _check_dma_options(instr, priority, mode, dma_engine_choice):
+    """dma_copy / dma_transpose parameters (isa stub l. 314-324): priority 0-3 needs NeuronCore-v4 and a DGE; hardware
+    DGE needs NeuronCore-v3; ``engine`` (sync or scalar) only with hardware DGE."""
+    if priority is not None and (target().nc_version != "gen4" or mode is _DGE.none or priority not in range(4)):
+        raise NkiValidationError(f"{instr}: priority (0-3) needs NeuronCore-v4 (trn3) and DGE on; target "
+                                 f"{target().name}, dge_mode {mode.name}, priority {priority!r}")
+    if mode is _DGE.hwdge and target().nc_version == "gen2":
+        raise NkiValidationError(f"{instr}: dge_mode=hwdge needs NeuronCore-v3 or newer, not {target().name}")
+    if dma_engine_choice is not engine.unknown and (mode is not _DGE.hwdge
+                                                    or dma_engine_choice not in (engine.sync, engine.scalar)):
+        raise NkiValidationError(f"{instr}: engine= (nki.isa.engine.sync or .scalar) is only valid with "
+                                 "dge_mode=hwdge")
 
 
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
@@ -189,6 +220,8 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
 
 def memset(dst, value, engine=engine.unknown, name=None):
     """Fill a tile with a constant (VectorE by default, or GpSimd)."""
+    if hasattr(value, "shape"):  # "a compile-time constant value": isa stub l. 355
+        raise NkiValidationError("memset: value must be a compile-time constant number, not a tile")
     eng = _pick_engine("memset", engine, ("vector", "gpsimd"), "vector")
     core = begin("memset")
     _operands(core, "memset", eng, dst=dst)
@@ -222,6 +255,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if bool(tile_position) != bool(tile_size):
         raise NkiValidationError("nc_matmul: tile_position and tile_size must be set together")
     rows, columns = tile_size or (PARTITIONS, PARTITIONS)
+    if tile_size:
+        _check_matmul_tiling(tile_position, tile_size)
     (k, m), (k_moving, n) = _layout(stationary), _layout(moving)
     n_max = target().psum_tile_bytes // dst.dtype.itemsize
     if k != k_moving:
@@ -257,12 +292,30 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
 
 
+def _check_matmul_tiling(tile_position, tile_size):
+    """Tensor Engine tiling (isa stub, aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 418-437): rows and
+    columns each split into 2x 64 (NeuronCore-v2 on) or 4x 32 (v3 on); a tile starts at a multiple of its size inside
+    the 128x128 array. Column tiling is used by nki-library's qkv_tkg.py, so the param line's "start_column must be
+    0" (l. 550) is not enforced."""
+    sizes = (128, 64) if target().nc_version == "gen2" else (128, 64, 32)
+    for what, size, start in zip(("row", "column"), tile_size, tile_position):
+        if size not in sizes:
+            raise NkiValidationError(f"nc_matmul: tile_size {what} size {size} is not one of {sizes} on "
+                                     f"{target().name} (32 needs NeuronCore-v3 or newer)")
+        if start % size or not 0 <= start < PARTITIONS:
+            raise NkiValidationError(f"nc_matmul: tile_position start_{what} {start} must be a multiple of the "
+                                     f"{what} size {size} below {PARTITIONS}")
+
+
 def _check_matmul_dtypes(dst, stationary, moving):
     allowed = _MATMUL_INPUTS + (("float8_e4m3fn",) if target().nc_version == "gen4" else ())
     for role, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype.name not in allowed:
             raise NkiValidationError(f"nc_matmul: {role} dtype {t.dtype.name} is not a TensorE input dtype on "
                                      f"{target().name} ({', '.join(allowed)})")
+    if {stationary.dtype.name, moving.dtype.name} == {"float8_e4m3", "float8_e4m3fn"}:  # isa stub l. 472
+        raise NkiValidationError("nc_matmul: float8_e4m3 (legacy) and float8_e4m3fn (OCP) cannot be mixed in one "
+                                 "matmul")
     if (stationary.dtype == FP32) != (moving.dtype == FP32):
         raise NkiValidationError(f"nc_matmul: a float32 operand needs a float32 partner, got stationary "
                                  f"{stationary.dtype.name} and moving {moving.dtype.name}")
@@ -306,35 +359,43 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None):
-    """``dst = op(data * scale + bias)`` on ScalarE, in fp32. ``scale``: scalar or float32 (P, 1) tile;
-    ``bias``: (P, 1) tile of any dtype, or a scalar from trn2 on. The engine's 128 per-lane registers
-    can sum the activated values along the free axis, under ``reduce_cmd`` (reset zeroes them,
-    reduce adds this instruction's row sums, reset_reduce does both); ``reduce_res`` (P, 1) receives
-    the registers. ``reduce_op`` must be nl.add."""
+    """``dst = op(data * scale + bias)`` on ScalarE, in fp32. ``op``: a function of the activation table;
+    ``scale``: scalar or float32 (P, 1) tile; ``bias``: (P, 1) tile of any dtype, or a scalar from trn2 on. The
+    engine's 128 per-lane registers can reduce the activated values along the free axis, under ``reduce_cmd``
+    (reset zeroes them, reduce combines this instruction's row results with them, reset_reduce does both);
+    ``reduce_res`` (P, 1) receives the registers. ``reduce_op`` must be nl.add (isa stub l. 1076)."""
     _activation("activation", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd, (nl.add,))
 
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
-    """``activation`` plus a free-axis reduction of its result into ``reduce_res`` (P, 1), i.e.
-    activation with ``reduce_cmd=reset_reduce``. ``reduce_op``: nl.add (only that on trn1), nl.maximum,
-    nl.minimum."""
-    allowed = (nl.add,) if target().nc_version == "gen2" else (nl.add, nl.maximum, nl.minimum)
-    if reduce_res is None:
-        raise NkiValidationError("activation_reduce: reduce_res is required")
+    """``activation`` plus a free-axis reduction of its result into ``reduce_res`` (P, 1): activation with
+    ``reduce_cmd=reset_reduce``. ``reduce_op``: a legal reduction op, only nl.add on trn1 (isa stub l. 1173). The
+    registers are first reset to zero (l. 1177), so nl.maximum yields max(0, row max) and nl.minimum min(0, row
+    min), as the emulator computes. ``reduce_res=None`` keeps the result in the registers from NKI 0.6 on."""
+    if reduce_res is None and not nki_since("0.6"):
+        raise NkiValidationError(f"activation_reduce: reduce_res is required in NKI {nki_version()} (aws-neuron-sdk "
+                                 "3afa0fdf nki/api/nki/isa/__init__.py l. 1158; None is accepted from NKI 0.6)")
+    allowed = (nl.add,) if target().nc_version == "gen2" else None
     _activation("activation_reduce", dst, op, data, bias, scale, reduce_op, reduce_res, reduce_cmd.reset_reduce,
                 allowed)
 
 
-_IDENTITY = {nl.add: 0.0, nl.maximum: -np.inf, nl.minimum: np.inf}
+_ACTIVATION_TABLE = "aws-neuron-sdk nki/api/nki.api.shared.rst l. 129-200, Supported Activation Functions for NKI ISA"
 
 
 def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, command, reduce_ops):
     if op not in nl.ACTIVATIONS:
-        raise NkiValidationError(f"{instr}: op must be an nl activation function (nl.exp, nl.copy, ...), got {op!r}")
-    if reduce_op is not None and reduce_op not in reduce_ops:
-        raise NkiValidationError(f"{instr}: reduce_op must be one of {', '.join(o.__name__ for o in reduce_ops)}")
-    if bias is not None and not hasattr(bias, "shape") and target().nc_version == "gen2":
-        raise NkiValidationError(f"{instr}: bias must be a (P, 1) tile on trn1 (scalar bias needs trn2 or newer)")
+        name = getattr(op, "__name__", repr(op))
+        raise NkiValidationError(f"{instr}: op={name} is not a function of the activation table ({_ACTIVATION_TABLE}); "
+                                 "e.g. nl.exp, nl.copy, nl.square, nl.tanh")
+    if reduce_op is not None:
+        _check_reduce_op(instr, "reduce_op", reduce_op, reduce_ops)
+    if bias is not None and target().nc_version == "gen2":
+        if not hasattr(bias, "shape"):  # isa stub l. 1134
+            raise NkiValidationError(f"{instr}: bias must be a (P, 1) tile on trn1 (scalar bias needs trn2 or newer)")
+        if op is nl.reciprocal:  # shared.rst l. 230
+            raise NkiValidationError(f"{instr}: op=nl.reciprocal takes no bias on trn1 (NeuronCore-v2; aws-neuron-sdk "
+                                     "nki/api/nki.api.shared.rst l. 230)")
     core = begin(instr)
     _operands(core, instr, "scalar", dst=dst, data=data, reduce_res=reduce_res)
     _same_layout(instr, ("data", data), ("dst", dst))
@@ -352,9 +413,10 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, comman
     write(dst, y)
     regs = core.activation_regs
     if command in (reduce_cmd.reset, reduce_cmd.reset_reduce):
-        regs[:p] = _IDENTITY[reduce_op or nl.add]
+        regs[:p] = 0.0  # "reduce_regs = 0" for every reduce_op: isa stub l. 1100 and 1177
     if command in (reduce_cmd.reduce, reduce_cmd.reset_reduce):
-        regs[:p] = nl.ALU_BINARY[reduce_op or nl.add](regs[:p], nl.REDUCTIONS[reduce_op or nl.add](y, axis=1))
+        reduce_op = reduce_op or nl.add
+        regs[:p] = nl.ALU_BINARY[reduce_op](regs[:p], nl.REDUCTIONS[reduce_op](y, axis=1))
     if reduce_res is not None:
         if _layout(reduce_res) != (p, 1):
             raise NkiValidationError(f"{instr}: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
@@ -364,13 +426,44 @@ def _activation(instr, dst, op, data, bias, scale, reduce_op, reduce_res, comman
 
 # ---- VectorE / GpSimd ------------------------------------------------------------------------------------
 
+_OPERATOR_TABLE = "aws-neuron-sdk nki/api/nki.api.shared.rst l. 50-127, Supported Math Operators for NKI ISA"
+
+
+def _check_alu_op(instr, role, op, unary_allowed=True):
+    """``op`` must be a row of the ISA's operator table (binary, or unary where the instruction takes one); nl.divide,
+    nl.mod and nl.fmod are refused with the release notes' words."""
+    if op in nl.NOT_ON_HARDWARE:
+        raise NkiValidationError(f"{instr}: {role}=nl.{op.__name__} is {nl.NOT_ON_HARDWARE[op]}")
+    if op in nl.TRN3_ONLY and target().nc_version != "gen4":
+        raise NkiValidationError(f"{instr}: {role}=nl.{op.__name__} runs on trn3 (NeuronCore-v4) only, not "
+                                 f"{target().name} (aws-neuron-sdk release-notes/components/nki.rst, NKI 0.4.0)")
+    if op in nl.ALU_BINARY or (unary_allowed and op in nl.ALU_UNARY):
+        return
+    name = getattr(op, "__name__", repr(op))
+    raise NkiValidationError(f"{instr}: {role}={name} is not an operator of the ISA's operator table ({_OPERATOR_TABLE})"
+                             f"{'' if unary_allowed else ' that takes two operands'}; e.g. nl.add, nl.multiply, "
+                             "nl.maximum, nl.subtract")
+
+
+def _check_reduce_op(instr, role, op, allowed=None):
+    """``op`` must be marked "Legal Reduction op" = Y in the operator table (and among ``allowed`` if given)."""
+    if allowed is not None and op not in allowed:
+        names = ", ".join(f"nl.{o.__name__}" for o in allowed)
+        raise NkiValidationError(f"{instr}: {role} must be {names}, got {getattr(op, '__name__', op)}")
+    if op in nl.REDUCTION_NOT_EMULATED:
+        raise NotImplementedError(f"{instr}: {role}=nl.{op.__name__} (a legal reduction op) is not emulated")
+    if op not in nl.REDUCTIONS:
+        raise NkiValidationError(f"{instr}: {role}={getattr(op, '__name__', op)} is not a legal reduction op (the "
+                                 f"'Legal Reduction op' column of {_OPERATOR_TABLE}: nl.add, nl.subtract, "
+                                 "nl.multiply, nl.maximum, nl.minimum and the bitwise/logical and, or, xor)")
+
+
 def _alu(instr, op, x, operand_value, reverse):
     """One ALU step of tensor_scalar / scalar_tensor_tensor: ``x op operand`` (reversed if asked);
     unary operators ignore the operand."""
+    _check_alu_op(instr, "op", op)
     if op in nl.ALU_UNARY:
         return nl.ALU_UNARY[op](x)
-    if op not in nl.ALU_BINARY:
-        raise NkiValidationError(f"{instr}: op must be an nl ALU operator (nl.add, nl.multiply, ...), got {op!r}")
     fn = nl.ALU_BINARY[op]
     return fn(operand_value, x) if reverse else fn(x, operand_value)
 
@@ -386,8 +479,10 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     if data1.buffer is PSUM and data2.buffer is PSUM:
         raise NkiValidationError("tensor_tensor: data1 and data2 are both in PSUM; at most one input may be in PSUM")
     _same_layout("tensor_tensor", ("data1", data1), ("data2", data2), ("dst", dst))
-    if op not in nl.ALU_BINARY:
-        raise NkiValidationError(f"tensor_tensor: op must be a binary nl ALU operator, got {op!r}")
+    _check_alu_op("tensor_tensor", "op", op, unary_allowed=False)
+    if op is nl.power and eng != "gpsimd":  # "nl.power. (Which runs on the GpSimd engine.)": isa stub l. 832
+        raise NkiValidationError(f"tensor_tensor: op=nl.power runs on GpSimd only (aws-neuron-sdk nki/api/nki/isa/"
+                                 f"__init__.py tensor_tensor), not on {eng}")
     x1, x2 = read("tensor_tensor", "data1", data1), read("tensor_tensor", "data2", data2)
     with _quiet():
         y = nl.ALU_BINARY[op](x1, x2.reshape(x1.shape))
@@ -401,6 +496,14 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     tile broadcast along the free axis; ``reverse`` puts the operand on the left. VectorE by default;
     ScalarE on trn2 only does (multiply[, add]) or (add); GpSimd only rsqrt."""
     eng = _pick_engine("tensor_scalar", engine, ("vector", "scalar", "gpsimd"), "vector")
+    _check_alu_op("tensor_scalar", "op0", op0)
+    if op0 in nl.ALU_UNARY and operand0 not in (None, 0):  # isa stub l. 911
+        raise NkiValidationError(f"tensor_scalar: operand0 must be None or 0 when op0 is the unary "
+                                 f"nl.{op0.__name__} (aws-neuron-sdk nki/api/nki/isa/__init__.py tensor_scalar)")
+    if op1 is None and operand1 is not None:  # "op1 and operand1 ... must be None when unused": isa stub l. 876
+        raise NkiValidationError("tensor_scalar: operand1 is given without op1; both must be None when unused")
+    if op1 is not None:
+        _check_alu_op("tensor_scalar", "op1", op1)
     if eng == "gpsimd" and op0 is not nl.rsqrt:
         raise NkiValidationError("tensor_scalar: GpSimd runs only op0=nl.rsqrt")
     if eng == "scalar" and target().nc_version == "gen3" and \
@@ -426,6 +529,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
     """``dst = (data op0 operand0) op1 operand1`` in fp32 on VectorE: operand0 a scalar or (P, 1) tile,
     operand1 a tile shaped like data. data and operand1 may not both be in PSUM."""
+    _check_alu_op("scalar_tensor_tensor", "op0", op0)
+    _check_alu_op("scalar_tensor_tensor", "op1", op1, unary_allowed=False)
     core = begin("scalar_tensor_tensor")
     _operands(core, "scalar_tensor_tensor", "vector", dst=dst, data=data, operand1=operand1)
     if data.buffer is PSUM and operand1.buffer is PSUM:
@@ -452,8 +557,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if not axes or axes[0] == 0 or axes != tuple(range(axes[0], data.ndim)):
         raise NkiValidationError(f"tensor_reduce: axis {axis} must be the last contiguous free axes of a "
                                  f"{data.ndim}-d tile (partition axis 0 cannot be reduced)")
-    if op not in nl.REDUCTIONS:
-        raise NkiValidationError(f"tensor_reduce: op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
+    _check_reduce_op("tensor_reduce", "op", op)
     y = nl.REDUCTIONS[op](read("tensor_reduce", "data", data), axis=axes)
     if negate:
         y = -y
@@ -490,6 +594,9 @@ def _affine(instr, pattern, offset, channel_multiplier, partitions, free):
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     """GpSimd writes ``offset + p * channel_multiplier + sum_i step_i * idx_i`` (integer arithmetic)
     into an SBUF tile, cast to its dtype."""
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (offset, channel_multiplier)):
+        raise NkiValidationError(f"iota: offset and channel_multiplier are int32 values (isa stub l. 1345), got "
+                                 f"{offset!r} and {channel_multiplier!r}")
     core = begin("iota")
     _operands(core, "iota", "gpsimd", dst=dst)
     p, f = _layout(dst)
@@ -501,6 +608,8 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
                   name=None):
     """GpSimd: ``dst = on_true_tile`` where ``cmp_op(affine value, 0)`` (the affine value as in iota),
     else ``on_false_value`` -- the causal mask. Both tiles in SBUF."""
+    if hasattr(on_false_value, "shape"):  # "on_false_value must be float32": isa stub l. 1447, a scalar
+        raise NkiValidationError("affine_select: on_false_value is a float32 scalar, not a tile")
     core = begin("affine_select")
     _operands(core, "affine_select", "gpsimd", dst=dst, on_true_tile=on_true_tile)
     _same_layout("affine_select", ("on_true_tile", on_true_tile), ("dst", dst))
@@ -555,11 +664,26 @@ def bn_aggr(dst, data, name=None):
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
-    """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF) with the permutation the 0.6 stub gives
-    per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that
-    one). Both lowerings the stub describes need a 2-byte dtype and ``src.shape[-1] <= 128``; the
+    """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF, src's dtype) with the permutation the stub gives
+    per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that one). A
+    hardware-DGE transpose (``dge_mode=hwdge``) also needs a 2-byte dtype and the shape limits of its NKI version
+    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. The
     indirect (``vector_offset``) form is not emulated."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
+    if dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
+        raise NkiValidationError(f"dma_transpose: dge_mode must be unknown or hwdge for a direct transpose, got "
+                                 f"{dge_mode.name}")
+    if dge_mode is _DGE.hwdge:
+        # NKI 0.4: src.shape[0] == 16 and src.shape[-1] % 128 == 0 (3afa0fdf isa stub l. 702-703); NKI 0.6 relaxed
+        # them to src.shape[0] in {1, 2, 4, 8, 16} and src.shape[-1] <= 128 (a3247f5b release notes l. 37-39)
+        rows_ok = src.shape[0] in ((1, 2, 4, 8, 16) if nki_since("0.6") else (16,))
+        columns_ok = src.shape[-1] <= PARTITIONS if nki_since("0.6") else src.shape[-1] % PARTITIONS == 0
+        if not (rows_ok and columns_ok) or src.dtype.itemsize != 2:
+            raise NkiValidationError(f"dma_transpose: a hardware-DGE transpose of src {src.shape} breaks NKI "
+                                     f"{nki_version()}'s limits: a 2-byte dtype (got {src.dtype.name}), limits on "
+                                     "src.shape[0] and src.shape[-1] (aws-neuron-sdk nki/api/nki/isa/__init__.py "
+                                     "dma_transpose; relaxed in NKI 0.6)")
     core = begin("dma_transpose")
     operand(core, "dma_transpose", "dst", dst, (SBUF,), "the DMA transpose writes only SBUF")
     operand(core, "dma_transpose", "src", src, (SBUF,) + HBM, "the DMA transpose reads HBM or SBUF")
@@ -567,11 +691,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if permutation is None or (axes is not None and tuple(axes) != permutation):
         raise NkiValidationError(f"dma_transpose: supported axes are (1, 0), (2, 1, 0) and (3, 1, 2, 0) for 2-, 3- "
                                  f"and 4-d sources; got axes={axes} for a {src.ndim}-d source")
-    if src.dtype != dst.dtype or src.dtype.itemsize != 2:
-        raise NkiValidationError(f"dma_transpose: src and dst need one 2-byte dtype, got {src.dtype.name} and "
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"dma_transpose: src and dst need one dtype, got {src.dtype.name} and "
                                  f"{dst.dtype.name}")
-    if src.shape[-1] > PARTITIONS:
-        raise NkiValidationError(f"dma_transpose: src.shape[-1] = {src.shape[-1]} exceeds {PARTITIONS}")
     expected = tuple(src.shape[a] for a in permutation)
     if dst.shape != expected:
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
@@ -593,9 +715,8 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     if data0.buffer is PSUM and data1.buffer is PSUM:
         raise NkiValidationError("tensor_tensor_scan: data0 and data1 are both in PSUM; at most one may be")
     _same_layout("tensor_tensor_scan", ("data0", data0), ("data1", data1), ("dst", dst))
-    for op in (op0, op1):
-        if op not in nl.ALU_BINARY:
-            raise NkiValidationError(f"tensor_tensor_scan: op0 and op1 must be binary nl ALU operators, got {op!r}")
+    for role, op in (("op0", op0), ("op1", op1)):  # "any binary arithmetic operator": isa stub l. 1662
+        _check_alu_op("tensor_tensor_scan", role, op, unary_allowed=False)
     p, f = _layout(data0)
     x0 = read("tensor_tensor_scan", "data0", data0).reshape(p, f)
     x1 = read("tensor_tensor_scan", "data1", data1).reshape(p, f)
@@ -618,17 +739,24 @@ _VECTOR_REDUCE_OPS = {nl.add: nl.add, nl.multiply: nl.multiply, nl.maximum: nl.m
 
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
-    """VectorE ``dst = data op0 operand0`` (as tensor_scalar, one operator) plus a reduction of the result
-    over all free axes into VectorE's per-lane accumulator registers (the 0.6 stub): ``reset_reduce``
-    starts them at the identity of ``reduce_op`` (0, 1, -inf, +inf for add, multiply, max, min),
-    ``reduce`` keeps accumulating, ``load_reduce`` starts from ``reduce_init`` (scalar or float32 (P, 1)
-    tile). ``reduce_res`` (P, 1), if given, receives the registers, negated if ``reduce_res_negate``.
-    ``reverse0`` is documented as not supported yet and is refused."""
+    """VectorE ``dst = data op0 operand0`` (as tensor_scalar, one arithmetic operator) plus a reduction of the result
+    over all free axes into VectorE's per-lane accumulator registers: ``reset_reduce`` starts them at 0 in NKI 0.4
+    and 0.5 (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 2151: nl.max gives max(0, row max)) and at the
+    identity of ``reduce_op`` from 0.6 (a3247f5b l. 2541: 0, 1, -inf, +inf for add, multiply, max, min);
+    ``reduce`` keeps accumulating, ``load_reduce`` starts from ``reduce_init`` (scalar or float32 (P, 1) tile).
+    ``reduce_res`` (P, 1) receives the registers: required before 0.6 (0.4 signature, l. 2125); from 0.6 it may be
+    None, and ``reduce_res_negate`` negates what it receives. ``reverse0`` is documented as not supported yet."""
     if reverse0:
-        raise NkiValidationError("tensor_scalar_reduce: reverse0 is not supported (NKI 0.6)")
+        raise NkiValidationError("tensor_scalar_reduce: reverse0 is not supported (aws-neuron-sdk nki/api/nki/isa/"
+                                 "__init__.py tensor_scalar_reduce: 'not supported yet')")
+    if not nki_since("0.6") and (reduce_res is None or reduce_res_negate):
+        raise NkiValidationError(f"tensor_scalar_reduce: NKI {nki_version()} requires reduce_res and has no "
+                                 "reduce_res_negate (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 2125; both "
+                                 "came in NKI 0.6)")
+    _check_alu_op("tensor_scalar_reduce", "op0", op0)
     if reduce_op not in _VECTOR_REDUCE_OPS:
-        raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min, "
-                                 f"got {reduce_op!r}")
+        raise NkiValidationError(f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.max or nl.min "
+                                 f"(isa stub l. 2138), got {getattr(reduce_op, '__name__', reduce_op)}")
     if reduce_cmd not in (_COMMANDS.reset_reduce, _COMMANDS.reduce, _COMMANDS.load_reduce):
         raise NkiValidationError(f"tensor_scalar_reduce: reduce_cmd must be reset_reduce, reduce or load_reduce, "
                                  f"got {reduce_cmd}")
@@ -647,7 +775,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     write(dst, y)
     regs = core.vector_regs
     if reduce_cmd is _COMMANDS.reset_reduce:
-        regs[:p] = _REDUCE_IDENTITY[reduce_op]
+        regs[:p] = _REDUCE_IDENTITY[reduce_op] if nki_since("0.6") else 0.0
     elif reduce_cmd is _COMMANDS.load_reduce:
         initial = _scalar_or_column(core, "tensor_scalar_reduce", "reduce_init", reduce_init, p, "vector", True)
         regs[:p] = np.broadcast_to(initial, (p, 1)).reshape(p)
@@ -659,6 +787,261 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
                                      f"{reduce_res.shape}")
         write(reduce_res, -regs[:p] if reduce_res_negate else regs[:p])
     count("tensor_scalar_reduce", "vector", p, f, dst, (data,), (op0, reduce_op))
+
+
+def _eight(instr, dst, data, vals=None):
+    """Operand rules of the 8-wide VectorE search instructions (isa stub, aws-neuron-sdk 3afa0fdf
+    nki/api/nki/isa/__init__.py max8 l. 2025-2042, nc_find_index8 l. 2705-2726): 8 to 16,384 elements per
+    partition of ``data``, exactly 8 per partition in ``dst`` (and ``vals``)."""
+    p, f = _layout(data)
+    if not 8 <= f <= 16384:
+        raise NkiValidationError(f"{instr}: data has {f} elements per partition; 8 to 16384 are allowed")
+    for role, t in (("dst", dst), ("vals", vals)):
+        if t is not None and _layout(t) != (p, 8):
+            raise NkiValidationError(f"{instr}: {role} must hold 8 elements in each of {p} partitions, got {t.shape}")
+    return p, f
+
+
+def max8(dst, src, name=None):
+    """The 8 largest values of each partition of ``src``, in descending order, on VectorE (fp32 compare)."""
+    core = begin("max8")
+    _operands(core, "max8", "vector", dst=dst, src=src)
+    p, f = _eight("max8", dst, src)
+    x = read("max8", "src", src).reshape(p, f)
+    write(dst, -np.sort(-x, axis=1)[:, :8])
+    count("max8", "vector", p, f, dst, (src,))
+
+
+def _find_each(x, vals, reverse):
+    """Per partition, the index of the first occurrence of each value of ``vals`` in ``x``; a repeated value takes
+    the next occurrence, values are matched last to first when ``reverse`` (the hardware's tie-break, a3247f5b
+    release-notes/components/nki.rst l. 74-77); an absent value gives -1."""
+    found = np.full(vals.shape, -1, np.int64)
+    order = range(vals.shape[1] - 1, -1, -1) if reverse else range(vals.shape[1])
+    for row in range(x.shape[0]):
+        taken = set()
+        for j in order:
+            for index in np.flatnonzero(x[row] == vals[row, j]):
+                if index not in taken:
+                    taken.add(index)
+                    found[row, j] = index
+                    break
+    return found
+
+
+def nc_find_index8(dst, data, vals, name=None):
+    """Indices (uint16/uint32 ``dst``) of the first occurrence of each of the 8 ``vals`` per partition in ``data``;
+    absent values (undefined on hardware) give all ones, as the NKI 0.6 simulator returns."""
+    core = begin("nc_find_index8")
+    _operands(core, "nc_find_index8", "vector", dst=dst, data=data, vals=vals)
+    p, f = _eight("nc_find_index8", dst, data, vals)
+    if dst.dtype.name not in ("uint16", "uint32"):
+        raise NkiValidationError(f"nc_find_index8: dst must be uint16 or uint32, got {dst.dtype.name}")
+    found = _find_each(read("nc_find_index8", "data", data).reshape(p, f),
+                       read("nc_find_index8", "vals", vals).reshape(p, 8), reverse=False)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found))
+    count("nc_find_index8", "vector", p, f, dst, (data, vals))
+
+
+def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
+    """``dst`` = ``data`` with the first occurrence of each of the 8 ``vals`` per partition replaced by ``imm``;
+    ``dst_idx`` (optional) receives the matched indices."""
+    core = begin("nc_match_replace8")
+    _operands(core, "nc_match_replace8", "vector", dst=dst, data=data, vals=vals, dst_idx=dst_idx)
+    p, f = _eight("nc_match_replace8", None, data, vals)
+    _same_layout("nc_match_replace8", ("data", data), ("dst", dst))
+    x = read("nc_match_replace8", "data", data).reshape(p, f)
+    found = _find_each(x, read("nc_match_replace8", "vals", vals).reshape(p, 8), reverse=True)
+    replaced = x.copy()
+    rows = np.nonzero(found >= 0)
+    replaced[rows[0], found[rows]] = np.float32(imm)
+    write(dst, replaced)
+    if dst_idx is not None:
+        _eight("nc_match_replace8", dst_idx, data)
+        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found))
+    count("nc_match_replace8", "vector", p, f, dst, (data, vals))
+
+
+def _start_partition(t):
+    storage = t._storage.array
+    return t.offset // (storage.size // storage.shape[0])
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """VectorE cross-partition move inside each quadrant of 32 partitions (isa stub, aws-neuron-sdk 3afa0fdf
+    nki/api/nki/isa/__init__.py l. 1686-1719): dst partition 32q + i takes src partition 32q + shuffle_mask[i], or
+    is left as it is where the mask says 255. One dtype and one number of elements per partition; the views start
+    at partition 0 when 96 or 128 partitions are active, 0 or 64 when 64 are, a multiple of 32 when 32 are."""
+    if len(shuffle_mask) != 32 or any(not 0 <= int(m) < 32 and int(m) != 255 for m in shuffle_mask):
+        raise NkiValidationError(f"nc_stream_shuffle: shuffle_mask must list 32 source partitions (0-31, or 255 to "
+                                 f"keep the destination), got {list(shuffle_mask)}")
+    core = begin("nc_stream_shuffle")
+    _operands(core, "nc_stream_shuffle", "vector", dst=dst, src=src)
+    if dst.dtype != src.dtype or _layout(dst)[1] != _layout(src)[1]:
+        raise NkiValidationError(f"nc_stream_shuffle: dst {dst.shape} {dst.dtype.name} needs src's dtype and elements "
+                                 f"per partition ({src.shape} {src.dtype.name})")
+    active = -(-max(src.shape[0], dst.shape[0]) // 32) * 32
+    starts = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for role, t in (("src", src), ("dst", dst)):
+        if _start_partition(t) not in starts:
+            raise NkiValidationError(f"nc_stream_shuffle: {role} starts at partition {_start_partition(t)}; with "
+                                     f"{active} active partitions it must start at one of {starts}")
+    p, f = _layout(src)
+    rows = np.array(read("nc_stream_shuffle", "src", src)).reshape(p, f)  # read first: dst may be src
+    for row in range(dst.shape[0]):
+        if int(shuffle_mask[row % 32]) == 255:
+            continue
+        source = row // 32 * 32 + int(shuffle_mask[row % 32])
+        if source >= p:
+            raise NkiValidationError(f"nc_stream_shuffle: dst partition {row} takes src partition {source}, beyond "
+                                     f"src's {p}")
+        write(dst[row:row + 1], rows[source])
+    count("nc_stream_shuffle", "vector", p, f, dst, (src,))
+
+
+_RANGE_COMPARISONS = (nl.equal, nl.less, nl.less_equal, nl.greater, nl.greater_equal)
+_FP32_MIN = float(np.finfo(np.float32).min)
+
+
+def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
+                 reduce_res=None, reduce_op=nl.maximum, range_start=0, on_false_value=_FP32_MIN, name=None):
+    """VectorE: ``dst = on_true_tile`` where ``comp_op0(range_start + i, bound0)`` and ``comp_op1(range_start + i,
+    bound1)`` for free index i, else ``on_false_value``; the row max goes into VectorE's accumulator registers under
+    ``reduce_cmd`` (reset_reduce starts them at -inf) and to ``reduce_res``. As the isa stub lists (aws-neuron-sdk
+    3afa0fdf nki/api/nki/isa/__init__.py l. 2365-2438): NeuronCore-v3 on; comparisons equal, less, less_equal,
+    greater, greater_equal; float32 (P, 1) bounds; on_false_value FP32_MIN (-3.4028235e+38); reduce_op nl.maximum;
+    range_start a compile-time integer."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("range_select: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    for role, op in (("comp_op0", comp_op0), ("comp_op1", comp_op1)):
+        if op not in _RANGE_COMPARISONS:
+            raise NkiValidationError(f"range_select: {role} must be nl.equal, nl.less, nl.less_equal, nl.greater or "
+                                     f"nl.greater_equal, got {getattr(op, '__name__', op)}")
+    if np.float32(on_false_value) != np.float32(_FP32_MIN) or reduce_op is not nl.maximum:
+        raise NkiValidationError(f"range_select: on_false_value must be FP32_MIN (-3.4028235e+38) and reduce_op "
+                                 f"nl.maximum, got {on_false_value!r} and {getattr(reduce_op, '__name__', reduce_op)}")
+    if not isinstance(range_start, (int, np.integer)):
+        raise NkiValidationError(f"range_select: range_start must be a compile-time integer, got {range_start!r}")
+    core = begin("range_select")
+    _operands(core, "range_select", "vector", dst=dst, on_true_tile=on_true_tile, bound0=bound0, bound1=bound1,
+              reduce_res=reduce_res)
+    _same_layout("range_select", ("on_true_tile", on_true_tile), ("dst", dst))
+    p, f = _layout(on_true_tile)
+    for role, bound in (("bound0", bound0), ("bound1", bound1)):
+        if _layout(bound) != (p, 1) or bound.dtype != FP32:
+            raise NkiValidationError(f"range_select: {role} must be a float32 ({p}, 1) tile, got {bound.shape} "
+                                     f"{bound.dtype.name}")
+    index = np.float32(range_start) + np.arange(f, dtype=np.float32)[None, :]
+    keep = (nl.COMPARISONS[comp_op0](index, read("range_select", "bound0", bound0).reshape(p, 1)) > 0) \
+        & (nl.COMPARISONS[comp_op1](index, read("range_select", "bound1", bound1).reshape(p, 1)) > 0)
+    selected = np.where(keep, read("range_select", "on_true_tile", on_true_tile).reshape(p, f),
+                        np.float32(on_false_value))
+    write(dst, selected)
+    regs = core.vector_regs
+    if reduce_cmd in (_COMMANDS.reset, _COMMANDS.reset_reduce):
+        regs[:p] = -np.inf
+    if reduce_cmd in (_COMMANDS.reduce, _COMMANDS.reset_reduce):
+        regs[:p] = np.maximum(regs[:p], selected.max(axis=1))
+    if reduce_res is not None:
+        if _layout(reduce_res) != (p, 1):
+            raise NkiValidationError(f"range_select: reduce_res must be a ({p}, 1) tile, got {reduce_res.shape}")
+        write(reduce_res, regs[:p])
+    count("range_select", "vector", p, f, dst, (on_true_tile,), (comp_op0, comp_op1, reduce_op))
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    """VectorE: ``dst = src`` where ``predicate`` is non-zero (zero with ``reverse_pred``), ``dst`` kept elsewhere; a
+    scalar ``src`` is copied as a constant. As the isa stub lists (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py
+    l. 369-392): src (a tile), dst and predicate of one layout, predicate uint8/uint16/uint32, src and dst of one
+    dtype, src and predicate not both in PSUM."""
+    core = begin("tensor_copy_predicated")
+    tile_src = hasattr(src, "shape")
+    _operands(core, "tensor_copy_predicated", "vector", dst=dst, src=src if tile_src else None, predicate=predicate)
+    _same_layout("tensor_copy_predicated", ("dst", dst), ("predicate", predicate), *((("src", src),) if tile_src else ()))
+    if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
+        raise NkiValidationError(f"tensor_copy_predicated: predicate must be uint8, uint16 or uint32, got "
+                                 f"{predicate.dtype.name}")
+    if tile_src and (src.dtype != dst.dtype or (src.buffer is PSUM and predicate.buffer is PSUM)):
+        raise NkiValidationError("tensor_copy_predicated: src needs dst's dtype, and src and predicate may not both "
+                                 "be in PSUM")
+    p, f = _layout(dst)
+    chosen = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f) != 0
+    if reverse_pred:
+        chosen = ~chosen
+    values = np.asarray(src._data).reshape(p, f) if tile_src else np.full((p, f), src, dst.dtype)
+    if tile_src:
+        check_written("tensor_copy_predicated", "src", src)
+    # the elements not chosen keep dst's values (never-written ones then count as written, with their NaN fill)
+    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)))
+    count("tensor_copy_predicated", "vector", p, f, dst, (predicate,) + ((src,) if tile_src else ()))
+
+
+_PARTITION_REDUCTIONS = {nl.add: np.sum, nl.maximum: np.max}
+
+
+def tensor_partition_reduce(dst, op, data, name=None):
+    """GpSimd: reduce ``data`` across its partitions into ``dst`` (one partition, data's free layout); op nl.add or
+    nl.maximum (isa stub l. 992-997; bitwise_or/and, and average in 0.6, are not emulated)."""
+    if op not in _PARTITION_REDUCTIONS:
+        raise NkiValidationError(f"tensor_partition_reduce: op must be nl.add or nl.maximum (the emulated ones of add, "
+                                 f"max, bitwise_or, bitwise_and), got {getattr(op, '__name__', op)}")
+    core = begin("tensor_partition_reduce")
+    _operands(core, "tensor_partition_reduce", "gpsimd", dst=dst, data=data)
+    p, f = _layout(data)
+    if _layout(dst) != (1, f):
+        raise NkiValidationError(f"tensor_partition_reduce: dst must be 1 partition x {f} elements, got {dst.shape}")
+    write(dst, _PARTITION_REDUCTIONS[op](read("tensor_partition_reduce", "data", data).reshape(p, f), axis=0))
+    count("tensor_partition_reduce", "gpsimd", p, f, dst, (data,), (op,))
+
+
+def core_barrier(data, cores, engine=engine.gpsimd, name=None):
+    """Both cores of an LNC=2 launch wait here until the other arrives (isa stub l. 2183-2236): NeuronCore-v3 or
+    newer, ``cores=(0, 1)``, ``data`` in shared HBM. What one core wrote to ``data`` before the barrier is then
+    there for the other."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("core_barrier: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    core = begin("core_barrier")
+    if tuple(cores) != (0, 1) or core.num_programs != 2:
+        raise NkiValidationError(f"core_barrier: synchronises the two cores of an LNC=2 launch, cores=(0, 1); got "
+                                 f"cores={tuple(cores)} in a launch of {core.num_programs} program(s)")
+    if getattr(data, "buffer", None) is not HBM[1]:
+        raise NkiValidationError("core_barrier: data must be a tensor in shared HBM (nl.shared_hbm)")
+    core.barriers += 1
+    other = 1 - core.program_id
+    core.launch.exchange(core.program_id, other, other, ("core_barrier", core.barriers), None)
+    count("core_barrier", "gpsimd", 1, 1)
+
+
+_GPSIMD_DMA_BYTES = {4: 1024, 2: 512, 1: 256}  # per partition, by element size: isa stub sendrecv
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_engine.dma, name=None):
+    """Send ``src`` to the other core of an LNC=2 launch and receive its ``src`` into ``dst`` (isa stub, aws-neuron-sdk
+    3afa0fdf nki/api/nki/isa/__init__.py l. 2507-2583): NeuronCore-v3 or newer, LNC=2, ranks 0 or 1, both tiles in
+    SBUF with one dtype and one layout; ``dma_engine=gpsimd_dma`` moves at most 1024/512/256 bytes per partition
+    for 4/2/1-byte types. Each program waits here until its partner's sendrecv on the same ``pipe_id``."""
+    if target().nc_version == "gen2":
+        raise NkiValidationError("sendrecv: needs NeuronCore-v3 or newer (trn2, trn3), not trn1")
+    core = begin("sendrecv")
+    for role, t in (("src", src), ("dst", dst)):
+        operand(core, "sendrecv", role, t, (SBUF,), "sendrecv moves SBUF tiles only")
+    if core.num_programs != 2 or {send_to_rank, recv_from_rank} - {0, 1}:
+        raise NkiValidationError(f"sendrecv: runs between the two cores of an LNC=2 launch (kernel[2]), ranks 0 or 1; "
+                                 f"this launch has {core.num_programs} program(s), ranks {send_to_rank} and "
+                                 f"{recv_from_rank}")
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"sendrecv: src and dst need one dtype, got {src.dtype.name} and {dst.dtype.name}")
+    _same_layout("sendrecv", ("src", src), ("dst", dst))
+    p, f = _layout(src)
+    if dma_engine is _DMA_ENGINES.gpsimd_dma and f * src.dtype.itemsize > _GPSIMD_DMA_BYTES[src.dtype.itemsize]:
+        raise NkiValidationError(f"sendrecv: dma_engine=gpsimd_dma moves at most "
+                                 f"{_GPSIMD_DMA_BYTES[src.dtype.itemsize]} bytes per partition of {src.dtype.name}, "
+                                 f"got {f * src.dtype.itemsize}")
+    check_written("sendrecv", "src", src)
+    received = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id, np.array(src._data))
+    write(dst, received)
+    count_dma(dst.size * dst.dtype.itemsize)
+    count("sendrecv", "dma", p, f, dst, (src,))
 
 
 _COMMANDS = reduce_cmd  # the enum, under a name that tensor_scalar_reduce's reduce_cmd argument does not hide
@@ -685,16 +1068,13 @@ class VirtualRegister:
 
 
 get_nc_sub_version = not_emulated("nki.isa.get_nc_sub_version", "")
-tensor_copy_predicated = not_emulated("nki.isa.tensor_copy_predicated", "dst src predicate reverse_pred name")
 nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx", "dst stationary moving stationary_scale moving_scale "
                                                     "tile_position tile_size accumulate name")
-tensor_partition_reduce = not_emulated("nki.isa.tensor_partition_reduce", "dst op data name")
 tensor_scalar_cumulative = not_emulated("nki.isa.tensor_scalar_cumulative", "dst src op0 op1 imm0 imm1 reduce_cmd name")
 activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op "
                                               "reduce_res reduce_cmd name")
 local_gather = not_emulated("nki.isa.local_gather", "dst src_buffer index num_elem_per_idx num_valid_indices name")
 nc_n_gather = not_emulated("nki.isa.nc_n_gather", "dst data indices name")
-nc_stream_shuffle = not_emulated("nki.isa.nc_stream_shuffle", "dst src shuffle_mask name")
 rng = not_emulated("nki.isa.rng", "dst engine name")
 dropout = not_emulated("nki.isa.dropout", "dst data prob name")
 set_rng_seed = not_emulated("nki.isa.set_rng_seed", "src_seeds name")
@@ -702,21 +1082,14 @@ rand_set_state = not_emulated("nki.isa.rand_set_state", "src_seeds engine name")
 rand_get_state = not_emulated("nki.isa.rand_get_state", "dst engine name")
 rand2 = not_emulated("nki.isa.rand2", "dst min max name")
 exponential = not_emulated("nki.isa.exponential", "dst src max_value reduce_res reduce_cmd reduce_init name")
-max8 = not_emulated("nki.isa.max8", "dst src name")
 sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name")
-core_barrier = not_emulated("nki.isa.core_barrier", "data cores engine name")
 dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
 quantize_mx = not_emulated("nki.isa.quantize_mx", "dst src dst_scale name")
-range_select = not_emulated("nki.isa.range_select", "dst on_true_tile comp_op0 comp_op1 bound0 bound1 reduce_cmd "
-                                                    "reduce_res reduce_op range_start on_false_value name")
 select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "
                                                       "reverse_pred name")
-sendrecv = not_emulated("nki.isa.sendrecv", "src dst send_to_rank recv_from_rank pipe_id dma_engine name")
 register_alloc = not_emulated("nki.isa.register_alloc", "x")
 register_move = not_emulated("nki.isa.register_move", "dst src")
 register_load = not_emulated("nki.isa.register_load", "dst src")
 register_store = not_emulated("nki.isa.register_store", "dst src")
-nc_find_index8 = not_emulated("nki.isa.nc_find_index8", "dst data vals name")
-nc_match_replace8 = not_emulated("nki.isa.nc_match_replace8", "dst data vals imm dst_idx name")
 nonzero_with_count = not_emulated("nki.isa.nonzero_with_count", "dst src index_offset padding_val name")
 topk = not_emulated("nki.isa.topk", "val_dst idx_dst src n name")

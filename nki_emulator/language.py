@@ -19,8 +19,8 @@ import numpy as np
 
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
-from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, target
-from ._unemulated import module_getattr, not_emulated
+from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
+from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
 
@@ -88,7 +88,9 @@ class NKIObject:
                     if name in values:
                         raise TypeError(f"{cls.__name__}() got field {name!r} twice")
                     values[name] = kwargs[name]
-                setattr(self, name, values.get(name, getattr(cls, name, None)))
+                # object.__setattr__: a @dataclass(frozen=True) class builds this way too (nki-library's
+                # rmsnorm_quant.py, mlp_cte_tile_info.py declare their NKIObject parameter classes frozen)
+                object.__setattr__(self, name, values.get(name, getattr(cls, name, None)))
             post_init = getattr(self, "__post_init__", None)
             if post_init is not None:
                 post_init()
@@ -132,10 +134,11 @@ class _TileSize:
     gemm_moving_fmax = 512  # nc_matmul moving free size (N)
     bn_stats_fmax = 512
 
-    sbuf_fmax_bytes = property(lambda self: target().sbuf_partition_bytes)
-    sbuf_fmax = property(lambda self: target().sbuf_partition_bytes // 4)
+    # sbuf_fmax_bytes and total_available_sbuf_size: the usable SBUF per partition (aws-neuron-sdk 3afa0fdf
+    # nki/api/nki.language.tile_size.rst l. 40-74); sbuf_size_bytes: the whole SBUF, all partitions
+    sbuf_fmax_bytes = property(lambda self: target().sbuf_usable_bytes)
+    sbuf_fmax = property(lambda self: target().sbuf_usable_bytes // 4)
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
-    # deprecated in NKI 0.4: despite its name the per-partition size (aws-neuron-sdk nki/migration/index.rst)
     total_available_sbuf_size = sbuf_fmax_bytes
 
     @property
@@ -212,14 +215,18 @@ def device_print(print_prefix, tensor):
 
 
 # ---- operators --------------------------------------------------------------------------------------
-# float32 numpy implementations, keyed by the nl function that names them.
+# float32 numpy implementations, keyed by the nl function that names them. The ALU operators are the ISA's operator
+# table (aws-neuron-sdk 3afa0fdf nki/api/nki.api.shared.rst l. 50-127, "Supported Math Operators for NKI ISA", the
+# same in NKI 0.6 at a3247f5b); its bitvec and logical rows are not emulated (NotImplementedError).
+# The activation functions are its activation table (l. 129-200, "Supported Activation Functions for NKI ISA").
 
 ALU_BINARY = {}  # binary ALU operators (tensor_tensor, tensor_scalar, scalar_tensor_tensor, nl.add, ...)
 ALU_UNARY = {}  # unary ALU operators, usable as tensor_scalar's op with operand 0
 ACTIVATIONS = {}  # ScalarE activation functions (nisa.activation op)
 COMPARISONS = {}  # comparison operators (affine_select cmp_op); they yield 1.0 / 0.0
-REDUCTIONS = {}  # reduction-legal ALU operators (tensor_reduce, activation reduce_op) -> numpy reduction
+REDUCTIONS = {}  # the table's "Legal Reduction op" = Y rows that the emulator computes -> numpy reduction
 ACTIVATION_RANGES = {}  # activation -> valid input range (lo, hi) of ScalarE's approximation (|x| for reciprocal)
+NOT_ON_HARDWARE = {}  # nl functions with no ISA operator behind them -> why (the release notes' known issues)
 
 
 def _binary(name, fn, doc):
@@ -241,10 +248,14 @@ def _comparison(name, fn, sign):
 add = _binary("add", np.add, "x + y")
 subtract = _binary("subtract", np.subtract, "x - y")
 multiply = _binary("multiply", np.multiply, "x * y")
-divide = _binary("divide", np.divide, "x / y")
 maximum = _binary("maximum", np.maximum, "max(x, y)")
 minimum = _binary("minimum", np.minimum, "min(x, y)")
 power = _binary("power", np.power, "x ** y")
+# Compared by magnitude, the signed value kept (nl stub l. 380-466 at 3afa0fdf); ALU operators on trn3 only
+# (NKI 0.4.0 release notes, release-notes/components/nki.rst l. 23), checked where an instruction takes them.
+abs_max = _binary("abs_max", lambda x, y: np.where(np.abs(x) > np.abs(y), x, y), "x if |x| > |y| else y")
+abs_min = _binary("abs_min", lambda x, y: np.where(np.abs(x) < np.abs(y), x, y), "x if |x| < |y| else y")
+TRN3_ONLY = (abs_max, abs_min)
 equal = _comparison("equal", np.equal, "==")
 not_equal = _comparison("not_equal", np.not_equal, "!=")
 greater = _comparison("greater", np.greater, ">")
@@ -253,6 +264,34 @@ less = _comparison("less", np.less, "<")
 less_equal = _comparison("less_equal", np.less_equal, "<=")
 
 REDUCTIONS.update({add: np.sum, multiply: np.prod, maximum: np.max, minimum: np.min})
+REDUCTION_NOT_EMULATED = (subtract,)  # legal reduction op ("Y", shared.rst l. 84) whose reduction order is undocumented
+
+
+def _not_on_hardware(name, why):
+    """An nl function the hardware has no instruction for: calling it, or naming it as an instruction's ``op``,
+    raises NkiValidationError with the release notes' words."""
+
+    def op(x, y, dtype=None):
+        raise NkiValidationError(f"nl.{name}: {why}")
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"nl.{name}: refused, {why}"
+    NOT_ON_HARDWARE[op] = why
+    return op
+
+
+# aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 122 and 124, NKI 0.4.0 known issues (also 0.3.0,
+# l. 254-256, and 0.6.0 at a3247f5b); nor does the operator table (shared.rst l. 50-127) list either operation.
+_NO_DIVISION = ("not supported: 'Division is not available as a hardware instruction' and the ISA's operator table "
+                "has no division (aws-neuron-sdk release-notes/components/nki.rst, NKI 0.3-0.6 known issues; "
+                "nki/api/nki.api.shared.rst, Supported Math Operators). Multiply by a reciprocal: nisa.reciprocal, "
+                "or nisa.activation(op=nl.reciprocal), then nl.multiply")
+_NO_MODULO = ("not supported: 'Modulo operations are not available as hardware instructions. These APIs work in "
+              "simulation but fail when compiled for Trainium hardware' (aws-neuron-sdk release-notes/components/"
+              "nki.rst, NKI 0.3-0.6 known issues); the ISA's operator table has no modulo")
+divide = _not_on_hardware("divide", _NO_DIVISION)
+mod = _not_on_hardware("mod", _NO_MODULO)
+fmod = _not_on_hardware("fmod", _NO_MODULO)
 
 
 def _erf(x):
@@ -323,10 +362,17 @@ ALU_UNARY.update({op: ACTIVATIONS[op] for op in (abs, square, relu, rsqrt, recip
 
 
 def copy(x, dtype=None):
-    """A copy of an SBUF or PSUM tile in SBUF (VectorE tensor_copy, bit-exact when the dtype is kept).
-    As an activation ``op``, ``nl.copy`` is the identity."""
-    dst = _new_tile(x.shape, dtype or x.dtype)
-    isa.tensor_copy(dst, x)
+    """A copy of an SBUF or PSUM tile. NKI 0.4 and 0.5: on ScalarE (activation with op=nl.copy, through fp32) into
+    the buffer ``x`` is in (aws-neuron-sdk 3afa0fdf nki/api/nki/language/__init__.py l. 1020-1033; release notes
+    l. 136: cross-buffer copies are not supported). NKI 0.6: on VectorE (tensor_copy, bit-accurate when the dtype is
+    kept) into SBUF (a3247f5b release-notes/components/nki.rst l. 43-45). As an activation ``op``, ``nl.copy`` is
+    the identity."""
+    if nki_since("0.6"):
+        dst = _new_tile(x.shape, dtype or x.dtype)
+        isa.tensor_copy(dst, x)
+    else:
+        dst = _new_tile(x.shape, dtype or x.dtype, x.buffer)
+        isa.activation(dst, copy, x)
     return dst
 
 
@@ -339,37 +385,24 @@ def _new_tile(shape, dtype, buffer=sbuf):
     return _memory.allocate(shape, dtype, buffer, "")
 
 
-def _is_column(t, partitions):
-    return isinstance(t, NkiTensor) and t.shape[0] == partitions and t.size == partitions
-
-
 def _elementwise(op, x, y, dtype):
-    """``x op y``: two tiles of one layout -> tensor_tensor; a tile and a scalar or a (P, 1) column ->
-    tensor_scalar (the column broadcasts along the free axis; nothing broadcasts across partitions)."""
+    """``x op y``: two tiles of one shape -> tensor_tensor; a tile and a scalar -> tensor_scalar. The nl wrappers
+    do not broadcast one tile against another, and nl.power takes no scalar exponent (aws-neuron-sdk 3afa0fdf
+    release-notes/components/nki.rst l. 126-128, NKI 0.4.0 known issues; the same in 0.3 and 0.6)."""
     if isinstance(x, NkiTensor) and isinstance(y, NkiTensor):
-        if x.shape[0] == y.shape[0] and x.size == y.size:
-            dst = _new_tile(x.shape, dtype or (x.dtype if x.dtype == y.dtype else float32))
-            isa.tensor_tensor(dst, x, y, op)
-            return dst
-        if _is_column(y, x.shape[0]):
-            return _with_operand(op, x, _fp32_column(y), False, dtype)
-        if _is_column(x, y.shape[0]):
-            return _with_operand(op, y, _fp32_column(x), True, dtype)
-        raise NkiValidationError(f"{op.__name__}: cannot combine shapes {x.shape} and {y.shape}; operands need "
-                                 "the same partitions and either the same size or one element per partition")
-    if isinstance(x, NkiTensor):
-        return _with_operand(op, x, y, False, dtype)
-    if isinstance(y, NkiTensor):
-        return _with_operand(op, y, x, True, dtype)
-    raise NkiValidationError(f"{op.__name__}: needs at least one tile operand")
-
-
-def _fp32_column(t):
-    """tensor_scalar takes float32 column operands: convert others first."""
-    return t if t.dtype == float32 else copy(t, float32)
-
-
-def _with_operand(op, data, operand, reverse, dtype):
+        if x.shape != y.shape:
+            raise NkiValidationError(f"nl.{op.__name__}: shapes {x.shape} and {y.shape} differ; 'Binary operations do "
+                                     "not support broadcasting' (aws-neuron-sdk release-notes/components/nki.rst, NKI "
+                                     f"{nki_version()} known issues): use nisa.tensor_scalar with a (P, 1) operand")
+        dst = _new_tile(x.shape, dtype or (x.dtype if x.dtype == y.dtype else float32))
+        isa.tensor_tensor(dst, x, y, op)
+        return dst
+    if not isinstance(x, NkiTensor) and not isinstance(y, NkiTensor):
+        raise NkiValidationError(f"nl.{op.__name__}: needs at least one tile operand")
+    if op is power:
+        raise NkiValidationError(f"nl.power: 'nl.power(tile, scalar) is not supported' (aws-neuron-sdk release-notes/"
+                                 f"components/nki.rst, NKI {nki_version()} known issues): pass two tiles")
+    data, operand, reverse = (x, y, False) if isinstance(x, NkiTensor) else (y, x, True)
     dst = _new_tile(data.shape, dtype or data.dtype)
     isa.tensor_scalar(dst, data, op, operand, reverse0=reverse)
     return dst
@@ -484,11 +517,13 @@ def broadcast_to(x, shape, dtype=None):
 
 
 def matmul(x, y, transpose_x=False):
-    """``x @ y`` (or ``x.T @ y`` with ``transpose_x``) into a new float32 PSUM tile. Without
-    ``transpose_x``, x (M, K) is first transposed on TensorE and copied back to SBUF, because
-    nc_matmul contracts over the partition axis of both operands."""
+    """``x.T @ y`` into a new float32 PSUM tile: x (K, M) and y (K, N) with the contraction K on partitions. Without
+    ``transpose_x=True`` it is refused: "nki.language.matmul without transpose_x=True is not supported" (aws-neuron-sdk
+    3afa0fdf release-notes/components/nki.rst l. 134, NKI 0.4.0 known issues; the same in 0.3 and 0.6)."""
     if not transpose_x:
-        x = copy(transpose(x))
+        raise NkiValidationError(f"nl.matmul: without transpose_x=True it is not supported (aws-neuron-sdk release-"
+                                 f"notes/components/nki.rst, NKI {nki_version()} known issues): pass x with the "
+                                 "contraction dim on partitions and transpose_x=True")
     result = _new_tile((x.size // x.shape[0], y.size // y.shape[0]), float32, psum)
     isa.nc_matmul(result, x, y)
     return result
@@ -496,8 +531,6 @@ def matmul(x, y, transpose_x=False):
 
 # ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
 
-abs_max = not_emulated("nki.language.abs_max", "x y dtype")
-abs_min = not_emulated("nki.language.abs_min", "x y dtype")
 bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
 bitwise_or = not_emulated("nki.language.bitwise_or", "x y dtype")
 bitwise_xor = not_emulated("nki.language.bitwise_xor", "x y dtype")
@@ -514,8 +547,6 @@ ceil = not_emulated("nki.language.ceil", "x dtype")
 floor = not_emulated("nki.language.floor", "x dtype")
 trunc = not_emulated("nki.language.trunc", "x dtype")
 negative = not_emulated("nki.language.negative", "x dtype")
-fmod = not_emulated("nki.language.fmod", "x y dtype")
-mod = not_emulated("nki.language.mod", "x y dtype")
 var = not_emulated("nki.language.var", "x axis dtype keepdims")
 all = not_emulated("nki.language.all", "x axis dtype")
 softmax = not_emulated("nki.language.softmax", "x axis dtype")
@@ -536,9 +567,12 @@ shared_constant = not_emulated("nki.language.shared_constant", "constant")
 shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
 rand = not_emulated("nki.language.rand", "shape dtype buffer name")
 
-# dtypes without a numpy counterpart here, and operators the emulator's ALU lacks
-__getattr__ = module_getattr("nki.language", ("tfloat32", "float8_e5m2_x4", "float8_e4m3fn_x4", "float8_e8m0fnu",
-                                              "float4_e2m1fn_x4", "average", "prelu", "bypass"))
+# dtypes without a numpy counterpart here: names to compare with, not to allocate
+tfloat32, float8_e8m0fnu = UnemulatedDType("tfloat32"), UnemulatedDType("float8_e8m0fnu")
+float8_e5m2_x4, float8_e4m3fn_x4 = UnemulatedDType("float8_e5m2_x4"), UnemulatedDType("float8_e4m3fn_x4")
+float4_e2m1fn_x4 = UnemulatedDType("float4_e2m1fn_x4")
+# operators the emulator's ALU lacks
+__getattr__ = module_getattr("nki.language", ("average", "prelu", "bypass"))
 
 
 from . import isa  # noqa: E402 -- last: nki.isa reads the operator functions defined above

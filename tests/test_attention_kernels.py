@@ -86,7 +86,7 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
         torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
 
     with torch.no_grad():  # the logsumexp the forward op hands to the backward: lse[b, h, p, t] is query t*128+p
-        _, lse = kernels._flash_attention(q, k, v, 1.0 / math.sqrt(head_dim))
+        _, lse = kernels._flash_attention(q, k, v, 1.0 / math.sqrt(head_dim), seq_len)
     assert lse.dtype == torch.float32 and lse.shape == (batch, n_heads, 128, seq_len // 128)
     lse_by_query = lse.transpose(-1, -2).reshape(batch, n_heads, seq_len)
     torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
@@ -114,41 +114,46 @@ def test_ops_pass_torch_library_opcheck():
     relies on them; v as the model passes it, a (B, Hkv, T, D) view of a (B, T, Hkv, D) tensor."""
     q, k, _ = random_qkv(1, 2, 1, 128, 64, torch.float32)
     v = torch.randn(1, 128, 1, 64).transpose(1, 2).requires_grad_()
-    args = (q, k, v, 0.125)
+    args = (q, k, v, 0.125, 128)
     torch.library.opcheck(kernels._flash_attention, args)
     out, lse = kernels._flash_attention(*args)
     backward_op = torch.ops.nanogpt_trn.flash_attention_bwd
     torch.library.opcheck(backward_op, (q.detach(), k.detach(), v.detach(), out.detach(),
-                                        torch.randn_like(out), lse, 0.125))
+                                        torch.randn_like(out), lse, 0.125, 128))
 
 
 @pytest.mark.skipif(kernels.nki is not nki_emulator, reason="counts what the emulator runs")
-def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full():
+@pytest.mark.parametrize("window", [1024, 256], ids=["causal", "window256"])
+def test_kernels_skip_masked_blocks_and_keep_tensor_engine_tiles_full(window):
     """What the kernels issue, counted by the emulator (d = 64 tells the matmul kinds apart): scores only
-    for keys at or below the diagonal, in blocks of up to 512; the causal mask as one 128x128x128 matmul
-    per query tile and nothing else (the only affine_selects build its two operands); every matmul
-    128 wide on the stationary side; transposes only where a contraction needs keys on the partitions."""
+    for keys at or below the diagonal and in the query tile's window, in blocks of up to 512; the causal
+    mask as one 128x128x128 matmul per query tile, the window's edge as one per tile whose window starts
+    past key 0, and nothing else (the only affine_selects build their operands); every matmul 128 wide on
+    the stationary side; transposes only where a contraction needs keys on the partitions."""
     head_dim, seq_len = 64, 1024
-    n_tiles = seq_len // 128
-    visible_chunks = n_tiles * (n_tiles + 1) // 2  # (query tile, key chunk) pairs at or below the diagonal
+    n_tiles, reach = seq_len // 128, window // 128
+    # (query tile, key chunk) pairs at or below the diagonal, in the window: 36 causal, 21 in a 256 window
+    visible_chunks = sum(min(t + 1, reach + 1) for t in range(n_tiles))
+    masks = n_tiles + max(0, n_tiles - reach)  # a diagonal per tile, an edge per tile from tile `reach` on
     q, k, v = (t.detach() for t in random_qkv(1, 1, 1, seq_len, head_dim, torch.bfloat16))
 
     def tally(counts):
         shapes = [(kk, m, n) for kk, m, n, _ in counts.matmul_shapes]
-        assert all(m == 128 for _, m, _ in shapes) and max(n for _, _, n in shapes) == 512
-        assert counts.by_instruction["affine_select"] == 2
+        assert all(m == 128 for _, m, _ in shapes) and max(n for _, _, n in shapes) == min(512, window + 128)
+        assert counts.by_instruction["affine_select"] == (2 if window == seq_len else 3)
         return (sum(n for kk, _, n in shapes if kk == head_dim), shapes.count((128, 128, 128)),
                 shapes.count((128, 128, head_dim)), len(counts.transposes))
 
     with nki_emulator.counting() as counts:
-        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125)
+        out, lse = nki_emulator.simulate(kernels.flash_attention_fwd_kernel)(q, k, v, 0.125, window)
     # score columns, mask matmuls, P @ V chunk matmuls, P transposes + q and k turned into columns
-    assert tally(counts) == (visible_chunks * 128, n_tiles, visible_chunks, visible_chunks + 2 * n_tiles)
+    assert tally(counts) == (visible_chunks * 128, masks, visible_chunks, visible_chunks + 2 * n_tiles)
 
     with nki_emulator.counting() as counts:
-        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125)
+        nki_emulator.simulate(kernels.flash_attention_bwd_kernel)(q, k, v, out, torch.randn_like(out), lse, 0.125,
+                                                                 window)
     # scores and dP columns, mask matmuls, dV/dK/dQ chunk matmuls, dS transposes + 4 layout changes per head
-    assert tally(counts) == (2 * visible_chunks * 128, n_tiles, 3 * visible_chunks, visible_chunks + 4 * n_tiles)
+    assert tally(counts) == (2 * visible_chunks * 128, masks, 3 * visible_chunks, visible_chunks + 4 * n_tiles)
 
 
 # ---- the model with kernels="nki" against kernels="torch" --------------------------------------------

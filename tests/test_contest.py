@@ -1,4 +1,5 @@
 """The contest's contract: its clock, competition mode beside prepare.py, and the one-file submission."""
+import ast
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_MODEL + ["--warmup_steps=2"]
+CHUNKED = TINY + ["--loss_chunks=2"]  # the fused chunked loss: the run never calls softcap_cross_entropy
 
 
 class FakeTime:
@@ -120,11 +122,15 @@ def losses(out_dir):
 
 def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(contest_dir, tmp_path):
     exported = contest_dir / "train.py"
-    train.main(TINY + [f"--export_submission={exported}", f"--competition_dir={contest_dir}"])
+    train.main(CHUNKED + [f"--export_submission={exported}", f"--competition_dir={contest_dir}"])
     source = exported.read_text()
     assert len(source.encode()) <= contest.SUBMISSION_LIMIT_BYTES
     assert not re.search(r"\bimport data\b", source) and "urllib" not in source and "class KitCorpus" not in source
-    assert f"SUBMISSION_ARGS = {TINY!r}" in source
+    assert f"SUBMISSION_ARGS = {CHUNKED!r}" in source
+    # what the run cannot reach is left out (and yet the file runs, below): the op it never calls, the exporter
+    assert "def softcap_cross_entropy_fwd_kernel(" not in source and "def mlp_fwd_kernel(" in source
+    assert "def bundle_source(" not in source and "def check_causality(" not in source
+    assert source.index('os.environ["OMP_WAIT_POLICY"] = "PASSIVE"') < source.index("\nimport torch")  # before it loads
 
     # the contest's launch string: no flags; only the exported file and prepare.py in the folder
     step_log = tmp_path / "steps.txt"
@@ -134,7 +140,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
     final = contest_dir / "out" / "final.pt"
     state = torch.load(final, weights_only=True)
     assert set(state) == {"model", "model_config", "train_config", "step", "train_time", "sha256", "kernels"}  # no optimizer state
-    assert set(state["kernels"]) == set(kernels.KERNEL_OPS)  # what each op ran on, for scoring
+    assert set(state["kernels"]) == set(kernels.KERNEL_OPS) - {"softcap_cross_entropy"}  # what each op ran on
     boundaries = [line.split() for line in step_log.read_text().splitlines()]
     assert [int(i) for i, _ in boundaries] == list(range(state["step"]))  # one record per step
     clock_start = float(boundaries[1][1])  # end of the second (last excluded) step
@@ -143,7 +149,7 @@ def test_the_exported_file_alone_trains_bare_under_torchrun_inside_the_budget(co
 
     # the unbundled kit, pointed at the same prepare.py, takes the very same steps
     kit_out = tmp_path / "kit"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *CHUNKED,
          f"--competition_dir={contest_dir}", "--max_steps=4"], ROOT, NEURON_COMPETITION_R1_OUT_DIR=str(kit_out))
     bundled = losses(contest_dir / "out")
     assert losses(kit_out) == bundled[:4] and bundled[0][1] > bundled[-1][1]
@@ -187,6 +193,7 @@ def test_the_submission_check_refuses_what_the_contest_would():
         (ok + "import tiktoken\n", "tiktoken"),
         (ok + "x = data.prepare()\n", "data"),
         ("import torch\n", "load_for_eval"),
+        (ok + "x = left_out(1)\n", "reads left_out but defines none"),
         (ok + "#" * contest.SUBMISSION_LIMIT_BYTES, "at most"),
     ]:
         with pytest.raises(ValueError, match=problem):
@@ -233,7 +240,7 @@ def test_the_causality_check_catches_a_model_that_looks_ahead(monkeypatch):
     import kernels
 
     monkeypatch.setattr(kernels, "attention",  # attention without its causal mask
-                        lambda q, k, v, mode: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+                        lambda q, k, v, mode, window: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="changed logits at or before it"):
         contest.check_causality(model, 100, 32, "cpu")
 
@@ -255,3 +262,71 @@ def test_the_submission_shortens_only_comments_and_blank_lines():
     assert "# The operations a GPT spends its time in" in source and "model.py calls only" not in source
     assert "\n\n\n" not in source and "# ---\n" in source and "# ----" not in source
     assert "def rope_norm_bwd_kernel(" in source and "def without_docstrings(" not in source
+
+
+def test_the_submission_keeps_what_the_run_reaches_and_nothing_else():
+    """Reachability from train.py's main and the scorer's load_for_eval: an op the run never calls becomes a
+    stand-in that says so, and its kernels, glue and shape rules go with it; the exporter goes; every other
+    op's kernels stay."""
+    whole = contest.bundle_source(contest.KIT_ROOT, [])
+    pruned = contest.bundle_source(contest.KIT_ROOT, [], ["softcap_cross_entropy"])
+
+    def op_definitions(source, op):  # the op's kernels, glue and rules: top-level names that mention it
+        names = set().union(*(contest.defined_names(node) for node in ast.parse(source).body))
+        return {name for name in names if op in name.lower() and name != op}
+
+    assert len(op_definitions(whole, "softcap_cross_entropy")) >= 3  # its kernels, op and rules
+    assert op_definitions(pruned, "softcap_cross_entropy") == set()
+    for op in set(kernels.KERNEL_OPS) - {"softcap_cross_entropy"}:
+        assert op_definitions(pruned, op) == op_definitions(whole, op) != set()
+    assert "def load_for_eval(" in pruned and "def main(" in pruned
+    assert "def reachable_names(" not in whole and "FRONTIER_LEVERS" not in whole  # exporter and ablation: unreached
+    namespace = {}
+    exec(contest.unused_op_stub("softcap_cross_entropy"), namespace)
+    with pytest.raises(NotImplementedError, match="export again with the flags that do"):
+        namespace["softcap_cross_entropy"](1, 2)
+    with pytest.raises(ValueError, match="defines no function attention_v2"):
+        contest.bundle_source(contest.KIT_ROOT, [], ["attention_v2"])
+
+
+def test_the_exporter_finds_the_ops_the_run_calls():
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=1, n_embd=32, n_head=2, n_kv_head=1)
+    assert contest.ops_called(GPT(config), 2) == set(kernels.KERNEL_OPS)
+    chunked = GPT(GPTConfig(**{**config.__dict__, "loss_chunks": 2}))
+    assert contest.ops_called(chunked, 2) == set(kernels.KERNEL_OPS) - {"softcap_cross_entropy"}
+    assert chunked.training  # left as it was found
+
+
+def test_the_log_and_evaluate_info_say_what_each_op_ran(tmp_path, capsys):
+    """log.jsonl's first record holds the per-op kernels record final.pt keeps; `evaluate.py info` prints it
+    with the step, the configs and the digest status, of a final.pt, of a sharded folder and of a damaged copy."""
+    import evaluate
+
+    out = tmp_path / "out"
+    train.main(TINY + ["--max_steps=2", "--time_budget_s=0", "--eval_tokens=2048", "--sample_tokens=0",
+                       "--checkpoint_every=2", "--shard_optimizer=true", f"--out_dir={out}",
+                       f"--data_dir={tmp_path / 'data'}"])
+    with open(out / "log.jsonl") as f:
+        first = json.loads(f.readline())
+    record = torch.load(out / "final.pt", weights_only=True)["kernels"]
+    assert first["event"] == "config" and first["kernels"] == record and set(record) == set(kernels.KERNEL_OPS)
+    capsys.readouterr()
+
+    info = evaluate.main(["info", f"--checkpoint={out / 'final.pt'}"])
+    printed = capsys.readouterr().out
+    assert info["step"] == 2 and info["digests"] == "intact" and info["kernels"] == record
+    assert "a final checkpoint" in printed and "step 2," in printed and "digests: intact" in printed
+    assert f"  attention  " in printed and record["attention"]["why"] in printed and "n_layer=2" in printed
+
+    folder = evaluate.main(["info", f"--checkpoint={out / 'ckpt_0000002.dcp'}"])
+    assert "sharded" in folder["kind"] and folder["step"] == 2 and folder["digests"] == "intact"
+
+    damaged = bytearray((out / "final.pt").read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    (tmp_path / "damaged.pt").write_bytes(damaged)
+    assert evaluate.main(["info", f"--checkpoint={tmp_path / 'damaged.pt'}"])["digests"].startswith("damaged: ")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(SystemExit, match="notes.txt .* is not a PyTorch checkpoint"):
+        evaluate.cli(["info", f"--checkpoint={tmp_path / 'notes.txt'}"])

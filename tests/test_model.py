@@ -78,7 +78,7 @@ def test_swiglu_hidden_keeps_parameters_of_a_4x_mlp():
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_head": 4, "mlp": "swiglu"}, {"n_layer": 3, "n_embd": 128, "mlp_hidden": 384}])
 def test_flops_per_token_matches_flop_counter(monkeypatch, overrides):
     # the counter does not see inside the fused SDPA kernel, so count attention through plain matmuls
-    monkeypatch.setattr(kernels, "attention", lambda q, k, v, mode: attention_reference(q, k, v))
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, mode, window: attention_reference(q, k, v))
     torch.manual_seed(0)
     model = GPT(tiny_config(**overrides))
     B, T = 2, model.config.sequence_len

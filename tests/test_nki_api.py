@@ -24,6 +24,14 @@ from nki_emulator import NkiValidationError
 
 MODULES = {"nki": nki_emulator, "nki.language": nl, "nki.isa": nisa}
 
+
+@pytest.fixture
+def nki_06():
+    """Rules of NKI 0.6 (the current release) instead of the default, the contest's 0.4."""
+    previous = nki_emulator.set_nki_version("0.6")
+    yield
+    nki_emulator.set_nki_version(previous)
+
 # name -> keywords (functions), None (constants), or a tuple of members ("method(keywords)" or attribute)
 NKI_0_6_API = {
     "nki": {
@@ -502,13 +510,30 @@ def test_nkiobject_plain_class_attributes_are_fields_built_from_keywords():
         PlainAttributes(offset_of=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Frozen(nl.NKIObject):
+    """As nki-library's rmsnorm_quant.py RmsNormQuantKernelArgs: frozen, with a __post_init__ that checks."""
+    eps: float = 1e-6
+    lower_bound: float = 0.0
+
+    def __post_init__(self):
+        assert self.eps > 0
+
+
+def test_frozen_nkiobject_dataclasses_build_and_stay_frozen():
+    args = Frozen(eps=1e-5)
+    assert (args.eps, args.lower_bound) == (1e-5, 0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.eps = 1.0
+
+
 def test_typing_dtype_and_deprecated_tile_size_names():
     import nki_emulator.typing as nt
 
     assert nt.tensor[128, 512].shape == (128, 512)
     assert isinstance(nl.float32, nki_emulator.dtype)
     # deprecated in 0.4, same value: the usable SBUF bytes per partition (migration guide)
-    assert nl.tile_size.total_available_sbuf_size == nl.tile_size.sbuf_fmax_bytes == 224 * 1024
+    assert nl.tile_size.total_available_sbuf_size == nl.tile_size.sbuf_fmax_bytes == 212984  # KLR Trace.lean l. 53
 
 
 # ---- instructions added for official kernels: semantics from their stub docstrings ------------------------
@@ -553,9 +578,9 @@ def test_tensor_tensor_scan_follows_the_stub_pseudo_code(op0, op1, reverse0, rev
     np.testing.assert_allclose(kernel(data0, data1, start), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_tensor_scalar_reduce_computes_and_accumulates_across_calls():
+def test_tensor_scalar_reduce_computes_and_accumulates_across_calls(nki_06):
     """result = data op0 operand0; reduce_res = reduce_op over the free axis; reduce_cmd.reduce keeps
-    accumulating, load_reduce starts from reduce_init, reduce_res_negate negates only what is written."""
+    accumulating, load_reduce starts from reduce_init, reduce_res_negate (NKI 0.6) negates only what is written."""
     rng = np.random.default_rng(2)
     a, b = rng.uniform(0.5, 1.5, (64, 40)).astype(np.float32), rng.uniform(0.5, 1.5, (64, 40)).astype(np.float32)
 
@@ -601,8 +626,8 @@ def test_dma_transpose_permutes_as_the_stub_lists(shape, permutation):
         return out
 
     np.testing.assert_array_equal(kernel(x), np.transpose(x, permutation))
-    with pytest.raises(NkiValidationError, match="2-byte"):
-        kernel(x.astype(np.float32))
+    # any dtype with the default dge_mode (nki-library's attention_cte.py transposes fp32 q and k this way)
+    np.testing.assert_array_equal(kernel(x.astype(np.float32)), np.transpose(x.astype(np.float32), permutation))
 
 
 def test_average_pool_in_the_tutorial_style():
@@ -656,3 +681,134 @@ def test_broadcast_to_follows_numpy_rules_across_free_and_partition_dims():
 
     with pytest.raises(NkiValidationError, match="cannot broadcast"):
         nki_emulator.jit(wrong_rank)(row, column)
+
+
+def _exchange_rows(x):
+    """Each core of an LNC=2 launch sends its half of x's rows to the other (nki-library's rmsnorm_tkg shard_on_h)."""
+    half = x.shape[0] // 2
+    rank = nl.program_id(0)
+    mine = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=mine, src=x[rank * half:(rank + 1) * half, :])
+    theirs = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - rank, recv_from_rank=1 - rank, pipe_id=0)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[rank * half:(rank + 1) * half, :], src=theirs)
+    return out
+
+
+def test_sendrecv_swaps_tiles_between_the_cores_of_an_lnc2_launch():
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    out = nki_emulator.jit(_exchange_rows)[2](x)
+    np.testing.assert_array_equal(out, np.concatenate([x[2:], x[:2]]))  # each core stored the other's half
+    with pytest.raises(NkiValidationError, match="LNC=2"):
+        nki_emulator.jit(_exchange_rows)(x)
+    previous = nki_emulator.set_target("trn1")
+    try:
+        with pytest.raises(NkiValidationError, match="NeuronCore-v3"):
+            nki_emulator.jit(_exchange_rows)[2](x)
+    finally:
+        nki_emulator.set_target(previous)
+
+
+def _to_hbm(tiles):
+    """The kernel's outputs: each SBUF tile copied to a new shared HBM tensor."""
+    outs = []
+    for t in tiles:
+        outs.append(nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm))
+        nisa.dma_copy(dst=outs[-1], src=t)
+    return tuple(outs)
+
+
+def _search8(x, vals):
+    data = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=data, src=x)
+    wanted = nl.ndarray(vals.shape, vals.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wanted, src=vals)
+    top = nl.ndarray((x.shape[0], 8), nl.float32, buffer=nl.sbuf)
+    nisa.max8(dst=top, src=data)
+    where = nl.ndarray((x.shape[0], 8), nl.uint32, buffer=nl.sbuf)
+    nisa.nc_find_index8(dst=where, data=data, vals=wanted)
+    replaced = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.nc_match_replace8(dst=replaced, data=data, vals=top, imm=-1.0)
+    return _to_hbm((top, where, replaced))
+
+
+def test_max8_find_index8_and_match_replace8():
+    """The stub's semantics (max8 l. 2025, nc_find_index8 l. 2705, nc_match_replace8 l. 2728 at 3afa0fdf): the 8
+    largest per partition in descending order; each value's first index, a repeated value its next occurrence."""
+    x = np.random.default_rng(4).permutation(64).reshape(4, 16).astype(np.float32)
+    x[0, 3] = x[0, 9] = 100.0  # a repeated maximum
+    vals = np.sort(x, axis=1)[:, -8:][:, ::-1].copy()
+    top, where, replaced = nki_emulator.jit(_search8)(x, vals)
+    np.testing.assert_array_equal(top, vals)
+    np.testing.assert_array_equal(np.take_along_axis(x, where.astype(np.int64), axis=1), vals)
+    assert sorted(where[0, :2]) == [3, 9]
+    assert (replaced == -1.0).sum(axis=1).tolist() == [8, 8, 8, 8]
+    np.testing.assert_array_equal(np.sort(replaced, axis=1)[:, 8:], np.sort(x, axis=1)[:, :8])
+
+
+def _shuffle_and_select(x, bounds):
+    data = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=data, src=x)
+    lows = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lows, src=bounds[:, 0:1])
+    highs = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=highs, src=bounds[:, 1:2])
+    shuffled = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    mask = []
+    for i in range(32):
+        mask.append(31 - i)
+    nisa.nc_stream_shuffle(dst=shuffled, src=data, shuffle_mask=mask)
+    selected = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    row_max = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=selected, on_true_tile=data, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=lows,
+                      bound1=highs, reduce_res=row_max, range_start=2)
+    return _to_hbm((shuffled, selected, row_max))
+
+
+def test_nc_stream_shuffle_and_range_select():
+    """nc_stream_shuffle (3afa0fdf isa stub l. 1686): partition 32q + i takes 32q + mask[i]; range_select (l. 2365):
+    keep where comp_op0(range_start + i, bound0) and comp_op1(range_start + i, bound1), else FP32_MIN; row max."""
+    x = np.random.default_rng(5).standard_normal((64, 8)).astype(np.float32)
+    bounds = np.tile(np.array([[3.0, 7.0]], np.float32), (64, 1))
+    shuffled, selected, row_max = nki_emulator.jit(_shuffle_and_select)(x, bounds)
+    np.testing.assert_array_equal(shuffled, np.concatenate([x[31::-1], x[:31:-1]]))
+    index = 2 + np.arange(8)
+    keep = (index >= 3) & (index < 7)
+    np.testing.assert_array_equal(selected, np.where(keep, x, np.finfo(np.float32).min))
+    np.testing.assert_array_equal(row_max[:, 0], x[:, keep].max(axis=1))
+
+
+def _halves_then_barrier(x):
+    """Each core writes its half of a shared tensor, then (after core_barrier) reads the whole of it."""
+    half = x.shape[0] // 2
+    rank = nl.program_id(0)
+    shared = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((half, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x[rank * half:(rank + 1) * half, :])
+    nisa.dma_copy(dst=shared[rank * half:(rank + 1) * half, :], src=tile)
+    nisa.core_barrier(data=shared, cores=(0, 1))
+    whole = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=whole, src=shared)
+    total = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.tensor_partition_reduce(total, nl.add, whole)
+    mask = nl.ndarray(x.shape, nl.uint8, buffer=nl.sbuf)
+    nisa.iota(dst=mask, pattern=[[0, x.shape[1]]], offset=0, channel_multiplier=1)  # partition p: value p
+    picked = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=picked, value=-1.0)
+    nisa.tensor_copy_predicated(dst=picked, src=whole, predicate=mask)  # all rows but row 0
+    out = nl.ndarray((x.shape[0] + 1, x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[0:x.shape[0], :], src=picked)
+    nisa.dma_copy(dst=out[x.shape[0]:, :], src=total)
+    return out
+
+
+def test_core_barrier_partition_reduce_and_predicated_copy():
+    """core_barrier (3afa0fdf isa stub l. 2183): what each core wrote before it is there for the other after it;
+    tensor_partition_reduce (l. 992) sums across partitions; tensor_copy_predicated (l. 369) copies where the
+    predicate is non-zero."""
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    out = nki_emulator.jit(_halves_then_barrier)[2](x)
+    np.testing.assert_array_equal(out[0], -1.0)
+    np.testing.assert_array_equal(out[1:4], x[1:])
+    np.testing.assert_array_equal(out[4], x.sum(axis=0))

@@ -3,6 +3,8 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from model import GPTConfig, opt
 from tiny import TINY_RUN
 
 TINY = TINY_RUN + ["--warmup_steps=2"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
@@ -214,3 +217,26 @@ def test_a_config_field_is_declared_once_on_its_line(capsys):
     assert checkpoint.config_differences(saved, changed, GPTConfig()) == ([], ["warmup_tokens (checkpoint 5, now 6)"])
     resumable = config_with(opt(0, "tokens of a new warm-up", resumable=True))["training"]
     assert checkpoint.config_differences(saved, resumable(warmup_tokens=6), GPTConfig()) == ([], [])
+
+
+@pytest.mark.parametrize("users", [None, "ACTIVE"])
+def test_cpu_threads_wait_passively_unless_the_user_says_otherwise(users):
+    """OMP_WAIT_POLICY=PASSIVE, set before torch loads (OpenMP reads it then), only where it is not set: a
+    spinning OpenMP team ran at a third of its speed beside one busy core of two (docs/training.md)."""
+    spy = ("import os, sys\n"
+           "class Spy:\n"
+           "    seen = []\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name == 'torch' and not Spy.seen:\n"
+           "            Spy.seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+           "sys.meta_path.insert(0, Spy())\n"
+           "import train\n"
+           "print(Spy.seen[0], '|', train.runtime.omp_wait_policy())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env |= {"OMP_WAIT_POLICY": users} if users else {}
+    result = subprocess.run([sys.executable, "-c", spy], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    at_torch_import, said = result.stdout.strip().split(" | ")
+    assert at_torch_import == (users or "PASSIVE")
+    assert said == ("OMP_WAIT_POLICY=ACTIVE (yours)" if users else
+                    "OMP_WAIT_POLICY=PASSIVE (the kit's default: waiting CPU threads sleep, fair to other processes)")

@@ -159,7 +159,8 @@ def test_value_embeddings_keep_attention_in_bf16():
     attention = kernels.attention
     idx = torch.randint(0, TINY.vocab_size, (1, TINY.sequence_len))
     with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", dtype=torch.bfloat16):
-        patch.setattr(kernels, "attention", lambda q, k, v, mode: seen.append(v.dtype) or attention(q, k, v, mode))
+        patch.setattr(kernels, "attention",
+                      lambda q, k, v, mode, window: seen.append(v.dtype) or attention(q, k, v, mode, window))
         model(idx)
     assert seen == [torch.bfloat16] * TINY.n_layer
 

@@ -1,0 +1,361 @@
+"""Run aws-neuron/nki-library's kernels, unmodified, under this emulator against their ``*_torch.py`` references,
+called as nki-library's own tests call them: keyword arguments from the test's input generator (a kernel's
+defaulted parameters left out), ``kernel[lnc](...)`` with the test's LNC degree, the test's tolerances.
+
+Not part of CI (it needs a checkout of nki-library, which CI has no network to fetch). Run by hand:
+
+    git clone https://github.com/aws-neuron/nki-library /tmp/nki-library
+    python -m nki_emulator.official_kernels /tmp/nki-library [name-filter]
+
+It prints one line per case (pass, fail and why) and a total; ``NKI_EMULATOR_NKI_VERSION=0.6`` checks them under the
+current release's rules instead of the contest's 0.4. The cases follow the tests' parameter lists in
+``test/integration/nkilib/...`` (named per case), at their smaller shapes so that the run stays minutes on a CPU.
+No nki-library code is copied here: kernels and references are imported from the checkout.
+"""
+
+import importlib
+import sys
+import time
+import traceback
+import types
+
+import ml_dtypes
+import numpy as np
+
+import nki_emulator
+
+CORE = "nkilib_src.nkilib.core."
+BF16, FP16, FP32 = ml_dtypes.bfloat16, np.float16, np.float32  # np.dtype(FP32) is nl.float32 (the emulator's)
+
+
+def _randn(shape, dtype, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _call_reference(reference, inputs):
+    """The reference on float32 torch tensors (bf16/fp8/fp16 widened), as nki-library's torch_ref_wrapper calls
+    it (test/utils/unit_test_framework.py); its outputs, in order, as float32 numpy arrays."""
+    import torch
+
+    def to_torch(value):
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value if value.dtype.kind in "iub" else np.asarray(value, np.float32))
+        return value
+
+    result = reference(**{name: to_torch(value) for name, value in inputs.items()})
+    values = result.values() if isinstance(result, dict) else result if isinstance(result, (tuple, list)) else [result]
+    return [v.float().numpy() if isinstance(v, torch.Tensor) else np.asarray(v, np.float32) for v in values]
+
+
+def _outputs(result):
+    if result is None:
+        return []
+    return [np.asarray(r, np.float32) for r in (result if isinstance(result, (tuple, list)) else [result])]
+
+
+# ---- the cases: (name, kernel "module:function", reference "module:function", inputs(), lnc, rtol, atol) ------
+
+def _cumsum(batch, hidden, ndim, seq_len, dtype):  # test/integration/nkilib/core/cumsum/test_cumsum.py
+    shape = (batch, seq_len, hidden) if ndim == 3 else (batch, hidden)
+    return {"x": _randn(shape, dtype, 42)}
+
+
+def _rmsnorm_tkg(batch, seqlen, hidden, hidden_actual, hidden_dim_tp, shard_on_h, dtype):
+    # test/integration/nkilib/core/subkernels/test_rmsnorm_tkg.py generate_inputs
+    return {"input": _randn((batch, seqlen, hidden), dtype, 42), "gamma": _randn((1, hidden), dtype, 43),
+            "output": np.zeros((128, batch * seqlen, hidden // 128), dtype), "hidden_actual": hidden_actual,
+            "hidden_dim_tp": hidden_dim_tp, "shard_on_h": shard_on_h}
+
+
+def _layernorm_tkg(batch, seqlen, hidden, shard_on_h, dtype):
+    # test/integration/nkilib/core/subkernels/test_layernorm_tkg.py generate_inputs
+    return {"input": _randn((batch, seqlen, hidden), dtype, 42), "gamma": _randn((1, hidden), dtype, 43),
+            "output": np.zeros((128, batch * seqlen, hidden // 128), dtype), "beta": _randn((1, hidden), dtype, 44),
+            "shard_on_h": shard_on_h}
+
+
+def _attention_bwd(batch, q_heads, kv_heads, seq_len, head_dim, dtype, causal, sinks=False):
+    # test/integration/nkilib/core/attention/test_attention_bwd.py generate_inputs (one sink per head or none; no
+    # window or packing)
+    import torch
+
+    module = importlib.import_module(CORE + "attention.attention_bwd_torch")
+    q = _randn((batch, q_heads, head_dim, seq_len), dtype, 1)
+    k, v = _randn((batch, kv_heads, head_dim, seq_len), dtype, 2), _randn((batch, kv_heads, head_dim, seq_len), dtype, 3)
+    dy = _randn((batch, q_heads, head_dim, seq_len), dtype, 4)
+    sink = np.repeat(_randn((1, q_heads), dtype, 5), batch, axis=0) if sinks else None
+    scale = 1.0 if causal else None  # as the test's minimal configurations set it
+    widen = lambda a: torch.from_numpy(np.asarray(a, np.float32))  # noqa: E731
+    o, lse, _ = module.compute_o_lse(widen(q), widen(k), widen(v), causal, True, softmax_scale=scale,
+                                     sliding_window=-1, sinks=widen(sink) if sinks else None, bound_min=None,
+                                     bound_max=None)
+    return {"q_ref": q, "k_ref": k, "v_ref": v, "o_ref": o.float().numpy().astype(dtype), "dy_ref": dy,
+            "lse_ref": lse.float().numpy(), "sinks_ref": sink, "use_causal_mask": causal, "mixed_precision": True,
+            "softmax_scale": scale, "sliding_window": -1, "bound_min": None, "bound_max": None}
+
+
+def _cross_entropy(positions, vocab, dtype, **options):
+    # test/integration/nkilib/experimental/loss/test_cross_entropy_{forward,backward}.py generate_kernel_inputs
+    rng = np.random.default_rng(42)
+    inputs = {"logits_hbm": rng.standard_normal((positions, vocab)).astype(np.float32).astype(dtype),
+              "targets_hbm": rng.integers(0, vocab, positions, dtype=np.int32)}
+    if "reduction" in options:  # the backward takes the forward's log-sum-exp
+        module = importlib.import_module("nkilib_src.nkilib.experimental.loss.cross_entropy_torch")
+        logits, targets = _torch_logits(inputs)
+        inputs["lse_state_hbm"] = module.cross_entropy_forward_torch_ref(logits, targets)[1].float().numpy().astype(dtype)
+    return {**inputs, **options, "dtype": np.dtype(dtype)}  # nl.bfloat16 / nl.float32, as the tests pass them
+
+
+def _torch_logits(inputs):
+    """The logits in their own dtype and the targets as int64, as the cross-entropy tests' goldens take them."""
+    import torch
+
+    logits = inputs["logits_hbm"]
+    as_torch = torch.from_numpy(np.asarray(logits, np.float32))
+    return (as_torch.to(torch.bfloat16) if logits.dtype == BF16 else as_torch), \
+        torch.from_numpy(inputs["targets_hbm"]).long()
+
+
+def _cross_entropy_forward_reference(inputs):
+    module = importlib.import_module("nkilib_src.nkilib.experimental.loss.cross_entropy_torch")
+    return [t.float().numpy() for t in module.cross_entropy_forward_torch_ref(*_torch_logits(inputs))]
+
+
+def _cross_entropy_backward_reference(inputs):
+    module = importlib.import_module("nkilib_src.nkilib.experimental.loss.cross_entropy_torch")
+    return [module.cross_entropy_backward_torch_ref(*_torch_logits(inputs), inputs["reduction"]).float().numpy()]
+
+
+def _rope(d_head, batch, heads, seq, contiguous_layout, relayout_in_sbuf):
+    # test/integration/nkilib/core/embeddings/test_rope.py generate_kernel_inputs
+    half = d_head // 2
+    return {"x_in": _randn((d_head, batch, heads, seq), BF16, 1), "cos": _randn((half, batch, seq), BF16, 2),
+            "sin": _randn((half, batch, seq), BF16, 3), "lnc_shard": True, "contiguous_layout": contiguous_layout,
+            "relayout_in_sbuf": relayout_in_sbuf}
+
+
+def _cascaded_max(batch, seqlen, vocab, dtype):  # test/integration/nkilib/core/max/test_cascaded_max.py
+    return {"input_tensor": _randn((batch, seqlen, vocab), dtype, 42)}
+
+
+def _rope_hf(batch, q_heads, kv_heads, seq, head_dim, dtype, backward):
+    # test/integration/nkilib/core/embeddings/test_rope_hf.py _generate_inputs (separate cos/sin)
+    q, k = _randn((batch, q_heads, seq, head_dim), dtype, 1), _randn((batch, kv_heads, seq, head_dim), dtype, 2)
+    return {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k), "backward": backward,
+            "cos": _randn((batch, seq, head_dim), dtype, 3), "sin": _randn((batch, seq, head_dim), dtype, 4)}
+
+
+def _attention_cte(bs, seq_q, seq_kv, d, dtype, causal, tp_q, tp_k, tp_out, cache_softmax, sliding_window=0,
+                   sink=False):
+    # test/integration/nkilib/core/attention/test_attention_cte.py build_attention_cte_input (no prefix cache, no CP)
+    rng = np.random.default_rng(7)  # np_random_sample: uniform in [0, 1)
+
+    def sample(shape):
+        return rng.random(shape).astype(np.float32).astype(dtype)
+
+    return {"q": sample((bs, seq_q, d) if tp_q else (bs, d, seq_q)), "k": sample((bs, seq_kv, d) if tp_k else
+                                                                               (bs, d, seq_kv)),
+            "v": sample((bs, seq_kv, d)), "scale": 1.0 if sliding_window else d ** -0.5, "causal_mask": causal, "k_prior": None,
+            "v_prior": None, "prior_used_len": None,
+            "sink": rng.uniform(15.0, 25.0, (bs, 1)).astype(np.float32) if sink else None,
+            "sliding_window": sliding_window, "tp_q": tp_q, "tp_k": tp_k, "tp_out": tp_out, "cp_offset": None,
+            "global_cp_deg": None, "cp_strided_q_slicing": False, "cache_softmax": cache_softmax,
+            "softmax_dtype": np.dtype(FP32), "mm_out_dtype": np.dtype(FP32), "bound_min": None, "bound_max": None}
+
+
+def _attention_cte_reference(inputs):
+    """attention_cte_torch_ref as the test's attention_cte_forward_golden calls it: torch tensors, float32 softmax."""
+    import torch
+
+    module = importlib.import_module(CORE + "attention.attention_cte_torch")
+    tensors = {name: torch.from_numpy(np.asarray(value, np.float32)) if isinstance(value, np.ndarray) else value
+               for name, value in inputs.items() if name not in ("mm_out_dtype", "softmax_dtype")}
+    result = module.attention_cte_torch_ref(**tensors, softmax_dtype=torch.float32)
+    return [t.float().numpy() for t in (result if isinstance(result, tuple) else (result,))]
+
+
+def _output_projection_tkg(batch, heads, seq, d_head, hidden, bias, transpose_out):
+    # test/integration/nkilib/core/output_projection/test_output_proj_tkg.py build_output_proj_tkg_input (no quant.)
+    quantization = importlib.import_module(CORE + "utils.common_types").QuantizationType
+    return {"attention": _randn((d_head, batch, heads, seq), BF16, 1), "weight": _randn((d_head * heads, hidden), BF16, 2),
+            "bias": (100 * _randn((1, hidden), np.float32, 3)).astype(BF16) if bias else None,
+            "quantization_type": quantization.NONE, "weight_scale": None, "input_scale": None,
+            "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
+
+
+def _output_projection_cte(batch, seq, hidden, heads, d_head, bias):
+    # test/integration/nkilib/core/output_projection/test_output_proj_cte.py generate_output_proj_cte_inputs
+    quantization = importlib.import_module(CORE + "utils.common_types").QuantizationType
+    rng = np.random.default_rng(11)  # np_random_sample: uniform in [0, 1)
+    return {"attention": rng.random((batch, heads, d_head, seq)).astype(np.float32).astype(BF16),
+            "weight": rng.random((heads * d_head, hidden)).astype(np.float32).astype(BF16),
+            "bias": (100 * _randn((1, hidden), np.float32, 3)).astype(BF16) if bias else None,
+            "quantization_type": quantization.NONE, "input_scales": None, "weight_scales": None}
+
+
+BF16_EPS = 2.0 ** -7
+
+CASES = [
+    ("cumsum 1x256 fp32", "cumsum.cumsum:cumsum", "cumsum.cumsum_torch:cumsum_torch_ref",
+     lambda: _cumsum(1, 256, 2, 1, FP32), 2, 1e-3, 1e-3),
+    ("cumsum 64x4x1024 bf16", "cumsum.cumsum:cumsum", "cumsum.cumsum_torch:cumsum_torch_ref",
+     lambda: _cumsum(64, 1024, 3, 4, BF16), 2, 1e-2, 1e-3),
+    ("cumsum 128x2048 fp32", "cumsum.cumsum:cumsum", "cumsum.cumsum_torch:cumsum_torch_ref",
+     lambda: _cumsum(128, 2048, 2, 1, FP32), 2, 1e-3, 1e-3),
+    ("rmsnorm_tkg lnc1 1x1x8192", "subkernels.rmsnorm_tkg:rmsnorm_tkg",
+     "subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
+     lambda: _rmsnorm_tkg(1, 1, 8192, None, False, False, FP16), 1, 2e-2, 1e-5),
+    ("rmsnorm_tkg lnc1 1x4x2048 actual 1920", "subkernels.rmsnorm_tkg:rmsnorm_tkg",
+     "subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
+     lambda: _rmsnorm_tkg(1, 4, 2048, 1920, False, False, FP16), 1, 2e-2, 1e-5),
+    ("rmsnorm_tkg lnc2 2x8x8192", "subkernels.rmsnorm_tkg:rmsnorm_tkg", "subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref",
+     lambda: _rmsnorm_tkg(2, 8, 8192, None, False, False, FP16), 2, 2e-2, 1e-5),
+    ("rmsnorm_tkg lnc2 4x1x3072 shard_on_h", "subkernels.rmsnorm_tkg:rmsnorm_tkg",
+     "subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref",
+     lambda: _rmsnorm_tkg(4, 1, 3072, None, False, True, FP16), 2, 2e-2, 1e-5),
+    ("rmsnorm_tkg lnc2 1x1x4096 hidden_dim_tp", "subkernels.rmsnorm_tkg:rmsnorm_tkg",
+     "subkernels.rmsnorm_torch:rmsnorm_tkg_torch_ref_lnc1",
+     lambda: _rmsnorm_tkg(1, 1, 4096, 3072, True, False, FP16), 1, 2e-2, 1e-5),
+    ("layernorm_tkg lnc1 1x8x8192", "subkernels.layernorm_tkg:layernorm_tkg",
+     "subkernels.layernorm_torch:layernorm_tkg_torch_ref_lnc1",
+     lambda: _layernorm_tkg(1, 8, 8192, False, FP16), 1, 2e-2, 1e-5),
+    ("layernorm_tkg lnc2 2x8x8192", "subkernels.layernorm_tkg:layernorm_tkg",
+     "subkernels.layernorm_torch:layernorm_tkg_torch_ref",
+     lambda: _layernorm_tkg(2, 8, 8192, False, FP16), 2, 2e-2, 1e-5),
+    ("layernorm_tkg lnc2 4x1x3072 shard_on_h", "subkernels.layernorm_tkg:layernorm_tkg",
+     "subkernels.layernorm_torch:layernorm_tkg_torch_ref",
+     lambda: _layernorm_tkg(4, 1, 3072, True, FP16), 2, 2e-2, 1e-5),
+    ("attention_bwd 1x1x1 S512 d128 causal", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(1, 1, 1, 512, 128, BF16, True), 1, 2e-2, 1e-5),
+    ("attention_bwd 1x2x1 S256 d64 non-causal", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(1, 2, 1, 256, 64, BF16, False), 1, 2e-2, 1e-5),
+    ("attention_bwd lnc2 2x2x1 S256 d128 causal", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(2, 2, 1, 256, 128, BF16, True), 2, 2e-2, 1e-5),
+    ("attention_bwd 1x2x1 S256 d64 causal sink", "attention.attention_bwd:attention_bwd",
+     "attention.attention_bwd_torch:attention_bwd_torch_ref",
+     lambda: _attention_bwd(1, 2, 1, 256, 64, BF16, True, sinks=True), 1, 2e-2, 1e-5),
+    ("rope d64 B1 H1 S16 contiguous", "embeddings.rope:RoPE", "embeddings.rope_torch:rope_torch_ref",
+     lambda: _rope(64, 1, 1, 16, True, False), 2, BF16_EPS, 1e-3),
+    ("rope d128 B8 H8 S128 relayout", "embeddings.rope:RoPE", "embeddings.rope_torch:rope_torch_ref",
+     lambda: _rope(128, 8, 8, 128, False, True), 2, BF16_EPS, 1e-3),
+    ("cascaded_max lnc1 1x1x3168", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(1, 1, 3168, FP32), 1, 1e-5, 1e-5),
+    ("cascaded_max lnc2 8x5x4058", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(8, 5, 4058, FP32), 2, 1e-5, 1e-5),
+    ("cascaded_max lnc2 65x1x3168", "max.cascaded_max:cascaded_max", "max.cascaded_max_torch:cascaded_max_torch_ref",
+     lambda: _cascaded_max(65, 1, 3168, FP32), 2, 1e-5, 1e-5),
+    ("rope_hf lnc1 1x32x8 S256 d128 fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 256, 128, FP32, False), 1, 1e-6, 1e-6),
+    ("rope_hf lnc2 1x32x8 S512 d64 fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 512, 64, FP32, False), 2, 1e-6, 1e-6),
+    ("rope_hf lnc2 backward fp32", "embeddings.rope_hf:rope_hf", "embeddings.rope_hf_torch:rope_hf_torch_ref",
+     lambda: _rope_hf(1, 32, 8, 256, 128, FP32, True), 2, 1e-6, 1e-6),
+    ("attention_cte lnc2 1x256x256 d64 causal", "attention.attention_cte:attention_cte", _attention_cte_reference,
+     lambda: _attention_cte(1, 256, 256, 64, BF16, True, True, False, False, False), 2, 2e-2, 1e-5),
+    ("attention_cte lnc2 2x512x512 d128 tp_k tp_out cache_softmax", "attention.attention_cte:attention_cte",
+     _attention_cte_reference,
+     lambda: _attention_cte(2, 512, 512, 128, BF16, False, False, True, True, True), 2, 2e-2, 1e-5),
+    ("attention_cte lnc1 1x384x384 d128 window 128 sink", "attention.attention_cte:attention_cte",
+     _attention_cte_reference,
+     lambda: _attention_cte(1, 384, 384, 128, FP32, True, True, False, False, False, 128, True), 1, 2e-2, 1e-5),
+    ("output_projection_tkg 4x8x4 d64 H3072 bias transposed", "output_projection.output_projection_tkg:"
+     "output_projection_tkg", "output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+     lambda: _output_projection_tkg(4, 8, 4, 64, 3072, True, True), 2, 2e-2, 1e-5),
+    ("output_projection_tkg 4x10x8 d128 H602 bias", "output_projection.output_projection_tkg:output_projection_tkg",
+     "output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref",
+     lambda: _output_projection_tkg(4, 10, 8, 128, 602, True, False), 2, 2e-2, 1e-5),
+    ("output_projection_cte 1x16 H5120 10 heads d128 bias", "output_projection.output_projection_cte:"
+     "output_projection_cte", "output_projection.output_projection_cte.output_projection_cte_torch:"
+     "output_projection_cte_torch_ref", lambda: _output_projection_cte(1, 16, 5120, 10, 128, True), 2, 2e-2, 1e-5),
+    ("output_projection_cte 1x128 H3072 16 heads d64 bias", "output_projection.output_projection_cte:"
+     "output_projection_cte", "output_projection.output_projection_cte.output_projection_cte_torch:"
+     "output_projection_cte_torch_ref", lambda: _output_projection_cte(1, 128, 3072, 16, 64, True), 2, 2e-2, 1e-5),
+    ("cross_entropy_forward 1 position V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
+     _cross_entropy_forward_reference,
+     lambda: _cross_entropy(1, 32128, BF16, positions_per_batch=1, chunk_size=32128), 2, 1e-2, 1e-2),
+    ("cross_entropy_forward 256 positions V32128 bf16", "nkilib_src.nkilib.experimental.loss:cross_entropy_forward",
+     _cross_entropy_forward_reference,
+     lambda: _cross_entropy(256, 32128, BF16, positions_per_batch=64, chunk_size=32128), 2, 1e-2, 1e-2),
+    ("cross_entropy_backward 1 position V32128 bf16 mean",
+     "nkilib_src.nkilib.experimental.loss:cross_entropy_backward", _cross_entropy_backward_reference,
+     lambda: _cross_entropy(1, 32128, BF16, reduction="mean", positions_per_batch=1, chunk_size=16384), 2, 1e-2, 1e-2),
+    ("cross_entropy_backward 256 positions V32128 fp32 sum",
+     "nkilib_src.nkilib.experimental.loss:cross_entropy_backward", _cross_entropy_backward_reference,
+     lambda: _cross_entropy(256, 32128, FP32, reduction="sum", positions_per_batch=64, chunk_size=8192), 2, 1e-5, 1e-5),
+]
+
+
+def _resolve(spec):
+    if callable(spec):
+        return spec
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(CORE + module if not module.startswith("nkilib_src") else module), name)
+
+
+def run_case(kernel_spec, reference_spec, make_inputs, lnc, rtol, atol):
+    """None if the kernel's outputs match the reference within the test's tolerances, else why not."""
+    inputs = make_inputs()
+    kernel = _resolve(kernel_spec)
+    # the kernel gets copies: the emulator works in the caller's memory, and an in-place kernel (cross_entropy's
+    # backward) would overwrite the reference's inputs, as on a device it does not overwrite the host's
+    copies = {name: value.copy() if isinstance(value, np.ndarray) else value for name, value in inputs.items()}
+    outputs = _outputs(nki_emulator.simulate(kernel)[lnc](**copies))
+    expected = reference_spec(inputs) if callable(reference_spec) else _call_reference(_resolve(reference_spec), inputs)
+    if len(outputs) != len(expected):
+        return f"{len(outputs)} outputs, the reference has {len(expected)}"
+    for i, (out, ref) in enumerate(zip(outputs, expected)):
+        if out.shape != ref.shape and out.size == ref.size:
+            out = out.reshape(ref.shape)
+        if out.shape != ref.shape:
+            return f"output {i}: shape {out.shape}, reference {ref.shape}"
+        # nki-library's maxAllClose, "max" mode (test/integration/nkilib/utils/comparators.py): |out - ref| <= atol
+        # + rtol * max|ref|, every element
+        error = np.abs(out - ref)
+        bad = ~(error <= atol + rtol * np.nanmax(np.abs(ref)))
+        if bad.any():
+            return f"output {i}: {bad.sum()} of {bad.size} values off (max abs error {np.nanmax(error):.3g})"
+    return None
+
+
+def _neuron_dtypes_stand_in():
+    """nki-library's MX reference helpers (core/utils/mx_torch_common.py) import AWS's neuron_dtypes, which is not on
+    PyPI; where it is missing, its ``static_cast`` (a dtype conversion) stands in, so the non-MX references that
+    import that module load. The MX paths are not among the cases."""
+    try:
+        import neuron_dtypes  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("neuron_dtypes")
+        stand_in.static_cast = lambda array, dtype: np.asarray(array).astype(dtype)
+        sys.modules["neuron_dtypes"] = stand_in
+
+
+def main(argv):
+    if not argv:
+        sys.exit("usage: python -m nki_emulator.official_kernels PATH_TO_NKI_LIBRARY_CHECKOUT [name-filter]")
+    sys.path.insert(0, f"{argv[0]}/src")
+    nki_emulator.install()
+    _neuron_dtypes_stand_in()
+    wanted = argv[1] if len(argv) > 1 else ""
+    passed = total = 0
+    for name, kernel_spec, reference_spec, make_inputs, lnc, rtol, atol in CASES:
+        if wanted not in name:
+            continue
+        total += 1
+        start = time.perf_counter()
+        try:
+            why = run_case(kernel_spec, reference_spec, make_inputs, lnc, rtol, atol)
+        except Exception as error:  # a refusal or a crash: report it and go on with the next case
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            why = f"{type(error).__name__}: {error} ({frame.filename.rpartition('/')[2]}:{frame.lineno})"
+        passed += why is None
+        print(f"{'pass' if why is None else 'FAIL'}  {name}  ({time.perf_counter() - start:.1f} s)"
+              + ("" if why is None else f": {why}"), flush=True)
+    print(f"{passed} of {total} cases pass")
+    return 0 if passed == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""An NKI kernel that fails to build at its first call does not end a run: its op goes on on PyTorch, said in
+one line and in the checkpoint's per-op record; compiled, the graph is built once more. The failures are the
+emulator's own refusals (a tile of 256 partitions), injected by swapping a kernel for one that makes it."""
+import collections
+import functools
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import kernels
+import nki.language as nl
+import train
+from tiny import TINY_RUN
+
+REAL_FWD, REAL_BWD = kernels.flash_attention_fwd_kernel, kernels.flash_attention_bwd_kernel
+COMPILE = torch.compile
+REFUSAL = "NKI kernel failed to build: NkiValidationError: ndarray: partition dim 256 exceeds the 128 partitions"
+# attention on NKI (even "nki", which otherwise means NKI or an error), the rest on PyTorch: fast under the emulator
+RUN = TINY_RUN + ["--n_layer=1", "--sequence_len=128", "--batch_size=1", "--eval_tokens=128", "--max_steps=2",
+                  "--kernels=torch,attention:nki"]
+
+
+def flash_attention_fwd_kernel(q, k, v, scale, window):  # the op's name in the kernel's, as kernels._kernel_op reads it
+    nl.ndarray((256, 1), dtype=nl.float32, buffer=nl.sbuf)  # 256 partitions of 128: refused at its first call
+    return REAL_FWD(q, k, v, scale, window)
+
+
+def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
+    nl.ndarray((256, 1), dtype=nl.float32, buffer=nl.sbuf)
+    return REAL_BWD(q, k, v, out, d_out, lse, scale, window)
+
+
+def refused_from_batch_2(q, k, v, scale, window):  # no op's name: flash_attention_fwd_kernel's name is given below
+    nl.ndarray((q.shape[0] * 128, 1), dtype=nl.float32, buffer=nl.sbuf)  # fine at batch 1, refused at 2
+    return REAL_FWD(q, k, v, scale, window)
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernels(monkeypatch):
+    """No fallback, build or compiled graph of another test carries over; whatever a test injects, the
+    injected kernel is a function the process has never run."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(kernels, "BUILD_FAILURES", {})
+    monkeypatch.setattr(kernels, "_built_kernels", set())
+    monkeypatch.setattr(kernels, "_fallbacks_logged", set())
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def attention(batch):
+    q = torch.randn(batch, 1, 128, 32, generator=torch.Generator().manual_seed(batch))
+    return kernels.attention(q, q, q, mode="nki")
+
+
+def test_a_kernels_first_call_failure_names_its_op_and_a_later_failure_passes_through(monkeypatch):
+    monkeypatch.setattr(kernels, "flash_attention_fwd_kernel", flash_attention_fwd_kernel)
+    with pytest.raises(kernels.KernelBuildError, match=f"attention: {REFUSAL}") as error:
+        attention(1)
+    assert error.value.op == "attention" and error.value.why.startswith(REFUSAL)
+    later = functools.wraps(flash_attention_fwd_kernel)(refused_from_batch_2)
+    monkeypatch.setattr(kernels, "flash_attention_fwd_kernel", later)
+    attention(1)  # built and run: a later failure is the kernel's, not its build's
+    with pytest.raises(Exception, match="partition dim 256") as error:
+        attention(2)
+    assert not isinstance(error.value, kernels.KernelBuildError)
+
+
+def test_every_kernel_names_its_op():
+    with open(kernels.__file__) as f:
+        launched = set(re.findall(r"_run_kernel\((\w+_kernel),", f.read()))
+    found = {name: kernels._kernel_op(getattr(kernels, name)) for name in launched}
+    assert found["flash_attention_bwd_kernel"] == "attention" and found["add_rms_norm_fwd_kernel"] == "add_rms_norm"
+    assert found["rms_norm_bwd_kernel"] == "rms_norm" and set(found.values()) == set(kernels.KERNEL_OPS)
+
+
+Trainee = collections.namedtuple("Trainee", "model raw_model sharding rebuild")
+
+
+def test_only_a_build_failure_is_survived_and_each_op_falls_back_once():
+    """A build failure, even wrapped by a compiler, falls back and the work runs again on the rebuilt module;
+    any other error, and a second build failure of an op already on PyTorch, ends the run."""
+    raw_model = torch.nn.Linear(2, 2)
+    raw_model(torch.ones(2)).sum().backward()  # the failed try's gradients: dropped
+    trainee, logged, tries = Trainee("first", raw_model, None, lambda: "rebuilt"), [], []
+
+    def work(model):
+        tries.append(model)
+        if len(tries) == 1:
+            try:
+                raise kernels.KernelBuildError("mlp", ValueError("no such instruction"))
+            except kernels.KernelBuildError:
+                raise RuntimeError("backend compiler failed") from None  # as dynamo wraps it: the context kept
+        return "done"
+
+    result, trainee = train.surviving_build_failures(work, trainee, lambda *a, **fields: logged.append(fields))
+    assert (result, trainee.model, tries) == ("done", "rebuilt", ["first", "rebuilt"])
+    why = "NKI kernel failed to build: ValueError: no such instruction"
+    assert kernels.BUILD_FAILURES == {"mlp": why} and logged == [{"op": "mlp", "why": why}]
+    assert raw_model.weight.grad is None
+    with pytest.raises(kernels.KernelBuildError):  # mlp again: on PyTorch already, so not a build of it
+        train.surviving_build_failures(lambda _: fails_to_build("mlp"), trainee, logged.append)
+    with pytest.raises(ZeroDivisionError):
+        train.surviving_build_failures(lambda _: 1 / 0, trainee, logged.append)
+    assert len(logged) == 1
+
+
+def fails_to_build(op):
+    raise kernels.KernelBuildError(op, RuntimeError("again"))
+
+
+def run(out_dir, data_dir, *extra):
+    return train.main(RUN + [f"--out_dir={out_dir}", f"--data_dir={data_dir}", *extra])
+
+
+def events(out_dir, kind):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == kind]
+
+
+@pytest.mark.parametrize("compiled, failing, sharded", [(False, flash_attention_fwd_kernel, False),
+                                                       (False, flash_attention_bwd_kernel, True),
+                                                       (True, flash_attention_bwd_kernel, False)])
+def test_a_run_whose_attention_kernel_fails_to_build_finishes_on_pytorch_attention(tmp_path, data_dir, monkeypatch,
+                                                                                    capsys, compiled, failing, sharded):
+    """The forward fails in the first evaluation; the backward inside the first step, after gradients of the
+    layers above reached the (sharded optimizer's) buffer; compiled (AOT autograd, as the Neuron backend),
+    inside the first step's graph, which is then compiled once more. Each run trains on PyTorch attention,
+    with the losses and gradient norms of a run on PyTorch from the start, and final.pt says why."""
+    compiles = []
+
+    def compile_as_for_neuron(model, **_):
+        if isinstance(model, torch.nn.Module):  # the model; Muon's update is compiled too on CPU
+            compiles.append(model)
+        return COMPILE(model, backend="aot_eager_default_partitioner", fullgraph=True)
+
+    monkeypatch.setattr(train.torch, "compile", compile_as_for_neuron)
+    monkeypatch.setattr(kernels, failing.__name__, failing)
+    shard = f"--shard_optimizer={str(sharded).lower()}"
+    result = run(tmp_path / "fell_back", data_dir, f"--compile={compiled}", shard)
+    [fallback] = events(tmp_path / "fell_back", "kernel_fallback")
+    assert fallback["op"] == "attention" and fallback["why"].startswith(REFUSAL)
+    said = [line for line in capsys.readouterr().out.splitlines() if "failed to build" in line]
+    assert said == [f"warning: attention: {fallback['why']}; attention runs on PyTorch for the rest of the run "
+                    "(docs/troubleshooting.md)"]
+    record = torch.load(tmp_path / "fell_back" / "final.pt", weights_only=True)["kernels"]
+    assert record["attention"] == {"ran": "torch", "why": fallback["why"]}
+    assert len(compiles) == (2 if compiled else 0) and kernels.BUILD_FAILURES == {}  # rebuilt once; gone with the run
+    assert train.load_for_eval(str(tmp_path / "fell_back" / "final.pt")).config.kernels == "torch"
+
+    on_torch = run(tmp_path / "torch", data_dir, "--compile=false", shard, "--kernels=torch")
+    steps = [[(e["loss"], e["grad_norm"]) for e in events(tmp_path / out, "train")] for out in ("fell_back", "torch")]
+    assert len(steps[0]) == 2 and steps[0] == [pytest.approx(s, rel=1e-6) for s in steps[1]]
+    assert result["final_eval"]["val_bpb"] == pytest.approx(on_torch["final_eval"]["val_bpb"], rel=1e-6)
