@@ -36,8 +36,10 @@ def ablation_rows(steps):
     scale = steps / FULL_RUN_STEPS
     short = {"muon_momentum_warmup_steps": max(1, round(300 * scale))}
     short_ema = {"ema_every": max(1, round(32 * scale)), "ema_decay": round(0.99 ** (1 / scale), 4)}
-    rows = [("baseline", {}), ("frontier", {name: contest.FRONTIER[name] for fields in contest.FRONTIER_LEVERS.values() for name in fields})]
-    rows += [(f"+ {lever}", {f: contest.FRONTIER[f] for f in fields}) for lever, fields in contest.FRONTIER_LEVERS.items()]
+    levers = contest.FRONTIER_LEVERS
+    every = {name: contest.FRONTIER[name] for fields in levers.values() for name in fields}
+    rows = [("baseline", {}), ("frontier", every)]
+    rows += [(f"+ {lever}", {f: contest.FRONTIER[f] for f in fields}) for lever, fields in levers.items()]
     args = []
     for name, levers in rows:
         levers = {**levers, **short, **(short_ema if levers.get("ema_decay") else {})}
@@ -72,7 +74,8 @@ def run_ablation(seeds, steps, extra=()):
     for name, values in results.items():
         deltas = [v - b for v, b in zip(values, results["baseline"])]
         delta = "" if name == "baseline" else f"{statistics.mean(deltas):+.4f} ({spread(deltas):.4f})"
-        print(f"| {name} | {statistics.mean(values):.4f} | {spread(values):.4f} | {delta} | {', '.join(f'{v:.4f}' for v in values)} |")
+        each = ", ".join(f"{v:.4f}" for v in values)
+        print(f"| {name} | {statistics.mean(values):.4f} | {spread(values):.4f} | {delta} | {each} |")
     print(f"\n{seeds} seeds x {len(results)} configs, {steps} steps of 2,048 tokens each, in "
           f"{time.perf_counter() - started:.0f} s (torch.get_num_threads() = {torch.get_num_threads()})")
     return results

@@ -39,8 +39,8 @@ def gemm(m, k, n, batch=1):
     tiles, width = out_tiles * math.ceil(k / 128), min(n, 512)
     matmul = nki_emulator.Instruction("nc_matmul", "tensor", min(k, 128), width, ("float32", "bfloat16", "bfloat16"),
                                       ("psum", "sbuf", "sbuf"), stationary=min(m, 128))
-    evict = [nki_emulator.Instruction("tensor_copy", engine, min(m, 128), width, ("bfloat16", "float32"), ("sbuf", "psum"))
-             for engine in ("vector", "scalar")]
+    evict = [nki_emulator.Instruction("tensor_copy", engine, min(m, 128), width, ("bfloat16", "float32"),
+                                      ("sbuf", "psum")) for engine in ("vector", "scalar")]
     return [(tiles, matmul), (out_tiles / 2, evict[0]), (out_tiles / 2, evict[1]),
             (1, hbm(batch * (m * k + k * n + m * n), "bfloat16"))]
 
@@ -73,11 +73,13 @@ def compiled_ops(name, c, sequences, norm_elements=None):
     if name == "attention":  # full T x T scores: q k^T and p v forward; dP (a qk), dV, dQ, dK (pv's) backward
         scores = sequences * H * T * T
         qk, pv = gemm(T, D, T, sequences * H), gemm(T, T, D, sequences * H)
-        return {"forward": [qk, pv, passes(scores, one_input=3, two_input=1, scalar=1)],  # mask, max, exp, normalise, cast
+        # forward: mask, max, exp, normalise, cast
+        return {"forward": [qk, pv, passes(scores, one_input=3, two_input=1, scalar=1)],
                 "backward": [qk, pv, pv, pv, passes(scores, one_input=1, two_input=1)]}
     if name == "mlp":  # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
         up, down = linear(N, C, hidden), linear(N, hidden, C)
-        return {"forward": [up["forward"]] * n_up + [down["forward"], passes(N * hidden, one_input=2, dtype="bfloat16")],
+        return {"forward": [up["forward"]] * n_up + [down["forward"],
+                                                     passes(N * hidden, one_input=2, dtype="bfloat16")],
                 "backward": [up["backward"]] * n_up + [down["backward"],
                                                         passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16")]}
     if name == "rms_norm":  # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes

@@ -45,6 +45,7 @@ class AttentionShape(NamedTuple):
     n_kv_head: int
     seq_len: int
     head_dim: int
+    window: int | None = None  # earlier keys each query sees (kernels.attention), None for all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,20 +67,24 @@ class CheckShapes:
 # Ragged wherever the kernels allow it: an odd batch, token counts that leave the last 128-row tile partial,
 # a vocabulary padded to a multiple of 128. Attention: grouped heads 4:1 of 32 over 3 query tiles; and
 # head_dim 256 (two pieces of the head dim) with one KV head over 640 keys (two score blocks of 512, the
-# second partial: the row max alternates VectorE and ScalarE). The MLP's 4 hidden tiles in chunks of 2, so the
+# second partial: the row max alternates VectorE and ScalarE); and a window of 128 over 384 keys (the key
+# blocks wholly outside it skipped). The MLP's 4 hidden tiles in chunks of 2, so the
 # partial sums between chunks run as at the widths people train (kernels._mlp_chunk_tiles).
-CPU_SHAPES = CheckShapes(attention=(AttentionShape(3, 4, 1, 384, 32), AttentionShape(1, 2, 1, 640, 256)),
+CPU_SHAPES = CheckShapes(attention=(AttentionShape(3, 4, 1, 384, 32), AttentionShape(1, 2, 1, 640, 256),
+                                    AttentionShape(1, 2, 1, 384, 64, window=128)),
                          batch=3, rows=67, dim=128, hidden=512, activations=kernels.MLP_ACTIVATIONS,
                          mlp_chunk_tiles=2, vocab=257, logit_softcap=15.0)
 
 
 def check_shapes(model_cfg, batch_size, on_device):
     """The shapes --check runs the kernels at: on a device the run's own (`batch_size` sequences of the
-    model's), elsewhere CPU_SHAPES."""
+    model's, attention at each window its layers use), elsewhere CPU_SHAPES."""
     if not on_device:
         return CPU_SHAPES
     c = model_cfg
-    return CheckShapes(attention=(AttentionShape(batch_size, c.n_head, c.n_kv_head, c.sequence_len, c.head_dim),),
+    windows = sorted(set(c.attention_windows()), key=lambda w: -1 if w is None else w)
+    return CheckShapes(attention=tuple(AttentionShape(batch_size, c.n_head, c.n_kv_head, c.sequence_len, c.head_dim, w)
+                                       for w in windows),
                        batch=batch_size, rows=c.sequence_len, dim=c.n_embd, hidden=c.hidden_dim,
                        activations=(c.mlp,), mlp_chunk_tiles=0, vocab=c.vocab_size, logit_softcap=c.logit_softcap)
 
@@ -115,11 +120,13 @@ def kernel_cases(shapes, dtype, device, seed):
     for a in shapes.attention:
         heads = f"{a.n_head}:{a.n_kv_head} heads of {a.head_dim}, T {a.seq_len}, batch {a.batch}"
         cases.append(KernelCase(
-            "attention", "attention", heads,
+            "attention", "attention", heads + (f", window {a.window}" if a.window is not None else ""),
             lambda a=a: (tensor(a.batch, a.n_head, a.seq_len, a.head_dim),
                          tensor(a.batch, a.n_kv_head, a.seq_len, a.head_dim),
                          tensor(a.batch, a.n_kv_head, a.seq_len, a.head_dim)),
-            lambda q, k, v, mode: kernels.attention(q, k, v, mode=mode)))
+            lambda q, k, v, mode, a=a: kernels.attention(q, k, v, mode=mode, window=a.window)))
+        if a.window is not None:  # RoPE + QK-norm takes no window: once per shape is enough
+            continue
         tables = [t.to(device) for t in rotary_tables(a.seq_len, a.head_dim, 10000.0)]  # not inputs: no gradient
         cases.append(KernelCase(  # q and k of one layer, as the model calls it
             "rope_norm", "rope_norm", heads,

@@ -142,7 +142,8 @@ def print_plan(cfg, model_cfg, world_size):
         n_params = GPT(model_cfg).num_params()
     how = ("optimizer sharded: each rank keeps the state of its share" if shards_optimizer(cfg, world_size)
            else "optimizer not sharded: every rank keeps all of its state")
-    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; {how}")
+    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; "
+          f"{how}")
     for part, size in plan.items():
         print(f"  {part:<40} {size / GiB:8.2f} GiB")
     print(f"  {'total':<40} {total / GiB:8.2f} GiB")

@@ -13,10 +13,11 @@ from kit import runtime
 
 def sweep_title(cfg, model_cfg, device_type):
     """What a plot read on its own needs: the device, the dtype and the shape every point varies from."""
-    name = torch.cuda.get_device_name() if device_type == "cuda" else runtime.trainium_generation() if device_type == "neuron" else "CPU"
+    name = {"cuda": torch.cuda.get_device_name, "neuron": runtime.trainium_generation}.get(device_type, lambda: "CPU")()
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {model_cfg.n_layer} layers, n_embd "
-            f"{model_cfg.n_embd}, {model_cfg.n_head}/{model_cfg.n_kv_head} heads, seq {model_cfg.sequence_len}, batch {cfg.batch_size}")
+    c = model_cfg
+    return (f"MFU on {device_type} ({name}, {ranks} rank(s)), {cfg.dtype}; base: {c.n_layer} layers, "
+            f"n_embd {c.n_embd}, {c.n_head}/{c.n_kv_head} heads, seq {c.sequence_len}, batch {cfg.batch_size}")
 
 
 def write_sweep(rows, prefix, title):

@@ -38,9 +38,10 @@ def test_on_a_device_the_kernels_are_checked_at_the_runs_own_shapes():
             assert f"attention {dtype} {direction} (4:1 heads of 256, T 1024, batch 8)" in names
             assert any(n.startswith(f"mlp leaky_relu2 {dtype} {direction} (8 x 1024 rows of 1024, hidden 4096")
                        for n in names)
-    baseline_cfg, baseline = train.parse_args(["--preset=baseline"])
+    baseline_cfg, baseline = train.parse_args(["--preset=baseline", "--window_pattern=SSSL"])
     shapes = device_check.check_shapes(baseline, baseline_cfg.batch_size, on_device=True)
-    assert shapes.attention == (AttentionShape(8, 5, 5, 1024, 128),) and (shapes.dim, shapes.hidden) == (640, 2560)
+    assert shapes.attention == (AttentionShape(8, 5, 5, 1024, 128), AttentionShape(8, 5, 5, 1024, 128, window=256))
+    assert (shapes.dim, shapes.hidden) == (640, 2560)
 
 
 def test_on_the_cpu_the_smallest_shapes_reach_every_path_the_device_shapes_do():
@@ -48,6 +49,7 @@ def test_on_the_cpu_the_smallest_shapes_reach_every_path_the_device_shapes_do():
     assert shapes is device_check.CPU_SHAPES
     assert any(a.head_dim == 256 and a.n_kv_head == 1 for a in shapes.attention)  # two head-dim pieces, one KV head
     assert any(a.seq_len > kernels.KEY_BLOCK for a in shapes.attention)  # two score blocks: the ScalarE row max
+    assert any(a.window is not None and a.window + 128 < a.seq_len for a in shapes.attention)  # blocks skipped
     assert any(a.n_head > a.n_kv_head > 0 and a.head_dim < 128 for a in shapes.attention)  # grouped, one piece
     for dtype in device_check.KERNEL_DTYPES:
         for activation in kernels.MLP_ACTIVATIONS:

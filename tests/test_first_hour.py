@@ -44,7 +44,8 @@ def test_the_plan_runs_every_kernel_op_alone_and_on_a_device_the_paid_runs_ranks
                                                    + ["bench.py --check"])
     assert any("--kernels=torch" in n for n in names) and any("--kernels=nki" in n for n in names)
     assert any("2 ranks" in n for n in names) and any("resume" in n for n in names) and "load_for_eval" in names[-1]
-    assert all(set(first_hour.FIRST_HOUR_TINY) <= set(command) for name, command, _ in plan if name != "bench.py --check")
+    assert all(set(first_hour.FIRST_HOUR_TINY) <= set(command) for name, command, _ in plan
+               if name != "bench.py --check")
     check = dict((name, command) for name, command, _ in plan)["bench.py --check"]
     assert f"--json={first_hour.check_json(str(tmp_path))}" in check  # the per-op results the flags are drawn from
     on_trainium = first_hour.plan(["--preset=baseline"], True, str(tmp_path), 1, 8)
