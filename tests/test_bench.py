@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import bench
-import kernels
 import train
 from kit import memory, runtime
 

@@ -34,7 +34,7 @@ def test_steps_run_in_children_with_their_own_timeouts_and_end_in_one_table(caps
 
 def _train_args(command):
     """The train.py flags of a plan step's command."""
-    return [a for a in command[command.index(next(a for a in command if a.endswith("train.py"))) + 1:]]
+    return command[next(i for i, a in enumerate(command) if a.endswith("train.py")) + 1:]
 
 
 def test_the_plan_runs_every_kernel_op_alone_and_on_a_device_the_paid_runs_ranks(tmp_path):
