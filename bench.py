@@ -8,15 +8,13 @@ Throughput, MFU and kernel efficiency, measured on the device at hand.
     python bench.py --step_estimate --preset=baseline # a whole Trn2 training step, estimated from the cost model
     python bench.py --versus_nanogpt=../nanoGPT       # tokens/s against nanoGPT's model at the same shapes
     python bench.py --sweep --sweep_out=sweep         # shape choices -> sweep.csv, sweep.json, sweep.png
-
-and the programs in kit/ that these flags run:
-
     python bench.py --first_hour --preset=baseline    # kit/first_hour.py: the whole first Trainium session
     python bench.py --check                           # kit/device_check.py: NKI against PyTorch on this device
     python bench.py --memory --preset=phase2 --world_size=64  # kit/memory.py: per-rank memory plan
     OMP_NUM_THREADS=1 python bench.py --ablation      # kit/ablation.py: val_bpb of each frontier lever (CPU)
 
-Every train.py field is accepted as --field=value (so --preset=baseline works too).
+The last four run the programs in kit/ named. Every train.py field is accepted as --field=value (so
+--preset=baseline works too).
 
 Training throughput runs train.py's own optimizer step (same compile, autocast and optimizers) on random
 tokens, leaves out --bench_warmup steps (compilation), synchronises the device before every timer read
@@ -33,8 +31,10 @@ under the CPU emulator, whose cost model (nki_emulator/_cost.py, each formula wi
 every instruction on its engine; a kernel call gets a busy time per engine, a bottleneck, an overlap bound
 (the busiest engine: estimate_s) and a serial bound (the sum: serial_s). A whole training step adds what the
 compiler generates around the kernels, priced with the same table (kit/compiled_cost.py); its assumptions
-are STEP_ASSUMPTIONS. Estimates, not measurements: host dispatch, dependencies between engines and compiler
-scheduling are left out.
+are STEP_ASSUMPTIONS (there too). Both print a range: the optimistic figure above (overlap bound) and a central one, each
+kernel call scheduled (nki_emulator/_schedule.py: in-order engines, the tiles' dependencies, DMA fixed cost) with
+the factors and launch cost calibrated against public hardware timings (nki_emulator/calibrate.py). Estimates, not
+measurements: host dispatch and the compiler's own scheduling are left out.
 """
 import argparse
 import dataclasses
@@ -63,8 +63,8 @@ import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 from kit import ablation, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
-from kit.compiled_cost import (ENGINES, HEAD_PASSES, compiled_estimate, compiled_ops, gemm, linear,  # noqa: E402
-                               op_seconds, passes)
+from kit.compiled_cost import (ADAMW_PASSES, ENGINES, HEAD_PASSES, MUON_PASSES, STEP_ASSUMPTIONS,  # noqa: E402
+                               compiled_estimate, compiled_ops, gemm, linear, op_seconds, passes, pricing)
 from model import GPT, rotary_tables
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
@@ -240,6 +240,7 @@ def kernel_estimate(counts):
     tensor_s = estimate["engines"]["tensor"]
     return {
         **estimate,
+        **nki_emulator.schedule_figures(counts.trace, "trn2"),  # scheduled_s, central_s (calibrated + launches)
         "tensore_utilisation": counts.matmul_flops / (tensor_s * PE_FLOPS_PER_CYCLE * TRN2.tensor_hz) if tensor_s else 0.0,
         "matmuls": len(counts.matmul_shapes),
         "transposes": len(counts.transposes),
@@ -314,14 +315,15 @@ def _compiled_fallback(model_cfg, name, batch_size, backward):
     return {**estimate, "serial_s": sum(estimate["engines"].values())}
 
 
-def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS):
+def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS, timeline=None):
     """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
     the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
     PyTorch path timed here, and both priced for one Trn2 NeuronCore, the kernel by its emulated trace
     (kernel_estimate; where the kernel refuses the shapes, `nki_unavailable` says why) and the fallback as
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
     fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
-    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure."""
+    kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure. `timeline`: a folder for each emulated
+    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png)."""
     dtype = runtime.compute_dtype(cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
@@ -362,6 +364,9 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS)
                                **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
                 else:
                     row.update(kernel_estimate(counts), priced="nki")
+                    if timeline:
+                        nki_emulator.timeline.write(counts.trace, nki_emulator.schedule(counts.trace, "trn2"), timeline,
+                                                    f"{row['op']}_{direction.replace('+', '_')}", f"{name} {direction}")
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
             row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
             rows.append(row)
@@ -388,11 +393,15 @@ def print_kernels(rows, on_trainium):
     if not on_trainium:
         print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py), and "
               "the compiled PyTorch fallback priced as plain ops (compiled_ops): us busy per engine (T TensorE, V "
-              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (busiest engine) and the "
-              "serial bound (sum); 'torch ms' is this machine's PyTorch path")
+              "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (est: busiest engine, the "
+              "optimistic figure), the schedule (sched: engines in order, dependencies, DMA fixed cost), the central "
+              "figure (central: the schedule with the calibrated factors and launch cost, nki_emulator._cost."
+              "CALIBRATED) and the serial bound (sum); 'torch ms' is this machine's PyTorch path. Not modelled: host "
+              "dispatch idle, the compiler's own scheduling")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
           + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
-             f"{'est us':>7} {'serial':>7}  {'bound':<7}" + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
+             f"{'est us':>7} {'sched':>7} {'central':>7} {'serial':>7}  {'bound':<7}"
+             + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
              + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
         if r["flops"]:
@@ -408,7 +417,8 @@ def print_kernels(rows, on_trainium):
             line += (f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
                      f"  {r['choice']}")
         else:
-            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
+            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['scheduled_s']:>7.1f} {1e6 * r['central_s']:>7.1f} "
+                     f"{1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
                      + "".join(f"{1e6 * r['engines'][e]:>8.1f}" for e in ENGINE_LETTERS)
                      + f"  {100 * r['tensore_utilisation']:>10.0f}%")
         if not on_trainium:
@@ -424,43 +434,9 @@ def print_kernels(rows, on_trainium):
 # -----------------------------------------------------------------------------
 # a whole training step on Trn2, estimated: the kernels' costs plus what the compiler generates around them
 
-STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
-    "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
-    "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm, the head's softcap "
-    "cross-entropy, RoPE fused with QK-norm; forward + backward) cost their "
-    "emulated trace for one sequence at the overlap bound (busiest engine), times the sequences of a step; "
-    "without the RoPE + QK-norm kernel, RMSNorm on q and k costs the same per element as on the model's rows, in "
-    "bf16, after the rotary's elementwise passes; on the residual "
-    "stream and the embedding, which stay fp32 under autocast, the norm and the fused residual add + norm are "
-    "priced on fp32 rows (a branch added to the stream is bf16)",
-    "an op without its kernel (kernels=torch, or shapes the kernel refuses, e.g. head_dim > 256) is compiled as "
-    "plain ops: its matmuls, plus elementwise passes (attention: the full T x T scores in fp32, mask, max, exp, "
-    "normalise, cast forward, 2 passes backward)",
-    "matmuls outside the kernels (q/k/v/o projections, lm_head, Muon's) tile into 128 x 128 x 512 bf16 nc_matmuls "
-    "at the ISA cost; the backward is the two matmuls for dX and dW; each PSUM tile is evicted once, by VectorE and "
-    "ScalarE in turn; the operands and the result cross HBM once",
-    "elementwise ops outside the kernels run as one 128-partition instruction each at the cost model's "
-    "VectorE/ScalarE rates, and each reads its inputs from HBM and writes its result to HBM (no fusion across "
-    "ops); without its kernel the head's softcap and cross-entropy are 5 fp32 passes over the logits forward "
-    "and 5 backward",
-    "within an op the engines overlap (its time is its busiest engine); ops run one after another",
-    "Muon (optim.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
-    "passes per matrix element; AdamW: 3 one-input and 5 two-input fp32 passes per parameter; gradient clipping "
-    "2 passes; accumulation 1 two-input pass per micro-step after the first. Sharded (optim.Sharding, the default "
-    "with more than one rank), the optimizer work of the busiest rank's share (optim.shard_layout); else all of it",
-    "the gradients' exchange through one core's DMA queues as ring collectives: sharded, a reduce-scatter and an "
-    "all-gather of the padded buffer, 2 (R - 1) / R x 4 bytes x R x the longest share; DDP, one all-reduce, "
-    "2 (R - 1) / R x 4 bytes x parameters",
-    "left out: host dispatch and eager per-op launch (where measured runs lose most), compilation, data "
-    "loading, dependencies between ops' engines, compiler fusion and spills, the levers' extra work (value "
-    "embeddings, multi-token prediction, EMA, batch warm-up)",
-)
-MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
-ADAMW_PASSES = (3, 5)  # lerp of m, v; sqrt, divide, step (torch's AdamW)
-
-
-def kernel_step_costs(model_cfg, tokens_per_call):
-    """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s), or None where
+def kernel_step_costs(model_cfg, tokens_per_call, central=False):
+    """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s; central: its
+    calibrated schedule plus its launches' cost shared by the call's sequences), or None where
     the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
     cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
@@ -476,7 +452,15 @@ def kernel_step_costs(model_cfg, tokens_per_call):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
-        seconds = lambda run: kernel_estimate(emulate(run, inputs, backward=True))["estimate_s"]  # noqa: E731
+
+        def seconds(run):  # one sequence's forward + backward: the overlap bound, or (central) the schedule
+            counts = emulate(run, inputs, backward=True)
+            if not central:
+                return kernel_estimate(counts)["estimate_s"]
+            c = nki_emulator.central_estimate(counts.trace, "trn2")
+            per_sequence = model_cfg.sequence_len / tokens_per_call  # a call's launches shared by its sequences
+            return c["scheduled_s"] + c["launches"] * nki_emulator.LAUNCH_S * per_sequence
+
         try:
             if name == "attention":  # each layer at its window (a window skips key blocks): the layers' mean
                 windows = model_cfg.attention_windows()
@@ -534,9 +518,17 @@ def _layer_ops(c, sequences, kernel_costs):
     return seconds
 
 
-def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None):
+def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None, central=False):
     """One optimizer step of train.py on `ranks` LNC=1 Trn2 NeuronCores, estimated (STEP_ASSUMPTIONS):
-    {component: seconds per step}, step_s, tokens_per_s (the job's), params."""
+    {component: seconds per step}, step_s, tokens_per_s (the job's), params. `central`: the central figure
+    (CENTRAL_ASSUMPTIONS) instead of the optimistic one."""
+    if central:
+        pricing.append(nki_emulator.calibrated_seconds)
+        try:
+            return step_estimate(cfg, model_cfg, ranks, kernel_costs or kernel_step_costs(
+                model_cfg, cfg.batch_size * model_cfg.sequence_len, central=True))
+        finally:
+            pricing.pop()
     c = model_cfg
     kernel_costs = kernel_step_costs(c, cfg.batch_size * c.sequence_len) if kernel_costs is None else kernel_costs
     with torch.device("meta"):  # shapes only
@@ -595,6 +587,22 @@ def print_step_estimate(r, model_cfg):
     for name, seconds in sorted(r["components"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:<30} {1e3 * seconds:9.2f} ms  {100 * seconds / r['step_s']:5.1f}%")
     print(f"  {'step':<30} {1e3 * r['step_s']:9.2f} ms  -> {r['tokens_per_s']:,.0f} tokens/s")
+
+
+def print_step_range(optimistic, central, model_cfg):
+    """The optimistic and the central figure, with what the central one assumes and what neither models."""
+    with torch.device("meta"):
+        flops = GPT(dataclasses.replace(model_cfg)).flops_per_token()
+    peak = optimistic["ranks"] * runtime.PEAK_FLOPS["trn2"]
+    print("\nthe Trn2 step as a range (one number misleads; docs/results.md, calibration):")
+    for name, r, how in (("optimistic", optimistic, "every kernel at its busiest engine, no launch cost"),
+                         ("central", central, "kernels scheduled, calibrated factors, launch cost")):
+        print(f"  {name:<10} {r['tokens_per_s']:>10,.0f} tokens/s  {100 * r['tokens_per_s'] * flops / peak:4.0f}% MFU  "
+              f"step {1e3 * r['step_s']:8.2f} ms  ({how})")
+    print(f"  not modelled: {nki_emulator.NOT_MODELLED}")
+    print("  the central figure assumes (its factors: the 'calibrated:' entries of the assumptions below):")
+    for line in nki_emulator.CENTRAL_ASSUMPTIONS:
+        print(f"  - {line}")
 
 
 # Public measurements on Trn2, each set beside the estimate for its shapes; the estimate is not fitted to them.
@@ -715,6 +723,8 @@ def main(argv):
     parser.add_argument("--versus_nanogpt", metavar="DIR", help="tokens/s against karpathy/nanoGPT's model.py in "
                         "DIR (a checkout of yours) at the same shapes, steps interleaved in one process")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--timeline", metavar="DIR", help="with --kernels off Trainium: each emulated kernel call's "
+                        "schedule as a trace-event .json (open in ui.perfetto.dev) and a .png in DIR")
     for program in (device_check, first_hour, ablation):  # the programs in kit/ that bench.py runs
         program.add_flags(parser)
     args, rest = parser.parse_known_args(argv)
@@ -740,9 +750,11 @@ def main(argv):
         print(f"computing in {cfg.dtype} because {dtype_reason}")
     ranks = args.ranks or world_size
     if args.step_estimate:
-        results = {"step_estimate": step_estimate(cfg, model_cfg, ranks), "references": reference_estimates()}
+        results = {"step_estimate": step_estimate(cfg, model_cfg, ranks), "references": reference_estimates(),
+                   "central": step_estimate(cfg, model_cfg, ranks, central=True)}
         if rank == 0:
             print_step_estimate(results["step_estimate"], model_cfg)
+            print_step_range(results["step_estimate"], results["central"], model_cfg)
             print_references(results["references"])
     elif args.sweep:
         results = {"sweep": run_sweep(cfg, model_cfg, args, device_type, device, ranks)}
@@ -760,7 +772,7 @@ def main(argv):
                                                             args.bench_windows, args.bench_warmup, device_type, device)}
         print_versus(results["versus_nanogpt"], model_cfg, cfg.batch_size)
     elif args.kernels:
-        results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device)}
+        results = {"kernels": measure_kernels(cfg, model_cfg, device_type, device, timeline=args.timeline)}
         if rank == 0:
             print_kernels(results["kernels"], device_type == "neuron")
     else:

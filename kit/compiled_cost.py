@@ -3,13 +3,46 @@ What the compiler generates around the NKI kernels, priced for one Trn2 NeuronCo
 model (nki_emulator/_cost.py): bf16 matmuls tiled into nc_matmuls, elementwise passes on VectorE and ScalarE,
 HBM traffic. An op is a list of (count, instruction); its time is its busiest engine. bench.py's step estimate
 prices the projections, the head, the optimizer and every kernel op's compiled fallback (compiled_ops) with
-it; its assumptions are bench.STEP_ASSUMPTIONS.
+it; the step estimate's assumptions, these prices' included, are STEP_ASSUMPTIONS.
 """
 import math
 
 import nki_emulator
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
+STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_estimate prints them)
+    "ranks are LNC=1 NeuronCores of Trn2, priced with the emulator's cost model (nki_emulator/_cost.py)",
+    "NKI kernels (attention, MLP, RMSNorm, the residual add fused with RMSNorm, the head's softcap "
+    "cross-entropy, RoPE fused with QK-norm; forward + backward) cost their "
+    "emulated trace for one sequence at the overlap bound (busiest engine), times the sequences of a step; "
+    "without the RoPE + QK-norm kernel, RMSNorm on q and k costs the same per element as on the model's rows, in "
+    "bf16, after the rotary's elementwise passes; on the residual "
+    "stream and the embedding, which stay fp32 under autocast, the norm and the fused residual add + norm are "
+    "priced on fp32 rows (a branch added to the stream is bf16)",
+    "an op without its kernel (kernels=torch, or shapes the kernel refuses, e.g. head_dim > 256) is compiled as "
+    "plain ops: its matmuls, plus elementwise passes (attention: the full T x T scores in fp32, mask, max, exp, "
+    "normalise, cast forward, 2 passes backward)",
+    "matmuls outside the kernels (q/k/v/o projections, lm_head, Muon's) tile into 128 x 128 x 512 bf16 nc_matmuls "
+    "at the ISA cost; the backward is the two matmuls for dX and dW; each PSUM tile is evicted once, by VectorE and "
+    "ScalarE in turn; the operands and the result cross HBM once",
+    "elementwise ops outside the kernels run as one 128-partition instruction each at the cost model's "
+    "VectorE/ScalarE rates, and each reads its inputs from HBM and writes its result to HBM (no fusion across "
+    "ops); without its kernel the head's softcap and cross-entropy are 5 fp32 passes over the logits forward "
+    "and 5 backward",
+    "within an op the engines overlap (its time is its busiest engine); ops run one after another",
+    "Muon (optim.muon_update): 5 Polar Express iterations of 3 bf16 matmuls, 15 one-input and 6 two-input fp32 "
+    "passes per matrix element; AdamW: 3 one-input and 5 two-input fp32 passes per parameter; gradient clipping "
+    "2 passes; accumulation 1 two-input pass per micro-step after the first. Sharded (optim.Sharding, the default "
+    "with more than one rank), the optimizer work of the busiest rank's share (optim.shard_layout); else all of it",
+    "the gradients' exchange through one core's DMA queues as ring collectives: sharded, a reduce-scatter and an "
+    "all-gather of the padded buffer, 2 (R - 1) / R x 4 bytes x R x the longest share; DDP, one all-reduce, "
+    "2 (R - 1) / R x 4 bytes x parameters",
+    "left out: host dispatch and eager per-op launch (where measured runs lose most), compilation, data "
+    "loading, dependencies between ops' engines, compiler fusion and spills, the levers' extra work (value "
+    "embeddings, multi-token prediction, EMA, batch warm-up)",
+)
+MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
+ADAMW_PASSES = (3, 5)  # lerp of m, v; sqrt, divide, step (torch's AdamW)
 HEAD_PASSES = {"forward": ((3, 0), 2), "backward": ((3, 1), 1)}  # ((VectorE 1-, 2-input), ScalarE) over the logits
 
 
@@ -51,11 +84,14 @@ def linear(tokens, fan_in, fan_out):
             "backward": gemm(tokens, fan_out, fan_in) + gemm(fan_out, tokens, fan_in)}
 
 
+pricing = [nki_emulator.instruction_seconds]  # how compiled ops are priced: the cost model, or (central) calibrated
+
+
 def engine_seconds(op):
     """{engine: busy seconds} of an op, over (count, instruction) pairs."""
     engines = dict.fromkeys(ENGINES, 0.0)
     for count, instruction in op:
-        engines[instruction.engine] += count * nki_emulator.instruction_seconds(instruction, "trn2")
+        engines[instruction.engine] += count * pricing[-1](instruction, "trn2")
     return engines
 
 

@@ -8,7 +8,9 @@ limit). ``nki.jit`` first checks the kernel's source against the NKI meta-progra
 (see :mod:`._subset`). Arguments may be numpy arrays or CPU torch tensors (bf16/fp8 included); results
 come back as the same kind, and with torch tensors a kernel that returns one output gives it back bare,
 not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:`` records what the kernels did (see
-:class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`). ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
+:class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`),
+``nki_emulator.schedule(counts.trace)`` places it in time (see :mod:`._schedule`) and :mod:`.timeline` draws that
+schedule. ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
 trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6")`` (or env
 ``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. Memory model: see :mod:`._memory`.
 
@@ -21,16 +23,21 @@ import threading
 
 import numpy as np
 
-from . import isa, language, typing
-from ._cost import ASSUMPTIONS, ENGINE_SPECS, estimate, instruction_seconds, matmul_cycles
+from . import isa, language, timeline, typing
+from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
+                    matmul_cycles)
 from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
 from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
                        set_target, target)
+from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, calibrated_seconds, central_estimate, schedule,
+                        schedule_figures)
 from ._subset import check_kernel
 
 __all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
            "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
+           "schedule", "schedule_figures", "central_estimate", "calibrated_seconds", "CENTRAL_ASSUMPTIONS",
+           "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS",
            "language", "isa", "typing", "dtype"]
 
 dtype = language.DType  # ``nki.dtype``: what kernel signatures annotate dtypes with (nki-library API docs)

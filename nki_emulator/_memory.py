@@ -19,6 +19,7 @@ Model
   partition) was exceeded there. A tile allocated but never used costs nothing.
 """
 
+import itertools
 import os
 import sys
 from enum import Enum
@@ -102,7 +103,8 @@ class _Liveness:
 
 
 class _Storage:
-    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness")
+    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness", "serial")
+    _serials = itertools.count()  # each storage's identity in the trace (Instruction.reads/writes)
 
     def __init__(self, array, buffer, name, label, initialised):
         self.array = array
@@ -113,6 +115,7 @@ class _Storage:
         self.written = None if initialised else np.zeros(array.shape + (array.itemsize,), np.bool_)
         self.matmul_written = np.zeros(array.shape, np.bool_) if buffer is PSUM else None
         self.liveness = None
+        self.serial = next(_Storage._serials)
 
 
 class NkiTensor:
@@ -536,6 +539,7 @@ def operand(core, instr, role, t, allowed, why):
                                  "element")
     if t._outside is not None:
         raise NkiValidationError(f"{instr}: {role} is {t._outside}")
+    core.accessed.append((role, t))  # for the trace's reads and writes (_runtime.count)
     liveness = t._storage.liveness
     if liveness is not None:
         if liveness.first < 0:

@@ -7,6 +7,7 @@ with :func:`count`, which adds it to every open :func:`counting` context.
 
 import collections
 import contextlib
+import itertools
 import os
 import threading
 from collections import Counter
@@ -147,9 +148,16 @@ class Instruction(NamedTuple):
     ops: tuple = ()  # names of the operators applied (ALU ops, activation function); memset of 0: ("zero",)
     stationary: int = 0  # nc_matmul: the stationary free size M
     reads_accumulator: bool = False  # ScalarE also writes its accumulation registers out (reduce_res)
+    # what the scheduler (._schedule) orders by: the tiles read and written, each a rectangle (storage serial,
+    # first partition, last partition + 1, first byte, last byte + 1; HBM: partitions 0..1, bytes of the whole
+    # view), and the kernel launch the instruction belongs to
+    reads: tuple = ()
+    writes: tuple = ()
+    launch: int = 0
 
 
 _counters = []  # the open counting() contexts
+_launches = itertools.count(1)  # serial of each kernel launch (Launch), for the scheduler's launch boundaries
 
 
 @contextlib.contextmanager
@@ -191,6 +199,7 @@ class Launch:
         self.baton = threading.Condition()
         self.mail = {}
         self.finished = set()
+        self.serial = next(_launches)  # Instruction.launch: where the scheduler starts a new kernel
 
     def exchange(self, me, send_to, receive_from, pipe_id, payload):
         """Post ``payload`` for ``send_to`` and return what ``receive_from`` sent to this program on ``pipe_id``."""
@@ -221,6 +230,7 @@ class Core:
         self.activation_regs = np.full(PARTITIONS, np.nan, np.float32)
         # VectorE's per-lane accumulation registers (nisa.tensor_scalar_reduce reduce_cmd); undefined until reset.
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
+        self.accessed = []  # (role, tensor) of each operand of the instruction being issued (_memory.operand)
 
 
 _running = threading.local()  # .core: the core this thread's program runs on
@@ -251,6 +261,7 @@ def begin(name):
     core = current(name)
     core.now += 1
     core.issued.append(name)
+    core.accessed = []
     return core
 
 
@@ -260,10 +271,32 @@ def count(name, engine, partitions, free, dst=None, inputs=(), ops=(), stationar
     if not _counters:
         return
     tensors = [t for t in (dst, *inputs) if t is not None]
+    core = getattr(_running, "core", None)
+    accessed = core.accessed if core is not None else []
+    writes = tuple(_region(t) for role, t in accessed if role in _WRITTEN_ROLES)
+    reads = tuple(_region(t) for role, t in accessed if role not in _WRITTEN_ROLES)
     record = Instruction(name, engine, partitions, free, tuple(t.dtype.name for t in tensors),
                          tuple(t.buffer.value for t in tensors), tuple(getattr(op, "__name__", op) for op in ops),
-                         stationary, reads_accumulator)
+                         stationary, reads_accumulator, reads, writes, core.launch.serial if core is not None else 0)
     for counts in _counters:
         counts.instructions[engine] += 1
         counts.by_instruction[name] += 1
         counts.trace.append(record)
+
+
+_WRITTEN_ROLES = ("dst", "reduce_res")  # every other operand role of an instruction is read
+
+
+def _region(t):
+    """The rectangle of memory a tensor view covers (see Instruction.reads). On chip: partitions x the bytes
+    each partition's part of the view spans; in HBM: the bytes the whole view spans."""
+    storage, data = t._storage, t._data
+    offset = data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
+    span = data.itemsize + sum((n - 1) * abs(s) for n, s in zip(data.shape[1:], data.strides[1:]))
+    if storage.buffer.value in ("sbuf", "psum"):
+        row = storage.array.strides[0]
+        first = offset // row
+        return storage.serial, first, first + (data.shape[0] - 1) * data.strides[0] // row + 1, offset % row, \
+            offset % row + span
+    span += (data.shape[0] - 1) * abs(data.strides[0]) if data.ndim else 0
+    return storage.serial, 0, 1, offset, offset + span

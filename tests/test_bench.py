@@ -87,6 +87,7 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
     assert {(r["kernel"], r["direction"]) for r in rows} >= {("attention", "fwd+bwd"), ("rms_norm", "forward")}
     for r in rows:
         assert r["bottleneck"] in r["engines"] and 0 < r["estimate_s"] <= r["serial_s"]
+        assert r["estimate_s"] <= r["scheduled_s"] and r["estimate_s"] <= r["central_s"]  # a schedule, not a bound
         compiled = r["compiled"]  # the fallback, priced as the step estimate prices it
         assert compiled["bottleneck"] in compiled["engines"] and 0 < compiled["estimate_s"] <= compiled["serial_s"]
         assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"
@@ -166,6 +167,9 @@ def test_step_estimate_prints_the_references_beside_their_measurements(monkeypat
                                                                 "add_rms_norm", "softcap_cross_entropy", "rope_norm"}
     printed = capsys.readouterr().out
     assert f"{reference['estimate_tokens_per_s']:,.0f} / 1,000" in printed and "left out:" in printed
+    optimistic, central = results["step_estimate"]["tokens_per_s"], results["central"]["tokens_per_s"]
+    assert central < optimistic  # the kernels scheduled, the factors and the launches only add time
+    assert f"optimistic {optimistic:>10,.0f} tokens/s" in printed and f"central {central:>13,.0f} tokens/s" in printed
 
 
 NANOGPT_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt_standin")

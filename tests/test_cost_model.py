@@ -3,13 +3,17 @@ instructions against the numbers AWS's documents work out themselves, tiny kerne
 engine reported bound by it, and costs growing with shapes as the documented formulas say. Every number
 here is a cycle count or a documented rate: nothing depends on the speed of this CPU."""
 
+import json
+
 import numpy as np
 import pytest
 
 import nki_emulator
 import nki_emulator.isa as nisa
 import nki_emulator.language as nl
-from nki_emulator import ENGINE_SPECS, Instruction, estimate, instruction_seconds
+from nki_emulator import ASSUMPTIONS, ENGINE_SPECS, Instruction, estimate, instruction_seconds, timeline
+from nki_emulator._schedule import (DEPENDENCY_S, DMA_FIXED_S, LAUNCH_S, calibrated_seconds, central_estimate,
+                                    schedule)
 
 BF16, FP32 = "bfloat16", "float32"
 
@@ -239,3 +243,120 @@ def test_a_kernels_engine_times_scale_with_its_work():
     large = run_counted(copy_through, np.ones((1024, 512), np.float32))
     for engine in ("vector", "dma"):
         assert large["engines"][engine] == pytest.approx(4 * small["engines"][engine])
+
+
+# ---- the schedule (nki_emulator/_schedule.py) on hand-built traces whose schedule is known ----------------------
+
+def tile(serial, partitions=128, first_byte=0, last_byte=2048):
+    return (serial, 0, partitions, first_byte, last_byte)
+
+
+def on(instruction, reads=(), writes=(), launch=1):
+    return instruction._replace(reads=tuple(reads), writes=tuple(writes), launch=launch)
+
+
+def test_a_dependent_chain_runs_one_after_another_with_the_documented_latency_per_edge():
+    step = vector("tensor_scalar", 512)
+    chain = [on(step, [tile(n)], [tile(n + 1)]) for n in range(3)]  # each reads what the one before wrote
+    d = instruction_seconds(step)
+    result = schedule(chain, "trn2")
+    assert [s.start for s in result["slots"]] == pytest.approx([0, d + DEPENDENCY_S, 2 * (d + DEPENDENCY_S)])
+    assert result["scheduled_s"] == pytest.approx(3 * d + 2 * DEPENDENCY_S)
+    # the same instructions on independent tiles: the engine's queue alone orders them, back to back
+    assert schedule([on(step, [tile(10 + n)], [tile(20 + n)]) for n in range(3)], "trn2")["scheduled_s"] \
+        == pytest.approx(3 * d)
+
+
+def test_two_independent_engines_overlap_and_a_dependency_between_them_serialises_them():
+    vec, act = vector("tensor_scalar", 1024), vector("activation", 512, engine="scalar", ops=("exp",))
+    independent = [on(vec, [tile(1)], [tile(2)]), on(act, [tile(3)], [tile(4)])]
+    result = schedule(independent, "trn2")
+    assert {s.track for s in result["slots"]} == {"vector", "scalar"}
+    assert result["scheduled_s"] == pytest.approx(estimate(independent, "trn2")["estimate_s"])  # the overlap bound
+    dependent = [on(vec, [tile(1)], [tile(2)]), on(act, [tile(2)], [tile(4)])]
+    assert schedule(dependent, "trn2")["scheduled_s"] == pytest.approx(
+        estimate(dependent, "trn2")["serial_s"] + DEPENDENCY_S)
+    # writing a tile that is still being read waits for the reader (write after read), without the latency
+    overwrite = [on(vec, [tile(1)], [tile(2)]), on(act, [tile(3)], [tile(1)])]
+    assert schedule(overwrite, "trn2")["scheduled_s"] == pytest.approx(estimate(overwrite, "trn2")["serial_s"])
+
+
+def test_disjoint_slices_of_one_tile_do_not_wait_for_each_other():
+    vec, act = vector("tensor_scalar", 256), vector("activation", 256, engine="scalar", ops=("exp",))
+    left, right = tile(1, first_byte=0, last_byte=1024), tile(1, first_byte=1024, last_byte=2048)
+    trace = [on(vec, [tile(2)], [left]), on(act, [right], [tile(3)])]
+    assert schedule(trace, "trn2")["scheduled_s"] == pytest.approx(estimate(trace, "trn2")["estimate_s"])
+
+
+def test_a_dma_queue_overlaps_the_fixed_cost_of_transfers_and_moves_their_bytes_one_after_another():
+    load = dma(128, 2048)
+    d = instruction_seconds(load)
+    transfers = [on(load, [tile(100 + n, 1)], [tile(n)]) for n in range(3)]
+    result = schedule(transfers, "trn2")
+    assert result["scheduled_s"] == pytest.approx(DMA_FIXED_S + 3 * d)
+    assert [s.end for s in result["slots"]] == pytest.approx([DMA_FIXED_S + k * d for k in (1, 2, 3)])
+    assert {s.track for s in result["slots"]} == {f"dma queue {q}" for q in range(3)}  # all three in flight
+    # a compute instruction on the loaded tile waits for its transfer; the transfer after it does not
+    use = vector("tensor_scalar", 512)
+    trace = [transfers[0], on(use, [tile(0)], [tile(50)]), transfers[1]]
+    slots = schedule(trace, "trn2")["slots"]
+    assert slots[1].start == pytest.approx(slots[0].end)  # no compute latency after a DMA: its fixed cost has it
+    assert slots[2].end == pytest.approx(DMA_FIXED_S + 2 * d)
+    # a store waiting for compute holds up its own queue, not the loads behind it, which take the idle bandwidth
+    store = Instruction("dma_copy", "dma", 128, 1024, (BF16, BF16), ("shared_hbm", "sbuf"))
+    trace = [transfers[0], on(use, [tile(0)], [tile(50)]), on(store, [tile(50)], [tile(200, 1)]), transfers[1]]
+    slots = schedule(trace, "trn2")["slots"]
+    assert slots[3].end == pytest.approx(DMA_FIXED_S + 2 * d)  # as if the store were not there
+    assert slots[2].start == pytest.approx(slots[1].end + DEPENDENCY_S)  # the store waits for what it stores
+
+
+def test_a_new_kernel_launch_starts_after_the_last_one_ended_and_the_central_estimate_adds_the_launch_cost():
+    vec, act = vector("tensor_scalar", 1024), vector("activation", 512, engine="scalar", ops=("exp",))
+    trace = [on(vec, [tile(1)], [tile(2)]), on(act, [tile(3)], [tile(4)], launch=2)]
+    result = schedule(trace, "trn2")
+    assert result["launches"] == 2
+    assert result["scheduled_s"] == pytest.approx(estimate(trace, "trn2")["serial_s"])
+    central = central_estimate(trace, "trn2")
+    assert central["central_s"] == pytest.approx(central["scheduled_s"] + 2 * LAUNCH_S)
+
+
+def test_the_emulator_records_what_each_instruction_reads_and_writes_so_a_kernel_schedules_as_a_chain():
+    with nki_emulator.counting() as counts:
+        exp_many_times(np.zeros((128, 512), np.float32))
+    load, *exps, store = counts.trace
+    assert load.writes == exps[0].reads == exps[0].writes == store.reads  # one tile, in place
+    assert load.writes[0][1:] == (0, 128, 0, 512 * 4)  # all 128 partitions, 512 fp32 each
+    assert len({i.launch for i in counts.trace}) == 1
+    result = schedule(counts.trace, "trn2")
+    d = instruction_seconds(exps[0], "trn2")
+    assert [s.track for s in result["slots"]] == ["dma queue 0"] + ["scalar"] * 16 + ["dma queue 0"]
+    assert result["slots"][-2].end - result["slots"][1].start == pytest.approx(16 * d + 15 * DEPENDENCY_S)
+
+
+def test_the_timeline_is_a_trace_event_file_with_one_event_per_instruction_and_one_track_per_engine(tmp_path):
+    with nki_emulator.counting() as counts:
+        copy_through(np.ones((256, 64), np.float32))
+    result = schedule(counts.trace, "trn2")
+    json_path, png_path = timeline.write(counts.trace, result, str(tmp_path), "copy_through")
+    with open(json_path) as f:
+        document = json.load(f)
+    events = document["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert [e["name"] for e in slices] == [i.name for i in counts.trace]
+    assert all(e["dur"] > 0 and e["ts"] >= 0 and {"pid", "tid"} <= e.keys() for e in slices)
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert set(tracks.values()) == {s.track for s in result["slots"]}  # one named track per engine / queue used
+    assert {tracks[e["tid"]] for e in slices if e["name"] == "tensor_scalar"} == {"vector"}
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(1e6 * result["scheduled_s"])
+    with open(png_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrated_factors_apply_to_their_engine_dtype_and_generation_only():
+    bf16, fp32 = matmul(128, 512), matmul(128, 512, FP32)
+    assert calibrated_seconds(bf16, "trn2") == pytest.approx(instruction_seconds(bf16, "trn2") / 0.8524)
+    assert calibrated_seconds(fp32, "trn2") == instruction_seconds(fp32, "trn2")  # fp32 matched the hardware
+    load = dma(128, 2048)
+    assert calibrated_seconds(load, "trn1") == pytest.approx(instruction_seconds(load, "trn1") * 51.80 / 35.9)
+    assert calibrated_seconds(load, "trn2") == instruction_seconds(load, "trn2")
+    assert all(any(key in line for line in ASSUMPTIONS) for key in ("85.24%", "51.80 ms", "18 us"))  # cited

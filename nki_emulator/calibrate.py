@@ -1,0 +1,207 @@
+"""Calibration of the cost model and the schedule against public hardware timings of public NKI kernels.
+
+Run by hand, not in CI (it needs checkouts, and takes minutes: the kernels run at their measured shapes):
+
+    git clone https://github.com/aws-neuron/aws-neuron-sdk   # or any checkout / bare git dir of it
+    OPENBLAS_NUM_THREADS=1 python -m nki_emulator.calibrate --sdk=aws-neuron-sdk --cache=traces [--only=mamba]
+
+(one BLAS thread: the kernels issue many small matmuls, which threads only slow down; about 15 minutes of one
+core for the 13 points; with --cache a second run prices the kept traces again in a minute)
+
+For each point it reads the kernel's source from the checkout (never copied into this repository: it goes to a
+temporary folder and is imported from there), runs it under the emulator on the point's target and dtype at the
+measured shape, and prints one row of the table in docs/results.md: measured, the overlap bound (busiest engine),
+the schedule (nki_emulator._schedule) with the cost model as it is, the central estimate (the schedule with the
+calibrated factors, _cost.CALIBRATED, plus its launches), the serial bound, and the central estimate's error.
+
+The points: the tutorials' timings of kernels AWS publishes in the NKI 0.6 dialect the emulator runs.
+Where a timing was measured with the legacy-dialect kernel (nl.load / nl.store / nl.matmul; the SDK 2.23
+matrix-multiplication tutorial), the script runs the same algorithm as the SDK ports it to the 0.6 dialect at HEAD
+(nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py: same loops, tiles and blocks); the only
+adapter is that: a port by AWS, not a rewrite here. Kernels available only in generated legacy code (AccelOpt's
+NKIBench: nl.arange advanced indexing, nl.load with masks) are not run; docs/results.md says so.
+"""
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import nki_emulator
+from nki_emulator._cost import estimate
+from nki_emulator._schedule import central_estimate, schedule
+
+SDK_TUTORIAL = "nki/guides/tutorials/kernel-optimization.rst"
+SDK_MATMUL = "nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py"
+SDK_MAMBA = "nki/examples/fused_mamba/mamba_nki_kernels.py"
+KOPT = ("aws-neuron-sdk nki/guides/tutorials/kernel-optimization.rst, profile of version {} "
+        "(nki/img/how-to/v{}-full.png, trn2, fp32)")
+MM223 = ("aws-neuron-sdk v2.23.0 general/nki/tutorials/matrix_multiplication.rst, latency table ({}; trn1.32xlarge, "
+         "bf16)")
+MAMBA = "aws-neuron-sdk nki/guides/tutorials/fused_mamba.rst ({})"
+
+# kernel, source, hardware, (file, function or code-block index), shape, dtype, measured seconds
+POINTS = [
+    *[dict(kernel=f"matmul v{v} ({what})", source=KOPT.format(v, v), hardware="trn2", code=("rst", v - 1),
+           shape=dict(M=4096, K=8192, N=8192), dtype="float32", measured_s=ms * 1e-3)
+      for v, what, ms in ((2, "tiled", 39.89), (3, "hoisted loads", 28.20), (4, "blocked M, N", 28.41),
+                          (5, "blocked M, N, K", 28.30))],
+    *[dict(kernel=f"matmul {name.strip('_')}", source=MM223.format(row), hardware="trn1", code=("matmul", name),
+           shape=dict(M=4096, K=8192, N=8192), dtype="bfloat16", measured_s=ms * 1e-3)
+      for name, row, ms in (("nki_matmul_tiled_", "Original Tiled", 51.80),
+                            ("nki_matmul_hoist_load_", "Optimization 1", 42.96),
+                            ("nki_matmul_block_free_dimension_", "Optimization 2", 22.07),
+                            ("nki_matmul_fully_optimized_", "Optimization 3", 6.97))],
+    dict(kernel="mamba_v1", source=MAMBA.format("toy example: 172.93 usec"), hardware="trn1",
+         code=("mamba", "mamba_v1"),
+         shape=dict(batch=1, channels=256, seq_len=512, state=16), dtype="float32", measured_s=172.93e-6),
+    dict(kernel="mamba_v1", source=MAMBA.format("4K channels: 2.34 ms"), hardware="trn1",
+         code=("mamba", "mamba_v1"), shape=dict(batch=1, channels=4096, seq_len=512, state=16), dtype="float32",
+         measured_s=2.34e-3),
+    dict(kernel="mamba_v2", source=MAMBA.format("loop reordering, 4K channels: 1.61 ms"), hardware="trn1",
+         code=("mamba", "mamba_v2"), shape=dict(batch=1, channels=4096, seq_len=512, state=16), dtype="float32",
+         measured_s=1.61e-3),
+    *[dict(kernel="mamba_v3", source=MAMBA.format(f"scaling table, seq_len {s}: {ms} ms"), hardware="trn1",
+           code=("mamba", "mamba_v3"), shape=dict(batch=1, channels=4096, seq_len=s, state=16), dtype="float32",
+           measured_s=ms * 1e-3) for s, ms in ((2048, 6.6), (4096, 13.3))],
+]
+
+
+def _git_show(repo, revision_path):
+    git_dir = os.path.join(repo, ".git") if os.path.isdir(os.path.join(repo, ".git")) else repo
+    return subprocess.run(["git", "--git-dir", git_dir, "show", revision_path], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _import(source, name, folder):
+    path = os.path.join(folder, f"{name}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rst_kernels(rst):
+    """The tutorial's code blocks that define a jit kernel, dedented, in order."""
+    blocks = re.findall(r"\.\. code-block:: python\n\n((?:[ \t]+.*\n|\n)+)", rst)
+    kernels = []
+    for block in blocks:
+        lines = block.splitlines()
+        indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
+        code = "\n".join(line[indent:] for line in lines)
+        if "@nki.jit" in code:
+            kernels.append(code)
+    return kernels
+
+
+def load_kernel(code, sdk, folder):
+    kind, which = code
+    if kind == "rst":
+        return _import(_rst_kernels(_git_show(sdk, f"HEAD:{SDK_TUTORIAL}"))[which], f"kopt_{which}", folder) \
+            .matrix_multiply_kernel
+    return getattr(_import(_git_show(sdk, f"HEAD:{SDK_MATMUL if kind == 'matmul' else SDK_MAMBA}"), kind, folder),
+                   which)
+
+
+def inputs(point):
+    dtype = nki_emulator.language.bfloat16 if point["dtype"] == "bfloat16" else np.float32
+    rng = np.random.default_rng(0)
+    s = point["shape"]
+    if "M" in s:
+        return [rng.random((s["K"], s["M"]), np.float32).astype(dtype), rng.random((s["K"], s["N"]), np.float32)
+                .astype(dtype)]
+    b, c, t, n = s["batch"], s["channels"], s["seq_len"], s["state"]
+    return [rng.random((b, c, t), np.float32) * 0.1, rng.random((b, c, t), np.float32), -rng.random((c, n), np.float32),
+            rng.random((b, n, t), np.float32), rng.random((b, n, t), np.float32)]
+
+
+def trace_of(point, sdk, folder, cache):
+    """The point's trace and a note on what the emulator refused once it was whole; kept in `cache` (a folder) when
+    given, so that the table can be priced again (other factors) without running the kernels again."""
+    path = cache and os.path.join(cache, re.sub(r"\W+", "_", f"{point['kernel']}_{point['shape']}") + ".pkl")
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    kernel = load_kernel(point["code"], sdk, folder)
+    fn = getattr(kernel, "fn", kernel)
+    defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
+    previous = nki_emulator.set_target(point["hardware"])
+    try:
+        with nki_emulator.counting() as counts:
+            try:
+                kernel(*inputs(point), **defaults)  # the emulator's jit, as KLR, applies no defaults: pass them
+                note = ""
+            except nki_emulator.NkiValidationError as e:
+                # Raised only once the kernel has run, its trace whole: a private-HBM output (the tutorial's nl.hbm)
+                # or the emulator's SBUF accounting (every tile live from first to last use, none reused), which
+                # the compiler's allocator, reusing buffers, does not share. Neither changes what is priced.
+                if not any(why in str(e) for why in ("outputs must be allocated", "per partition of live tiles")):
+                    raise
+                note = str(e).split(";")[0]
+    finally:
+        nki_emulator.set_target(previous)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump((counts.trace, note), f)
+    return counts.trace, note
+
+
+def price(point, trace, note):
+    bounds = estimate(trace, point["hardware"])
+    return {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
+            "engines_s": bounds["engines"], "scheduled_s": schedule(trace, point["hardware"])["scheduled_s"],
+            "central_s": central_estimate(trace, point["hardware"])["central_s"], "instructions": len(trace),
+            "note": note}
+
+
+def table(rows):
+    lines = ["| kernel | source | hw | shape | dtype | measured | overlap | scheduled | central | serial | central / "
+             "measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = "x".join(str(v) for v in r["shape"].values())
+        times = " | ".join(f"{1e3 * r[k]:.3f}" for k in ("measured_s", "overlap_s", "scheduled_s", "central_s",
+                                                           "serial_s"))
+        lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | {times} | "
+                     f"{r['central_s'] / r['measured_s']:.2f} |")
+    within = sum(abs(r["central_s"] / r["measured_s"] - 1) <= 0.25 for r in rows)
+    lines.append(f"\n{within} of {len(rows)} central estimates within 25% of the measured time (times in ms)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sdk", required=True, help="a checkout (or bare git dir) of aws-neuron/aws-neuron-sdk")
+    parser.add_argument("--only", default="", help="run only the points whose kernel name contains this")
+    parser.add_argument("--json", default="", help="also write the rows here")
+    parser.add_argument("--cache", default="", help="a folder to keep each point's trace in (pickle), so that a "
+                        "second run prices them again without running the kernels")
+    args = parser.parse_args(argv)
+    nki_emulator.install()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for point in POINTS:
+            if args.only not in point["kernel"]:
+                continue
+            started = time.time()
+            rows.append({**point, **price(point, *trace_of(point, args.sdk, folder, args.cache))})
+            print(f"{point['kernel']} {point['shape']}: {time.time() - started:.0f} s to emulate", file=sys.stderr)
+            if args.json:  # after each point: a long run keeps what it has
+                with open(args.json, "w") as f:
+                    json.dump([{k: v for k, v in r.items() if k != "code"} for r in rows], f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
