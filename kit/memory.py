@@ -3,6 +3,7 @@ The memory plan: what one rank holds in training, from the config alone, and the
 cannot fit, before anything is built.
 """
 import os
+import sys
 
 import torch
 
@@ -128,3 +129,33 @@ def check_memory(cfg, model_cfg, world_size, device_type):
     raise ValueError(f"this run needs {total / GiB:.2f} GiB per rank ({parts}) but a rank has {memory / GiB:.1f} GiB "
                      f"({FIT_FRACTION:.0%} of it usable); use a smaller --batch_size (micro-batch; --total_batch_tokens "
                      f"is kept by more micro-steps), {sharding}, or a smaller model")
+
+
+def print_plan(cfg, model_cfg, world_size):
+    """`python bench.py --memory`: memory_plan's table for one rank, against the memory of a Trn2 rank at
+    LNC=1 and 2 and of this machine's device; exits 1 (SystemExit) if it fits none. dtype auto plans bf16, the
+    Trainium choice."""
+    cfg.dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    plan = memory_plan(cfg, model_cfg, world_size)
+    total = sum(plan.values())
+    with torch.device("meta"):
+        n_params = GPT(model_cfg).num_params()
+    how = ("optimizer sharded: each rank keeps the state of its share" if shards_optimizer(cfg, world_size)
+           else "optimizer not sharded: every rank keeps all of its state")
+    print(f"memory plan per rank: {n_params / 1e6:.1f}M parameters, {world_size} rank(s), {cfg.dtype} activations; "
+          f"{how}")
+    for part, size in plan.items():
+        print(f"  {part:<40} {size / GiB:8.2f} GiB")
+    print(f"  {'total':<40} {total / GiB:8.2f} GiB")
+    here = runtime.detect_device()
+    devices = {"Trn2 rank, LNC=2": 24 * GiB, "Trn2 rank, LNC=1": 12 * GiB,
+               f"this machine's {here}": cfg.device_memory_gb * GiB or device_memory(here)}
+    fits = {}
+    for name, capacity in devices.items():
+        fits[name] = capacity is not None and total <= FIT_FRACTION * capacity
+        room = f"{capacity / GiB:.1f} GiB, {'fits' if fits[name] else 'does NOT fit'}" if capacity else "unknown"
+        print(f"  {name:<40} {room} (the plan may use {FIT_FRACTION:.0%})")
+    if not any(fits.values()):
+        sys.exit("error: the plan fits no device listed; use a smaller --batch_size, more ranks with "
+                 "--shard_optimizer=true, or a smaller model")
+    return {"memory_plan": plan, "total": total, "fits": fits}

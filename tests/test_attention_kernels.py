@@ -20,7 +20,7 @@ import torch
 
 import kernels
 import nki_emulator
-from bench import refuse_degenerate
+from kit.device_check import refuse_degenerate
 from model import GPT, GPTConfig
 from reference import attention_logsumexp_reference, attention_reference
 

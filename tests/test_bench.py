@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import bench
-import kernels
 import train
-from kit import runtime
+from kit import memory, runtime
 
 
 def test_training_numbers_are_consistent_with_the_stated_formula(tmp_path):
@@ -96,7 +95,7 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
 
 def test_bench_kernels_with_a_value_is_the_model_setting_and_alone_the_measurement(monkeypatch):
     seen = []
-    monkeypatch.setattr(bench, "print_memory", lambda cfg, model_cfg, world_size: seen.append(model_cfg.kernels))
+    monkeypatch.setattr(memory, "print_plan", lambda cfg, model_cfg, world_size: seen.append(model_cfg.kernels))
     bench.main(["--memory", "--kernels=torch,attention:nki"])
     assert seen == ["torch,attention:nki"]
     with pytest.raises(ValueError, match="--kernels=atention:nki: 'atention' is not an op"):
@@ -173,44 +172,6 @@ def test_step_estimate_prints_the_references_beside_their_measurements(monkeypat
     assert f"optimistic {optimistic:>10,.0f} tokens/s" in printed and f"central {central:>13,.0f} tokens/s" in printed
 
 
-TINY_CHECK_MODEL = dict(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
-
-
-def test_first_hour_check_passes_under_the_emulator(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "CHECK_MODEL", TINY_CHECK_MODEL)
-    monkeypatch.setattr(bench, "CHECK_STEPS", 2)
-    rows = bench.main(["--check", "--compile=false", "--dtype=float32", "--matrix_optimizer=adamw"])["check"]
-    assert [r["check"] for r in rows if not r["passed"]] == []
-    printed = capsys.readouterr().out  # a fresh seed, printed with how to repeat it; the inductor line
-    seed = int(printed.split("seed ", 1)[1].split()[0])
-    assert f"(the same inputs again: --seed={seed})" in printed and "\ninductor: fused bf16 transposes" in printed
-    names = " | ".join(r["check"] for r in rows)
-    for activation in kernels.MLP_ACTIVATIONS:
-        assert f"mlp {activation} forward, no grad" in names and f"mlp {activation} forward+backward" in names
-    for part in ("attention forward, no grad", "rms_norm weighted forward+backward", "add_rms_norm forward+backward",
-                 "softcap_cross_entropy forward+backward", "rope_norm forward+backward",
-                 "Block (nki)", "2 training steps", "causality"):
-        assert part in names
-
-
-def test_first_hour_check_reports_a_broken_kernel(monkeypatch):
-    """An attention kernel that no longer masks the future: its checks and causality fail, each with its
-    first error, and the rest still run. (Two of the kernel cases, to keep it short.)"""
-    monkeypatch.setattr(bench, "CHECK_MODEL", TINY_CHECK_MODEL)
-    monkeypatch.setattr(bench, "CHECK_STEPS", 1)
-    monkeypatch.setattr(kernels, "_MASKED_SCORE", 0.0)
-    all_cases = bench._kernel_checks
-    monkeypatch.setattr(bench, "_kernel_checks",
-                        lambda *a: [case for case in all_cases(*a) if case[0] in ("attention", "mlp relu2")])
-    rows = {r["check"]: r for r in bench.main(["--check", "--compile=false", "--dtype=float32",
-                                               "--matrix_optimizer=adamw"])["check"]}
-    assert not rows["attention forward, no grad"]["passed"]
-    assert "max |nki - torch|" in rows["attention forward, no grad"]["error"]
-    assert not rows["causality of the model on nki"]["passed"]
-    assert "changed logits at or before it" in rows["causality of the model on nki"]["error"]
-    assert rows["mlp relu2 forward+backward"]["passed"] and "1 training steps, nki vs torch" in rows
-
-
 NANOGPT_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt_standin")
 
 
@@ -240,47 +201,3 @@ def test_versus_nanogpt_names_a_missing_or_wrong_checkout(tmp_path):
     kit_root = os.path.dirname(os.path.dirname(NANOGPT_STANDIN))  # the kit's own model.py is no nanoGPT
     with pytest.raises(ValueError, match="its model.py is not nanoGPT's"):
         bench.main([f"--versus_nanogpt={kit_root}", "--compile=false"])
-
-
-def test_check_repeats_its_numbers_with_the_same_seed_and_not_with_another():
-    """--seed=N gives every kernel check the same inputs, so the same measured error; another seed others."""
-    def measured(seed):
-        (name, inputs, call), = [case for case in bench._kernel_checks(torch.float32, "cpu", seed) if case[0] == "mlp gelu"]
-        return bench._check_kernel(call, inputs(), True, seed)
-
-    assert measured(11) == measured(11) != measured(12)
-
-
-@pytest.mark.parametrize("version, front_end", [("0.4.0b4+2581.ge7", "parser"), ("0.6.0", "parser"),
-                                                ("0.7.1", "tracer"), ("1.0", "tracer"), ("", "unknown")])
-def test_first_hour_names_the_nki_front_end(version, front_end):
-    assert bench.nki_front_end(version).startswith(front_end)
-
-
-def test_first_hour_steps_run_in_children_with_their_own_timeouts_and_end_in_one_table(capsys, tmp_path):
-    """The step runner on three cheap children (one passes, one fails, one hangs past its timeout and is
-    killed) and the table; the whole --first_hour was run by hand (docs/results.md)."""
-    import sys
-
-    rows = [bench.run_step("passes", [sys.executable, "-c", "print('all right')"], 60),
-            bench.run_step("fails", [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"], 60),
-            bench.run_step("hangs", [sys.executable, "-c", "import time; print('waiting', flush=True); time.sleep(60)"], 2)]
-    assert [r["passed"] for r in rows] == [True, False, False]
-    assert rows[0]["detail"] == "all right" and rows[1]["detail"] == "exit code 3: broken"
-    assert rows[2]["detail"].startswith("TIMED OUT after 2 s; last line: waiting") and rows[2]["seconds"] < 30
-    capsys.readouterr()
-    assert bench.print_first_hour(rows, "FLAGS", 1.0) == 1
-    table = capsys.readouterr().out
-    assert "1 of 3 steps passed" in table and "exit code 1" in table and "first paid run: FLAGS" in table
-
-    plan = bench.first_hour_plan(["--preset=baseline"], False, str(tmp_path))
-    names = [name for name, _, _ in plan]
-    assert names[:5] == ["versions", "kernels: attention", "kernels: mlp", "kernels: rms_norm", "bench.py --check"]
-    assert any("--kernels=torch" in n for n in names) and any("--kernels=nki" in n for n in names)
-    assert any("2 ranks" in n for n in names) and any("resume" in n for n in names) and "load_for_eval" in names[-1]
-    assert all(set(bench.FIRST_HOUR_TINY) <= set(command) for name, command, _ in plan if name != "bench.py --check")
-    on_trainium = bench.first_hour_plan(["--preset=baseline"], True, str(tmp_path))
-    assert any("--kernels=auto" in name for name, _, _ in on_trainium)
-    assert not any(set(bench.FIRST_HOUR_TINY) & set(command) for _, command, _ in on_trainium)
-    assert bench.first_hour_flags([{"step": "20 compiled steps, --kernels=auto", "passed": True}], ["--preset=baseline"],
-                                  True).endswith("train.py --preset=baseline --kernels=auto")

@@ -194,12 +194,12 @@ def test_a_declaration_missing_a_part_is_named():
 def test_each_check_case_passes_in_fp32(name):
     """What bench.py --check compares for the op (its check_cases), in fp32 here (the kill matrix runs the bf16
     ones): NKI against PyTorch, forward and backward."""
-    import bench
+    from kit import device_check
 
     generator = torch.Generator().manual_seed(0)
     for case, make_inputs, call in kernels.OPS[name].check_cases(kernels.CheckShapes(), torch.float32, "cpu",
                                                                    generator):
-        bench._check_kernel(call, make_inputs(), grad=True)
+        device_check.check_kernel(device_check.KernelCase(name, case, "", make_inputs, call), grad=True)
 
 
 def test_an_undeclared_op_says_how_to_declare_it():

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-import bench
 import kernels
 import nki_emulator
+from kit import device_check
 from nki_emulator import isa as emulated_isa
 from nki_emulator import language as emulated_nl
 from nki_emulator._memory import HBM
@@ -214,10 +214,11 @@ def _kernel_test_cases():
 
 
 def _check_cases():
-    """(name, run) for the kernel checks of bench.py --check (forward+backward) that each op's declaration
-    gives the kill matrix (KernelOp.kill_matrix), at the checks' shapes."""
+    """(name, run) for the kernel checks of bench.py --check (forward+backward, kit/device_check.py) at the
+    cases each op's declaration gives the kill matrix (KernelOp.kill_matrix), at its check shapes."""
     generator = torch.Generator().manual_seed(7)
-    return [(f"--check {name}", lambda call=call, inputs=inputs: bench._check_kernel(call, inputs(), grad=True))
+    return [(f"--check {name}", lambda case=device_check.KernelCase(op, name, "", inputs, call):
+             device_check.check_kernel(case, grad=True))
             for op, name, inputs, call in kernels.check_cases(torch.bfloat16, "cpu", generator)
             if name in kernels.OPS[op].kill_matrix]
 
@@ -269,7 +270,7 @@ def test_an_output_the_kernel_never_wrote_comes_back_nan():
     out = nki_emulator.simulate(nki_emulator.jit(half_written))(torch.ones(128, 8))
     assert torch.equal(out[:64], torch.ones(64, 8)) and out[64:].isnan().all()
     with pytest.raises(AssertionError, match="not finite"):
-        bench.refuse_degenerate("out", out, [])
+        device_check.refuse_degenerate("out", out, [])
 
 
 @pytest.mark.parametrize("output, message", [(torch.zeros(4, 3), "all 12 values are zero"),
@@ -278,5 +279,5 @@ def test_an_output_the_kernel_never_wrote_comes_back_nan():
 def test_degenerate_outputs_fail_whatever_the_tolerance(output, message):
     inputs = [torch.randn(4, 3), torch.arange(12.0).view(4, 3)]
     with pytest.raises(AssertionError, match=message):
-        bench.refuse_degenerate("out", output, inputs)
-    bench.refuse_degenerate("out", torch.randn(4, 3), inputs)  # an ordinary output passes
+        device_check.refuse_degenerate("out", output, inputs)
+    device_check.refuse_degenerate("out", torch.randn(4, 3), inputs)  # an ordinary output passes

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import kernels
 import nki_emulator
-from bench import refuse_degenerate
 from kernels import add_rms_norm, mlp, rms_norm
+from kit.device_check import refuse_degenerate
 from model import GPT, GPTConfig
 from reference import mlp_reference, rms_norm_reference
 

@@ -200,11 +200,11 @@ def test_frontier_differs_from_baseline_only_by_its_named_levers():
 
 
 def test_every_ablation_row_is_a_valid_run():
-    import bench
-    rows = dict(bench.ablation_rows(80))
+    from kit import ablation
+    rows = dict(ablation.ablation_rows(80))
     assert set(rows) == {"baseline", "frontier"} | {f"+ {lever}" for lever in contest.FRONTIER_LEVERS}
     for name, args in rows.items():
-        cfg, model_cfg = train.parse_args([*args, *bench.ABLATION_SHAPE, "--max_steps=80"])
+        cfg, model_cfg = train.parse_args([*args, *ablation.ABLATION_SHAPE, "--max_steps=80"])
         flags.validate_levers(cfg, model_cfg, cfg.total_batch_tokens // (cfg.batch_size * model_cfg.sequence_len))
         assert cfg.muon_momentum_warmup_steps == 10 and (cfg.ema_every, cfg.ema_decay) in ((1, 0.0), (1, 0.7397))
     frontier_cfg, frontier_model = train.parse_args(rows["frontier"])
@@ -247,9 +247,9 @@ def test_competition_mode_masks_bos_targets_and_refuses_a_row_pool(monkeypatch, 
 
 
 def test_the_ablation_runs_every_seed_of_a_row_in_its_own_folder(monkeypatch, tmp_path, capsys):
-    import bench
-    rows = bench.ablation_rows(2)
-    monkeypatch.setattr(bench, "ablation_rows", lambda steps: [rows[0], rows[-1]])  # baseline and + chunked_ce
-    results = bench.run_ablation(seeds=2, steps=2, extra=[f"--data_dir={tmp_path}", "--eval_tokens=2048"])
+    from kit import ablation
+    rows = ablation.ablation_rows(2)
+    monkeypatch.setattr(ablation, "ablation_rows", lambda steps: [rows[0], rows[-1]])  # baseline and + chunked_ce
+    results = ablation.run_ablation(seeds=2, steps=2, extra=[f"--data_dir={tmp_path}", "--eval_tokens=2048"])
     assert list(results) == ["baseline", "+ chunked_ce"] and all(len(v) == 2 and all(map(math.isfinite, v)) for v in results.values())
     assert "| + chunked_ce |" in capsys.readouterr().out

@@ -17,8 +17,8 @@ import bench
 import kernels
 import nki_emulator
 import train
-from bench import refuse_degenerate
 from kit import checkpoint
+from kit.device_check import refuse_degenerate
 from model import GPT, GPTConfig
 from tiny import TINY_RUN
 

@@ -1,0 +1,137 @@
+"""kit/first_hour.py (`bench.py --first_hour`): the step runner, the plan, the paid run's launch and its
+per-op kernels from fabricated rows (the whole session was run by hand: docs/results.md)."""
+import sys
+
+import pytest
+
+import kernels
+import train
+from kit import first_hour
+
+
+@pytest.mark.parametrize("version, front_end", [("0.4.0b4+2581.ge7", "parser"), ("0.6.0", "parser"),
+                                                ("0.7.1", "tracer"), ("1.0", "tracer"), ("", "unknown")])
+def test_first_hour_names_the_nki_front_end(version, front_end):
+    assert first_hour.nki_front_end(version).startswith(front_end)
+
+
+def test_steps_run_in_children_with_their_own_timeouts_and_end_in_one_table(capsys):
+    """The step runner on three cheap children (one passes, one fails, one hangs past its timeout and is
+    killed) and the table."""
+    rows = [first_hour.run_step("passes", [sys.executable, "-c", "print('all right')"], 60),
+            first_hour.run_step("fails", [sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"], 60),
+            first_hour.run_step("hangs", [sys.executable, "-c", "import time; print('waiting', flush=True); "
+                                                                "time.sleep(60)"], 2)]
+    assert [(r["passed"], r["timed_out"]) for r in rows] == [(True, False), (False, False), (False, True)]
+    assert rows[0]["detail"] == "all right" and rows[1]["detail"] == "exit code 3: broken"
+    assert rows[2]["detail"].startswith("TIMED OUT after 2 s; last line: waiting") and rows[2]["seconds"] < 30
+    capsys.readouterr()
+    assert first_hour.print_table(rows, "COMMAND", ["mlp: why"], 1.0) == 1
+    table = capsys.readouterr().out
+    assert "1 of 3 steps passed" in table and "exit code 1" in table and "first paid run: COMMAND" in table
+    assert "on PyTorch: mlp: why" in table
+
+
+def _train_args(command):
+    """The train.py flags of a plan step's command."""
+    return command[next(i for i, a in enumerate(command) if a.endswith("train.py")) + 1:]
+
+
+def test_the_plan_runs_every_kernel_op_alone_and_on_a_device_the_paid_runs_ranks(tmp_path):
+    plan = first_hour.plan(["--preset=baseline"], False, str(tmp_path), 1, 8)
+    names = [name for name, _, _ in plan]
+    assert names[:len(kernels.KERNEL_OPS) + 2] == (["versions"] + [f"kernels: {op}" for op in kernels.KERNEL_OPS]
+                                                   + ["bench.py --check"])
+    assert any("--kernels=torch" in n for n in names) and any("--kernels=nki" in n for n in names)
+    assert any("2 ranks" in n for n in names) and any("resume" in n for n in names) and "load_for_eval" in names[-1]
+    assert all(set(first_hour.FIRST_HOUR_TINY) <= set(command) for name, command, _ in plan
+               if name != "bench.py --check")
+    check = dict((name, command) for name, command, _ in plan)["bench.py --check"]
+    assert f"--json={first_hour.check_json(str(tmp_path))}" in check  # the per-op results the flags are drawn from
+    on_trainium = first_hour.plan(["--preset=baseline"], True, str(tmp_path), 1, 8)
+    assert not any(set(first_hour.FIRST_HOUR_TINY) & set(command) for _, command, _ in on_trainium)
+    training = [command for name, command, _ in on_trainium if "compiled steps" in name or "sharded" in name]
+    assert len(training) == 3 and all("--nproc_per_node=8" in command for command in training)
+    assert any("--kernels=auto" in name for name, _, _ in on_trainium)
+
+
+def test_the_cpu_rehearsal_trains_one_or_two_micro_steps_a_step_whatever_the_preset(tmp_path):
+    """A preset's 65,536 tokens a step at the rehearsal's 2 x 128 would be 256 emulated micro-steps a step
+    (20 steps timed out at 400 s on a 2-core EPYC); the rehearsal's own batch keeps a step small."""
+    for preset in ("baseline", "frontier", "phase2"):
+        for name, command, timeout in first_hour.plan([f"--preset={preset}"], False, str(tmp_path), 1, 8):
+            if "train.py" in " ".join(command) and name.startswith(str(first_hour.FIRST_HOUR_STEPS)):
+                cfg, model_cfg = train.parse_args(_train_args(command))
+                tokens_per_micro_step = cfg.batch_size * model_cfg.sequence_len
+                assert cfg.total_batch_tokens // tokens_per_micro_step <= 2, (preset, name)
+                assert model_cfg.n_layer == 2 and model_cfg.sequence_len == 128
+
+
+def test_the_paid_run_has_the_contests_lnc_and_fills_the_chip(monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert first_hour.paid_launch() == (1, 8)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert first_hour.paid_launch() == (2, 4)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG=4: a Trn2 rank drives 1 or 2"):
+        first_hour.paid_launch()
+
+
+def _rows(failed=(), timed_out=(), on_kernels_passed=True):
+    """Fabricated step rows: every kernel op's step and the training steps, some failed or timed out."""
+    rows = [{"step": f"kernels: {op}", "passed": op not in failed and op not in timed_out, "timed_out": op in timed_out,
+             "detail": "TIMED OUT" if op in timed_out else "front end ok / backend FAILED"}
+            for op in kernels.KERNEL_OPS]
+    rows.append({"step": "20 compiled steps, --kernels=torch", "passed": True, "timed_out": False, "detail": ""})
+    rows.append({"step": "20 compiled steps, --kernels=auto", "passed": on_kernels_passed, "timed_out": False,
+                 "detail": "exit code 1"})
+    return rows
+
+
+def _check_rows(failed=()):
+    return [{"check": f"{op} bf16 forward+backward (shapes)", "op": op, "passed": op not in failed,
+             "error": "AssertionError: max |nki - torch|"} for op in kernels.KERNEL_OPS] + \
+           [{"check": "causality of the model on nki", "op": None, "passed": True, "error": ""}]
+
+
+def test_the_paid_run_keeps_every_kernel_that_passed_and_turns_off_each_that_failed():
+    setting, reasons = first_hour.paid_run_kernels(_rows(), _check_rows(), on_trainium=True)
+    assert (setting, reasons) == ("auto", [])
+    setting, reasons = first_hour.paid_run_kernels(_rows(failed=["mlp"]), _check_rows(["rope_norm"]), True)
+    assert setting == "auto,mlp:torch,rope_norm:torch"
+    assert reasons[0].startswith("mlp: step 'kernels: mlp' failed") and reasons[1].startswith("rope_norm: --check")
+    assert kernels.parse_kernels(setting)["attention"] == "auto"  # a setting train.py takes
+    every = first_hour.paid_run_kernels(_rows(failed=kernels.KERNEL_OPS), _check_rows(), True)[0]
+    assert every == "torch"
+    # the training steps on the kernels failed though each op passed alone: PyTorch, saying why
+    setting, reasons = first_hour.paid_run_kernels(_rows(on_kernels_passed=False), _check_rows(), True)
+    assert setting == "torch" and "training steps on the kernels failed" in reasons[-1]
+
+
+def test_a_rehearsal_timeout_never_turns_a_kernel_off_for_the_device():
+    rows = _rows(timed_out=["attention"])
+    rows[-1].update(passed=False, timed_out=True)  # the emulated training steps ran out of time too
+    assert first_hour.paid_run_kernels(rows, _check_rows(), on_trainium=False)[0] == "auto"
+    assert first_hour.paid_run_kernels(rows, _check_rows(), on_trainium=True)[0] == "auto,attention:torch"
+    # a real failure in the rehearsal still counts: the emulator refused the kernel
+    assert first_hour.paid_run_kernels(_rows(failed=["softcap_cross_entropy"]), None, False)[0] == \
+        "auto,softcap_cross_entropy:torch"
+
+
+def test_the_paid_run_command_is_the_contests_launch_with_the_users_flags():
+    command, reasons = first_hour.paid_run_command(_rows(failed=["attention"]), _check_rows(),
+                                                   ["--preset=baseline", "--kernels=nki"], True, 1, 8)
+    assert command == ("NEURON_LOGICAL_NC_CONFIG=1 torchrun --standalone --nproc_per_node=8 train.py --preset=baseline "
+                       "--kernels=auto,attention:torch")
+    off_device, _ = first_hour.paid_run_command(_rows(), None, ["--preset=baseline"], False, 2, 4)
+    assert off_device.startswith("(on a Trn2) NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 ")
+
+
+def test_a_fused_kernel_runs_alone(capsys):
+    from model import GPTConfig
+
+    assert first_hour.kernel_alone(GPTConfig(), 1, "cpu", "cpu", "add_rms_norm")
+    assert capsys.readouterr().out.strip() == ("add_rms_norm_fwd_kernel: front end ok / backend ok; "
+                                               "add_rms_norm_bwd_kernel: front end ok / backend ok")
+    with pytest.raises(ValueError, match="kernel:norm: not a kernel op; the ops are attention, mlp"):
+        first_hour.kernel_alone(GPTConfig(), 1, "cpu", "cpu", "norm")
