@@ -781,11 +781,16 @@ def _transpose_chunks(dst, src, on_scalar):
     """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
     transposes into one PSUM bank, one copy takes them out (VectorE: bf16 from PSUM at twice ScalarE's rate,
     [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
-    count = dst.shape[1]
-    transposed = nl.ndarray((TILE, count, TILE), dtype=dst.dtype, buffer=nl.psum)
+    _evict(dst, _transposed_chunks(src), on_scalar)
+
+
+def _transposed_chunks(src):
+    """src (128, n*128) -> a PSUM tile (128, n, 128) of its 128x128 chunks transposed by TensorE, n <= 4."""
+    count = src.shape[1] // TILE
+    transposed = nl.ndarray((TILE, count, TILE), dtype=src.dtype, buffer=nl.psum)
     for c in range(count):
         nisa.nc_transpose(dst=transposed[:, c, :], data=src[:, c * TILE:(c + 1) * TILE])
-    _evict(dst, transposed, on_scalar)
+    return transposed
 
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
@@ -807,102 +812,159 @@ def _scores(scores, q_cols, k_cols, query_tile, start, mask):
         nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=identity, moving=edge, accumulate=True)
 
 
-def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, query_tile):
-    """One tile of 128 queries against every key it can see: writes its 128 output rows to out[b, h]
-    and its row statistics into column `query_tile` of stats = (neg_max, row_sum), both (128, S/128)
-    fp32: -scale * max of the scores and the sum of exp(scale * score - scale * max).
-
-    Keys go in groups of up to 2048 (4 PSUM banks of scores): the row max of a group is one VectorE
-    reduce per 512-key block plus one combine, exp and the row sum are one ScalarE activation per block
-    (the sum accumulates across a group's blocks in ScalarE's reduce registers), and P @ V accumulates
-    in one PSUM tile over the whole group. Only a query tile past 2048 keys (S > 2048) needs the online
-    softmax's rescale, once per group instead of once per block."""
-    head_dim, dtype = v_rows.shape[2], v_rows.dtype
-    neg_max_all, sum_all = stats
-    # blocks wholly above the diagonal or wholly before the window are never computed
+def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
+    """The state (a dict: NKI has no classes) of tile `step` of the program's stream of query tiles through
+    the forward's stages: (batch, kv head) pairs outer, their query heads, then the heads' 128-query tiles.
+    Holds the keys the tile sees (blocks wholly above the diagonal or wholly before the window are never
+    computed), in groups of up to KEY_GROUP keys whose scores share a row max; its pair's K cols and V rows
+    (loaded by the pair's first tile), its head's Q cols and row statistics (neg_max, row_sum), (128, S/128)
+    fp32 each (loaded and made by the head's first tile), shared with the `earlier` tiles."""
+    n_tiles, n_kv_heads, dtype = q.shape[2] // TILE, k.shape[1], q.dtype
+    group = q.shape[1] // n_kv_heads
+    pair_index, rest = divmod(step, group * n_tiles)
+    b, kv_head = divmod(pairs[pair_index], n_kv_heads)
+    head, query_tile = divmod(rest, n_tiles)
+    h = kv_head * group + head
+    if rest == 0:
+        kv = (_load_cols(k, b, kv_head, dtype, True), _load_rows(v, b, kv_head, dtype))
+    else:
+        kv = earlier[-1]["kv"]
+    if query_tile == 0:
+        q_cols = _load_cols(q, b, h, dtype, True)
+        stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf),
+                 nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf))
+    else:
+        q_cols, stats = earlier[-1]["q_cols"], earlier[-1]["stats"]
     key_start, n_keys = _first_key(query_tile, mask[3]), (query_tile + 1) * TILE
-    single_group = n_keys - key_start <= KEY_GROUP
+    groups = []
     for group_start in range(key_start, n_keys, KEY_GROUP):
-        group_stop = min(group_start + KEY_GROUP, n_keys)
-        last_group = group_stop == n_keys
-        starts = []
-        for start in range(group_start, group_stop, KEY_BLOCK):
-            starts.append(start)
-        n_blocks = len(starts)
-        scores = []
-        block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
-        for j in range(n_blocks):
-            width = min(KEY_BLOCK, group_stop - starts[j])
-            block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-            _scores(block, q_cols, k_cols, query_tile, starts[j], mask)
-            # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
-            # activation_reduce), so their max of a row whose scores are all negative would be 0, and
-            # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
-            nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=block, axis=1)
-            scores.append(block)
+        groups.append(group_start)
+    return {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
+            "q_cols": q_cols, "stats": stats, "n_keys": n_keys, "groups": groups, "single_group": len(groups) == 1}
 
-        group_neg_max = neg_max_all[:, query_tile:query_tile + 1] if single_group else \
+
+def _attention_fwd_scores(tile, group, mask):
+    """Stage 1 of a group: its score blocks (up to 512 keys each, one PSUM bank) on TensorE."""
+    query_tile, group_start = tile["query_tile"], tile["groups"][group]
+    group_stop = min(group_start + KEY_GROUP, tile["n_keys"])
+    starts, scores = [], []
+    for start in range(group_start, group_stop, KEY_BLOCK):
+        width = min(KEY_BLOCK, group_stop - start)
+        block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+        _scores(block, tile["q_cols"], tile["kv"][0], query_tile, start, mask)
+        starts.append(start)
+        scores.append(block)
+    tile["starts"] = starts
+    tile["scores"] = scores
+
+
+def _attention_fwd_softmax(tile, group, scale):
+    """Stage 2 of a group: the row max (VectorE), p = exp(scale * s - scale * max) on ScalarE reading PSUM,
+    the row sum over the group's blocks built up in ScalarE's reduce registers and read once, with the last
+    block; past the first group, alpha = exp(scale * (old max - new max)) of the online softmax."""
+    neg_max_all, sum_all = tile["stats"]
+    dtype = tile["q_cols"][0].dtype
+    query_tile, scores = tile["query_tile"], tile["scores"]
+    single_group, last_group = tile["single_group"], group == len(tile["groups"]) - 1
+    column = slice(query_tile, query_tile + 1)
+    n_blocks = len(scores)
+    block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
+    for j in range(n_blocks):
+        # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
+        # activation_reduce), so their max of a row whose scores are all negative would be 0, and
+        # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
+        nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=scores[j], axis=1)
+    group_neg_max = neg_max_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                            buffer=nl.sbuf)
+    if n_blocks == 1:
+        nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
+    else:
+        group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
+        nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
+    if group == 0:
+        neg_max = group_neg_max
+    else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
+        new_neg_max = neg_max_all[:, column] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                          buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=new_neg_max, data1=tile["neg_max"], data2=group_neg_max, op=nl.minimum)
+        tile["alpha"] = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=tile["alpha"], op=nl.exp, data=tile["neg_max"], bias=new_neg_max, scale=-1.0)
+        neg_max = new_neg_max
+    tile["neg_max"] = neg_max
+
+    group_sum = sum_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+    probs = []
+    for j in range(n_blocks):
+        block_probs = nl.ndarray(scores[j].shape, dtype=dtype, buffer=nl.sbuf)
+        nisa.activation(dst=block_probs, op=nl.exp, data=scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
+                        reduce_res=group_sum if j == n_blocks - 1 else None,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
+        probs.append(block_probs)
+    tile["probs"] = probs
+    tile["group_sum"] = group_sum
+
+
+def _attention_fwd_transposes(tile):
+    """Stage 3 of a group: p @ v contracts over keys, which must sit on the partitions: TensorE transposes
+    p chunk by chunk into PSUM, one tile per block."""
+    transposed = []
+    for j in range(len(tile["probs"])):
+        transposed.append(_transposed_chunks(tile["probs"][j]))
+    tile["transposed"] = transposed
+
+
+def _attention_fwd_values(tile, group):
+    """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns), P @ V accumulated in one
+    PSUM tile over the group; past the first group, what the earlier groups summed rescaled to the new max."""
+    query_tile, starts, transposed = tile["query_tile"], tile["starts"], tile["transposed"]
+    v_rows = tile["kv"][1]
+    head_dim, dtype = v_rows.shape[2], v_rows.dtype
+    last_group, group_sum = group == len(tile["groups"]) - 1, tile["group_sum"]
+    group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
+    for j in range(len(transposed)):
+        n_chunks = transposed[j].shape[1]
+        probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
+        _evict(probs_t, transposed[j], (query_tile + j) % 2 == 1)
+        for c in range(n_chunks):
+            nisa.nc_matmul(dst=group_out, stationary=probs_t[:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
+                           accumulate=j > 0 or c > 0)
+    if tile["single_group"]:
+        tile["out_acc"] = group_out
+        tile["row_sum"] = group_sum
+    elif group == 0:
+        tile["out_acc"] = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile["out_acc"], src=group_out)
+        tile["row_sum"] = group_sum
+    else:  # rescale what the earlier groups summed to the new max
+        sum_all = tile["stats"][1]
+        new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else \
             nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if n_blocks == 1:
-            nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
-        else:
-            group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
-            nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
-        if group_start == key_start:
-            neg_max = group_neg_max
-        else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
-            new_neg_max = neg_max_all[:, query_tile:query_tile + 1] if last_group else \
-                nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=new_neg_max, data1=neg_max, data2=group_neg_max, op=nl.minimum)
-            alpha = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=alpha, op=nl.exp, data=neg_max, bias=new_neg_max, scale=-1.0)
-            neg_max = new_neg_max
+        nisa.scalar_tensor_tensor(dst=new_sum, data=tile["row_sum"], op0=nl.multiply, operand0=tile["alpha"],
+                                  op1=nl.add, operand1=group_sum)
+        tile["row_sum"] = new_sum
+        nisa.scalar_tensor_tensor(dst=tile["out_acc"], data=tile["out_acc"], op0=nl.multiply,
+                                  operand0=tile["alpha"], op1=nl.add, operand1=group_out)
 
-        # p = exp(scale * s - scale * max) on ScalarE, reading PSUM; the row sum over the group's blocks
-        # builds up in ScalarE's reduce registers and is read once, with the last block
-        group_sum = sum_all[:, query_tile:query_tile + 1] if single_group else \
-            nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        probs = []
-        for j in range(n_blocks):
-            block_probs = nl.ndarray(scores[j].shape, dtype=dtype, buffer=nl.sbuf)
-            nisa.activation(dst=block_probs, op=nl.exp, data=scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
-                            reduce_res=group_sum if j == n_blocks - 1 else None,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
-            probs.append(block_probs)
 
-        # p @ v contracts over keys, which must sit on the partitions: p transposed chunk by chunk
-        group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-        for j in range(n_blocks):
-            n_chunks = probs[j].shape[1] // TILE
-            probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
-            _transpose_chunks(probs_t, probs[j], (query_tile + j) % 2 == 1)
-            for c in range(n_chunks):
-                nisa.nc_matmul(dst=group_out, stationary=probs_t[:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
-                               accumulate=j > 0 or c > 0)
-
-        if single_group:
-            out_acc, row_sum = group_out, group_sum
-        elif group_start == key_start:
-            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=out_acc, src=group_out)
-            row_sum = group_sum
-        else:  # rescale what the earlier groups summed to the new max
-            new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else \
-                nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=new_sum, data=row_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                      operand1=group_sum)
-            row_sum = new_sum
-            nisa.scalar_tensor_tensor(dst=out_acc, data=out_acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                                      operand1=group_out)
-
-    # no division on the hardware (nki.api.shared.rst's ISA operator table; the release notes' known issues):
-    # one VectorE reciprocal of the (128, 1) row sums, then a multiply from PSUM
+def _attention_fwd_store(tile, out, lse):
+    """Stage 5 of a tile: out = acc * (1 / sum), its 128 rows to out[b, h]. No division on the hardware
+    (nki.api.shared.rst's ISA operator table; the release notes' known issues): one VectorE reciprocal of the
+    (128, 1) row sums, then a multiply from PSUM. The head's last tile also writes its lse = log(sum) -
+    (-scale * max), one ScalarE and one VectorE instruction for the head."""
+    b, h, query_tile, head_dim = tile["b"], tile["h"], tile["query_tile"], tile["out_acc"].shape[1]
     inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inverse_sum, data=row_sum)
-    out_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_tile, data=out_acc, op0=nl.multiply, operand0=inverse_sum)
+    nisa.reciprocal(dst=inverse_sum, data=tile["row_sum"])
+    out_tile = nl.ndarray((TILE, head_dim), dtype=out.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_tile, data=tile["out_acc"], op0=nl.multiply, operand0=inverse_sum)
     nisa.dma_copy(dst=out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], src=out_tile)
+    if tile["last_tile"]:
+        neg_max_all, sum_all = tile["stats"]
+        log_sum = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=log_sum, op=nl.log, data=sum_all)  # sum >= 1: the max itself contributes exp(0)
+        lse_tile = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=neg_max_all, op=nl.subtract)
+        nisa.dma_copy(dst=lse[b, h, :, :], src=lse_tile)
 
 
 def flash_attention_fwd_kernel(q, k, v, scale, window):
@@ -939,10 +1001,20 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is one ScalarE and one VectorE
     instruction per head.
 
+    Issue order: the program's query tiles form one stream (pairs, their heads, the heads' tiles; a pair's
+    K and V and a head's Q are loaded by its first tile), whose five stages (scores; row max and exp; P^T
+    transposes; P^T copy and P @ V; output and lse) are software-pipelined at S <= 2048: step t issues tile
+    t's scores beside the later stages of tiles t-1 .. t-4, so no engine, each running its instructions in
+    issue order, waits on the chain of the tile it just started. Above S = 2048 a tile's groups carry the
+    online softmax and the tiles go one after another.
+
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
-    (`_attention_sbuf_bytes`), which bounds S. PSUM, each tile in whole 2 KiB banks: a group's scores 4
-    banks, P^T, the output tile and the layout transposes one each: at most 7 of the 8 banks.
+    (`_attention_sbuf_bytes`), which bounds S. PSUM, each tile in whole 2 KiB banks: at S <= 1024 two
+    tiles' scores (2 banks each), one tile's P^T (a bank per 512 keys), the output tile and Q's layout
+    transposes: at most 8 of the 8 banks; at S <= 2048 one tile's scores (4), then its P^T (4) once they are
+    copied out, the output tile and the layout transposes: at most 6; above, a group's scores 4 banks, P^T,
+    the output tile and the layout transposes one each: at most 7.
 
     Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
     TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
@@ -950,7 +1022,9 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     256 VectorE or 576 ScalarE cycles: split as above, VectorE and ScalarE each land near TensorE.
     Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5 (1.21x),
     ScalarE 39.7, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 44.4 us
-    against VectorE 38.3, ScalarE 33.5, DMA 23.9.
+    against VectorE 38.3, ScalarE 33.5, DMA 23.9. Scheduled (nki_emulator/_schedule.py: in-order engines,
+    dependencies), between those overlap bounds and the serial bounds 150.9 and 140.6 us: 75.6 us at the
+    baseline shape and 70.4 at K82s4's (issued tile after tile, each tile's chain in order: 144.0 and 130.6).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -961,22 +1035,49 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
+    # Software pipelining (attention_cte.py's group loop in aws-neuron/nki-library issues the P @ V and write-back
+    # of group i, the exp of i+1 and QK + max of i+2 together): step t issues tile t's score matmuls and the
+    # later stages of older tiles, so each in-order engine finds the inputs of its next instruction ready. At
+    # S <= 1024 (two tiles' scores in 4 banks) the scores lead the step and run a step ahead of the softmax, and
+    # P^T leaves PSUM a step after the transposes; above, a tile's scores take 4 banks, so P^T is copied out
+    # as it is made, before the next scores.
+    split = 1 if seq_len <= 2 * KEY_BLOCK else 0
+    softmax_at, transposes_at = split, split + 1
+    values_at = transposes_at + split
+    store_at = values_at + 1
+    # the (batch, kv head) pairs of this program, its query heads, their query tiles: one stream of tiles
+    pairs = []
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        b, kv_head = divmod(pair, n_kv_heads)
-        k_cols = _load_cols(k, b, kv_head, dtype, True)
-        v_rows = _load_rows(v, b, kv_head, dtype)
-        for h in range(kv_head * group, (kv_head + 1) * group):
-            q_cols = _load_cols(q, b, h, dtype, True)
-            neg_max_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-            sum_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-            stats = (neg_max_all, sum_all)
-            for i in range(n_tiles):
-                _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, i)
-            log_sum = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=log_sum, op=nl.log, data=sum_all)  # sum >= 1: the max itself contributes exp(0)
-            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=neg_max_all, op=nl.subtract)
-            nisa.dma_copy(dst=lse[b, h, :, :], src=lse_tile)
+        pairs.append(pair)
+    n_steps = len(pairs) * group * n_tiles
+    tiles = []
+    if seq_len <= KEY_GROUP:  # one group a tile: software-pipelined, step t issues the scores of tile t
+        for step in range(n_steps + store_at):
+            if step < n_steps:
+                tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
+            if split and step < n_steps:
+                _attention_fwd_scores(tiles[step], 0, mask)
+            if 0 <= step - store_at:
+                _attention_fwd_store(tiles[step - store_at], out, lse)
+            if split and 0 <= step - values_at < n_steps:  # the older P^T leaves PSUM before the next is made
+                _attention_fwd_values(tiles[step - values_at], 0)
+            if 0 <= step - transposes_at < n_steps:
+                _attention_fwd_transposes(tiles[step - transposes_at])
+            if not split and 0 <= step - values_at < n_steps:  # P^T leaves PSUM before the next scores
+                _attention_fwd_values(tiles[step - values_at], 0)
+            if not split and step < n_steps:
+                _attention_fwd_scores(tiles[step], 0, mask)
+            if 0 <= step - softmax_at < n_steps:
+                _attention_fwd_softmax(tiles[step - softmax_at], 0, scale)
+    else:  # a tile past KEY_GROUP keys carries its online softmax from group to group: in order
+        for step in range(n_steps):
+            tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
+            for key_group in range(len(tiles[step]["groups"])):
+                _attention_fwd_scores(tiles[step], key_group, mask)
+                _attention_fwd_softmax(tiles[step], key_group, scale)
+                _attention_fwd_transposes(tiles[step])
+                _attention_fwd_values(tiles[step], key_group)
+            _attention_fwd_store(tiles[step], out, lse)
     return out, lse
 
 
