@@ -1081,52 +1081,75 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     return out, lse
 
 
-def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
-    """Query tile i against the keys it sees of the key block starting at `start`: adds dV and dK of those
-    keys into the PSUM accumulators dk_block, dv_block (one (128 keys, d) slot per 128-key chunk of the
-    block, `_banked_chunks`) and dQ of the tile into the SBUF accumulator dq_acc[:, i, :]. head and kv are
-    the tuples the kernel builds, mask `_mask_operands`."""
-    q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta = head
-    k_cols, k_rows, v_cols = kv
-    dtype, head_dim = k_rows.dtype, k_rows.shape[2]
-    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
+def _attention_bwd_unit(query_tile, start, mask):
+    """The state (a dict: NKI has no classes) of query tile i against the keys it sees of the key block
+    starting at `start`, through the backward's four stages (the loop of flash_attention_bwd_kernel)."""
     tile_first_key = _first_key(query_tile, mask[3])
     first = max(start, tile_first_key)  # the block's chunks before the window are skipped
     width = min(start + KEY_BLOCK, (query_tile + 1) * TILE) - first
-    n_chunks, skipped = width // TILE, (first - start) // TILE
+    return {"query_tile": query_tile, "first": first, "width": width, "opens_row": first == tile_first_key}
 
-    scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(scores, q_cols, k_cols, query_tile, first, mask)
-    probs = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)  # P recomputed from lse: exp(scale * s - lse)
-    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
-    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T over the d pieces
+
+def _attention_bwd_scores(unit, head, kv, mask):
+    """Stage 1: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
+    q_cols, do_cols = head[0], head[2]
+    k_cols, v_cols = kv[0], kv[2]
+    query_tile, first, width = unit["query_tile"], unit["first"], unit["width"]
+    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
+    unit["scores"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    _scores(unit["scores"], q_cols, k_cols, query_tile, first, mask)
+    unit["dprobs"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
     for piece in range(len(do_cols)):
-        nisa.nc_matmul(dst=dprobs, stationary=do_cols[piece][:, queries], moving=v_cols[piece][:, first:first + width],
-                       accumulate=piece > 0)
-    # dS = P * (dP - D), the scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's
-    # product has both inputs in SBUF in the input dtype (its fast case, N cycles, not 2N)
-    shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=neg_delta[:, query_tile:query_tile + 1])
-    dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
+        nisa.nc_matmul(dst=unit["dprobs"], stationary=do_cols[piece][:, queries],
+                       moving=v_cols[piece][:, first:first + width], accumulate=piece > 0)
 
-    # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions. The sum of chunk c starts
-    # at the query tile on its diagonal, the first one that sees its keys.
+
+def _attention_bwd_softmax(unit, head, dtype, scale):
+    """Stage 2: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
+    scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's product has both inputs in SBUF
+    in the input dtype (its fast case, N cycles, not 2N)."""
+    neg_lse, neg_delta = head[4], head[5]
+    column, width = slice(unit["query_tile"], unit["query_tile"] + 1), unit["width"]
+    unit["probs"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=unit["probs"], op=nl.exp, data=unit["scores"], bias=neg_lse[:, column], scale=scale)
+    shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=shifted, op=nl.copy, data=unit["dprobs"], bias=neg_delta[:, column])
+    unit["dscores"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=unit["dscores"], data1=shifted, data2=unit["probs"], op=nl.multiply)
+
+
+def _attention_bwd_kv_grads(unit, head, dk_block, dv_block, start):
+    """Stage 3: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators dk_block, dv_block (one
+    (128 keys, d) slot per 128-key chunk of the block, `_banked_chunks`): queries are already on the
+    partitions. The sum of chunk c starts at the query tile on its diagonal, the first one that sees its
+    keys. Then dS transposed by TensorE for dQ = dS @ K, which contracts over keys."""
+    q_rows, do_rows = head[1], head[3]
+    query_tile, first = unit["query_tile"], unit["first"]
+    n_chunks, skipped = unit["width"] // TILE, (first - start) // TILE
     for c in range(n_chunks):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > first // TILE + c
-        nisa.nc_matmul(dst=dv_block[skipped + c], stationary=probs[:, chunk], moving=do_rows[:, query_tile, :],
-                       accumulate=started)
-        nisa.nc_matmul(dst=dk_block[skipped + c], stationary=dscores[:, chunk], moving=q_rows[:, query_tile, :],
-                       accumulate=started)
+        nisa.nc_matmul(dst=dv_block[skipped + c], stationary=unit["probs"][:, chunk],
+                       moving=do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dst=dk_block[skipped + c], stationary=unit["dscores"][:, chunk],
+                       moving=q_rows[:, query_tile, :], accumulate=started)
+    unit["dscores_t"] = _transposed_chunks(unit["dscores"])
 
-    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)  # dQ = dS @ K contracts over keys
-    _transpose_chunks(dscores_t, dscores, False)
+
+def _attention_bwd_dq(unit, dq_acc, kv):
+    """Stage 4: dS^T out of PSUM (VectorE), dQ of the tile from this block (TensorE), added into the SBUF
+    accumulator dq_acc[:, i, :]."""
+    k_rows = kv[1]
+    dtype, head_dim = k_rows.dtype, k_rows.shape[2]
+    query_tile, first = unit["query_tile"], unit["first"]
+    n_chunks = unit["width"] // TILE
+    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
+    _evict(dscores_t, unit["dscores_t"], False)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
     for c in range(n_chunks):
         nisa.nc_matmul(dst=dq_block, stationary=dscores_t[:, c, :], moving=k_rows[:, first // TILE + c, :],
                        accumulate=c > 0)
-    if first == tile_first_key:
+    if unit["opens_row"]:
         nisa.tensor_copy(dst=dq_acc[:, query_tile, :], src=dq_block)
     else:
         nisa.tensor_tensor(dst=dq_acc[:, query_tile, :], data1=dq_acc[:, query_tile, :], data2=dq_block, op=nl.add)
@@ -1206,6 +1229,13 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     query head writes dK and dV (scaled) from PSUM, later ones add onto them, the last writes the input
     dtype.
 
+    Issue order: a head's (key block, query tile) units go through four stages (scores and dP on TensorE;
+    P, dP - D and dS on ScalarE and VectorE; dV, dK and the dS transposes on TensorE; dS^T out of PSUM, dQ and
+    its add), software-pipelined: step u issues unit u-1's dQ, unit u's dS, unit u+1's scores and dP, then
+    unit u's dV and dK, so TensorE computes the next scores while ScalarE and VectorE make this unit's dS
+    (each engine runs its instructions in issue order). The PSUM tiles live at once are those of the plan
+    below: unit u's scores and dP are read before unit u+1's are written.
+
     SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
     O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
     32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles: 137,216 bytes at the limit,
@@ -1219,7 +1249,9 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 68.3 us, DMA 81.1 (1.19x:
     eight (S, d) tensors cross HBM per head in 128-row DMAs), ScalarE 59.7, VectorE 55.2; at K82s4's
     (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 94.7 us against VectorE 81.5, DMA 56.7,
-    ScalarE 49.5.
+    ScalarE 49.5. Scheduled (nki_emulator/_schedule.py: in-order engines, dependencies): 150.7 us at the
+    baseline shape and 184.8 at K82s4's, against serial bounds of 273.9 and 297.0 (issued unit after unit,
+    each unit's chain in order: 199.7 and 223.7).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -1244,17 +1276,39 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
             first, last = h == kv_head * group, h == (kv_head + 1) * group - 1
             head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
             dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+            # the head's (key block, query tile) units, blocks outer: only the query tiles from the block's
+            # first chunk to the window past its last see it
+            units, block_starts, block_ends = [], [], []
             for start in range(0, seq_len, KEY_BLOCK):
-                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                dk_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
-                dv_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
-                # only the query tiles from the block's first chunk to the window past its last see it
-                for i in range(start // TILE, min(n_tiles, chunks.stop + window // TILE)):
-                    _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, i, start)
-                _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
-                             scale, first, last)
-                _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
-                             1.0, first, last)
+                chunks_stop = min(start + KEY_BLOCK, seq_len) // TILE
+                for i in range(start // TILE, min(n_tiles, chunks_stop + window // TILE)):
+                    units.append(_attention_bwd_unit(i, start, mask))
+                    block_starts.append(start)
+                    block_ends.append(i == min(n_tiles, chunks_stop + window // TILE) - 1)
+            # software-pipelined: step u issues unit u-1's dQ, unit u's softmax, unit u+1's score matmuls and
+            # unit u's dK/dV, so TensorE computes the next scores while ScalarE and VectorE make dS
+            dk_block, dv_block = None, None
+            for step in range(len(units) + 1):
+                if 0 <= step - 1:
+                    _attention_bwd_dq(units[step - 1], dq_acc, kv)
+                if step == 0:
+                    _attention_bwd_scores(units[0], head, kv, mask)
+                if step < len(units):
+                    _attention_bwd_softmax(units[step], head, dtype, scale)
+                if step + 1 < len(units):
+                    _attention_bwd_scores(units[step + 1], head, kv, mask)
+                if step < len(units):
+                    start = block_starts[step]
+                    chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                    if step == 0 or block_starts[step - 1] != start:
+                        dk_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
+                        dv_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
+                    _attention_bwd_kv_grads(units[step], head, dk_block, dv_block, start)
+                    if block_ends[step]:
+                        _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
+                                     scale, first, last)
+                        _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
+                                     1.0, first, last)
             dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
             nisa.activation(dst=dq_rows, op=nl.copy, data=dq_acc, scale=scale)
             _store_rows(dq, b, h, dq_rows)
