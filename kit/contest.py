@@ -7,9 +7,11 @@ import ast
 import builtins
 import dataclasses
 import importlib.util
+import io
 import os
 import re
 import sys
+import tokenize
 
 import torch
 
@@ -220,6 +222,13 @@ KIT_ONLY = {
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
 }
+# The paths the submission's run never takes, each with why: a stand-in that raises with the fix replaces it.
+SUBMISSION_UNTAKEN = {
+    "run_eval": "its data is the contest's prepare.py, which gives no validation data to the run",
+    "sample": "competition mode (always on in a submission) sets sample_tokens=0",
+    "resume_state": "the contest launches it bare, never with --resume; resume a run with the kit's train.py",
+    "restore": "it restores only what resume_state loads, which this file leaves out",
+}
 ENTRY_POINTS = ("main", "load_for_eval")  # train.py's run and the contest scorer's hook: what the file must reach
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
 # its clock's start): each before its first importer, as a module's names are used at its import only by the
@@ -281,6 +290,13 @@ def unused_op_stub(op):
             f"never calls it; export again with the flags that do\")\n")
 
 
+def untaken_path_stub(name, why):
+    """The stand-in for a definition the submission's run never reaches (SUBMISSION_UNTAKEN): says why."""
+    return (f"def {name}(*args, **kwargs):  # left out of this submission: {why}\n"
+            f"    raise NotImplementedError(\"{name}: this submission leaves it out ({why}); "
+            f"run the kit's train.py for it\")\n")
+
+
 def bundled_import(node):
     """For a top-level import of bundled modules, the statement that stands for it in the one file: their
     names are already this file's, so `import kernels` or `from kit import contest` makes the module's name
@@ -327,14 +343,15 @@ def bundle_source(root, argv, unused_ops=()):
     if missing:
         raise ValueError(f"kernels.py defines no function {missing[0]}, the op's name: the exporter leaves out an op "
                          "by replacing its public function")
-    replaced = {**KIT_ONLY, **{op: unused_op_stub(op) for op in unused_ops}}
+    replaced = {**KIT_ONLY, **{name: untaken_path_stub(name, why) for name, why in SUBMISSION_UNTAKEN.items()},
+                **{op: unused_op_stub(op) for op in unused_ops}}
     keep = reachable_names(trees, replaced)
     modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n"
                       f"{module_text(without_docstrings(texts[name]), argv, keep, replaced)}"
                       for name in BUNDLED if name != "train")
     source = module_text(texts["train"], argv, keep, replaced, inline=modules + "\n# ===== train.py =====\n")
     # section rules in 5 characters instead of 78, one blank line between definitions instead of two
-    source = re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub("# ---", source))
+    source = tab_indented(re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub("# ---", source)))
     check_submission(source)
     return source
 
@@ -353,6 +370,27 @@ def without_docstrings(text):
     for first, last in sorted(cuts, reverse=True):  # from the bottom: earlier line numbers hold
         del lines[first:last]
     return "".join(lines)
+
+
+def tab_indented(source):
+    """`source` with each four spaces of indentation written as one tab (a quarter of the bytes, the same code
+    and layout in an editor); lines inside a multi-line string keep their spaces, which are its text."""
+    inside_strings, f_string_starts = set(), []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == FSTRING_START:  # Python 3.12+ splits an f-string into tokens: its start to its end
+            f_string_starts.append(token.start[0])
+        first = f_string_starts.pop() if token.type == FSTRING_END else token.start[0]
+        if token.type in (tokenize.STRING, FSTRING_END) and token.end[0] > first:
+            inside_strings.update(range(first + 1, token.end[0] + 1))
+    lines = source.splitlines(keepends=True)
+    for number, line in enumerate(lines, 1):
+        spaces = len(line) - len(line.lstrip(" "))
+        if spaces >= 4 and number not in inside_strings:
+            lines[number - 1] = "\t" * (spaces // 4) + line[spaces - spaces % 4:]
+    return "".join(lines)
+
+
+FSTRING_START, FSTRING_END = getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)
 
 
 def module_text(text, argv, keep, replaced, inline=None):
@@ -498,4 +536,5 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
     size = len(source.encode())
     print(f"wrote {path}: {size:,} bytes, {SUBMISSION_LIMIT_BYTES - size:,} left under the portal's "
           f"{SUBMISSION_LIMIT_BYTES:,}; defaults {flags}; kernel ops left out (never called): "
-          f"{', '.join(unused) or 'none'}; causality check passed")
+          f"{', '.join(unused) or 'none'}; paths left out (never taken in a submission): "
+          f"{', '.join(SUBMISSION_UNTAKEN)}; causality check passed")

@@ -330,3 +330,31 @@ def test_the_log_and_evaluate_info_say_what_each_op_ran(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(SystemExit, match="notes.txt .* is not a PyTorch checkpoint"):
         evaluate.cli(["info", f"--checkpoint={tmp_path / 'notes.txt'}"])
+
+
+def test_tab_indentation_changes_no_code_and_no_string():
+    text = ('def f(x):\n    if x:\n        s = """a\n    kept\n        as is"""\n'
+            '        t = (f"""{x}\n    also kept""", g(1,\n                   2))\n        return s + t[0]\n    return ""\n')
+    tabbed = contest.tab_indented(text)
+    assert ast.dump(ast.parse(tabbed)) == ast.dump(ast.parse(text))
+    assert "\n\t\ts = " in tabbed and "\n    kept\n        as is" in tabbed and "\n    also kept" in tabbed
+    assert "\n\t\t\t\t   2))" in tabbed  # a continuation line: its alignment in tabs and the spaces left over
+
+
+def test_the_frontier_export_leaves_room_and_names_every_path_it_leaves_out(capsys):
+    """At --preset=frontier, the ops the model never calls and the paths a submission never takes
+    (SUBMISSION_UNTAKEN) become stand-ins that raise with the fix; each is named in the summary."""
+    cfg, model_cfg = train.parse_args(["--preset=frontier"])
+    cfg.export_submission = os.devnull
+    contest.export_submission(cfg, model_cfg, ["--preset=frontier"], 8192, None, None)
+    printed = capsys.readouterr().out
+    size = int(re.search(r"([\d,]+) bytes", printed)[1].replace(",", ""))
+    left = int(re.search(r"([\d,]+) left under", printed)[1].replace(",", ""))
+    assert left == contest.SUBMISSION_LIMIT_BYTES - size >= 60_000  # the issue asks 80 KB: see docs/contest.md
+    assert "softcap_cross_entropy" in printed
+    for name in contest.SUBMISSION_UNTAKEN:
+        assert name in printed
+    namespace = {}
+    exec(contest.untaken_path_stub("resume_state", "why"), namespace)
+    with pytest.raises(NotImplementedError, match="resume_state: this submission leaves it out \\(why\\)"):
+        namespace["resume_state"]()
