@@ -252,8 +252,10 @@ def referenced_names(node):
     """Every name `node` may use from the one file's namespace: bare names, and attributes, which reach the
     inlined modules' names (`kernels.mlp`, `runtime.say`); an attribute of anything else only keeps a
     definition that happens to share its name."""
+    augmented = {id(n.target) for n in ast.walk(node) if isinstance(n, ast.AugAssign)}  # `x += 1` reads x
     return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
-            if isinstance(n, (ast.Name, ast.Attribute))}
+            if isinstance(n, ast.Attribute) or isinstance(n, ast.Name)
+            and (not isinstance(n.ctx, ast.Store) or id(n) in augmented)}  # a binding uses no definition
 
 
 def reachable_names(trees, replaced):
@@ -321,12 +323,13 @@ def is_reexport(node):
         and node.value.value.id in BUNDLED and node.value.attr == node.targets[0].id
 
 
-def bundle_source(root, argv, unused_ops=()):
+def bundle_source(root, argv, unused_ops=(), left_out=None):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
     names for the one file's module (`bundled_import`), the KIT_ONLY definitions and `unused_ops` (kernel
     ops the run never calls) replaced by stand-ins, only the definitions the run can reach
     (`reachable_names`: so no data preparation, no exporter, no kernels of an op it never calls), and `argv`
-    baked in as SUBMISSION_ARGS. Comments are kept, so it reads as the kit does (section rules and blank lines
+    baked in as SUBMISSION_ARGS; declaration fields no reached code reads become None
+    (`unread_declaration_fields`), each added to `left_out` (a list) as Record.field. Comments are kept, so it reads as the kit does (section rules and blank lines
     shortened); the inlined modules' docstrings become their first paragraph as comments and their functions'
     and classes' are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
     ValueError where two modules define one name."""
@@ -346,14 +349,64 @@ def bundle_source(root, argv, unused_ops=()):
     replaced = {**KIT_ONLY, **{name: untaken_path_stub(name, why) for name, why in SUBMISSION_UNTAKEN.items()},
                 **{op: unused_op_stub(op) for op in unused_ops}}
     keep = reachable_names(trees, replaced)
+    while unread := unread_declaration_fields(trees, keep):  # until what they named is no longer reached
+        for name, fields in unread.items():
+            texts[name] = with_values_none(texts[name], [position for _, position in fields])
+            if left_out is not None:
+                left_out += sorted({field for field, _ in fields} - set(left_out))
+            trees[name] = ast.parse(texts[name])
+        keep = reachable_names(trees, replaced)
     modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n"
                       f"{module_text(without_docstrings(texts[name]), argv, keep, replaced)}"
                       for name in BUNDLED if name != "train")
     source = module_text(texts["train"], argv, keep, replaced, inline=modules + "\n# ===== train.py =====\n")
-    # section rules in 5 characters instead of 78, one blank line between definitions instead of two
-    source = tab_indented(re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub("# ---", source)))
+    # section rules (# ---, # ===) in 5 characters instead of 78, one blank line between definitions instead of two
+    source = tab_indented(re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub(lambda rule: rule[0][:5], source)))
     check_submission(source)
     return source
+
+
+def unread_declaration_fields(trees, keep):
+    """{module: [(Record.field, its value's (lineno, col_offset, end_lineno, end_col_offset))]} of the keyword
+    arguments in the
+    reached declarations, `NAME = f(Record(field=value, ...))` or `NAME = Record(...)` with Record a bundled
+    dataclass (kernels.py's `ATTENTION_OP = _declare(KernelOp(...))`), whose field no reached code reads as
+    an attribute (KernelOp.check_cases, .model_cases: what --check and bench.py read): their values become
+    None in the one file, so what only they named (each op's check and model cases) drops out."""
+    records = {node.name for tree in trees.values() for node in tree.body if isinstance(node, ast.ClassDef)
+               and any("dataclass" in ast.unparse(d) for d in node.decorator_list)}
+    declarations, read = [], set()
+    for name, tree in trees.items():
+        for node in tree.body:
+            if not defined_names(node) & keep:
+                continue
+            call = getattr(node, "value", None) if isinstance(node, ast.Assign) else None
+            if isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Call):
+                call = call.args[0]  # _declare(KernelOp(...))
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in records:
+                declarations.append((name, call))
+            else:
+                read |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    unread = {}
+    for name, call in declarations:
+        for keyword in call.keywords:
+            value = keyword.value
+            if keyword.arg not in read and not (isinstance(value, ast.Constant) and value.value is None):
+                unread.setdefault(name, []).append((f"{call.func.id}.{keyword.arg}", (
+                    value.lineno, value.col_offset, value.end_lineno, value.end_col_offset)))
+    return unread
+
+
+def with_values_none(text, positions):
+    """`text` with each span of `positions` (ast's 1-based lines, UTF-8 byte columns) replaced by None."""
+    lines = [line.encode() for line in text.splitlines(keepends=True)]
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    data = b"".join(lines)
+    for first, first_col, last, last_col in sorted(positions, reverse=True):
+        data = data[:starts[first - 1] + first_col] + b"None" + data[starts[last - 1] + last_col:]
+    return data.decode()
 
 
 def without_docstrings(text):
@@ -423,7 +476,7 @@ def module_text(text, argv, keep, replaced, inline=None):
     return "".join(out)
 
 
-SECTION_RULE = re.compile(r"^# -{20,}$", re.MULTILINE)
+SECTION_RULE = re.compile(r"^# (-{20,}|={20,})$", re.MULTILINE)
 SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, marker2601/trainium-simulator)
 
 
@@ -529,7 +582,8 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
     unused = [op for op in kernels.KERNEL_OPS if op not in ops_called(model, cfg.batch_size)]
     # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
     flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
-    source = bundle_source(KIT_ROOT, flags, unused)
+    unread = []
+    source = bundle_source(KIT_ROOT, flags, unused, unread)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(source)
@@ -537,4 +591,5 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
     print(f"wrote {path}: {size:,} bytes, {SUBMISSION_LIMIT_BYTES - size:,} left under the portal's "
           f"{SUBMISSION_LIMIT_BYTES:,}; defaults {flags}; kernel ops left out (never called): "
           f"{', '.join(unused) or 'none'}; paths left out (never taken in a submission): "
-          f"{', '.join(SUBMISSION_UNTAKEN)}; causality check passed")
+          f"{', '.join(SUBMISSION_UNTAKEN)}; declaration fields it never reads (None): {', '.join(unread) or 'none'}; "
+          "causality check passed")
