@@ -325,13 +325,14 @@ def is_reexport(node):
 
 def bundle_source(root, argv, unused_ops=(), left_out=None):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
-    names for the one file's module (`bundled_import`), the KIT_ONLY definitions and `unused_ops` (kernel
-    ops the run never calls) replaced by stand-ins, only the definitions the run can reach
+    names for the one file's module (`bundled_import`), the KIT_ONLY and SUBMISSION_UNTAKEN definitions and
+    `unused_ops` (kernel ops the run never calls) replaced by stand-ins, only the definitions the run can reach
     (`reachable_names`: so no data preparation, no exporter, no kernels of an op it never calls), and `argv`
     baked in as SUBMISSION_ARGS; declaration fields no reached code reads become None
-    (`unread_declaration_fields`), each added to `left_out` (a list) as Record.field. Comments are kept, so it reads as the kit does (section rules and blank lines
-    shortened); the inlined modules' docstrings become their first paragraph as comments and their functions'
-    and classes' are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
+    (`unread_declaration_fields`), each added to `left_out` (a list) as Record.field. Comments are kept, so
+    it reads as the kit does (section rules and blank lines shortened, a tab a level: `tab_indented`); the
+    inlined modules' docstrings become their first paragraph as comments and their functions' and classes'
+    are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
     ValueError where two modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
     trees = {name: ast.parse(text) for name, text in texts.items()}

@@ -344,7 +344,8 @@ def test_the_log_and_evaluate_info_say_what_each_op_ran(tmp_path, capsys):
 
 def test_tab_indentation_changes_no_code_and_no_string():
     text = ('def f(x):\n    if x:\n        s = """a\n    kept\n        as is"""\n'
-            '        t = (f"""{x}\n    also kept""", g(1,\n                   2))\n        return s + t[0]\n    return ""\n')
+            '        t = (f"""{x}\n    also kept""", g(1,\n                   2))\n'
+            '        return s + t[0]\n    return ""\n')
     tabbed = contest.tab_indented(text)
     assert ast.dump(ast.parse(tabbed)) == ast.dump(ast.parse(text))
     assert "\n\t\ts = " in tabbed and "\n    kept\n        as is" in tabbed and "\n    also kept" in tabbed
