@@ -3,8 +3,14 @@ The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, 
 next to them fused into kernels of its own: the residual add with the RMSNorm after it, the head's
 softcap with its cross-entropy, and RoPE with QK-norm.
 
-model.py calls only `attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy` and `rope_norm`
-from this file. Each takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
+Read by op. First the operations model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`,
+`softcap_cross_entropy`, `rope_norm`) and their dispatch; then the hardware constants and the helpers the
+kernels share; then one section per op: its NKI kernels, the PyTorch op around them, its PyTorch fallback,
+its shape and cost rules, the small inputs its checks use, and last its declaration (`KernelOp`), from
+which `KERNEL_OPS`, the per-op record, `bench.py --check` / `--kernels`, the step estimate and the kill
+matrix take their lists. docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
+
+Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
@@ -17,13 +23,39 @@ picks its path with `_use_nki`:
 - "prefer": the NKI kernel wherever NKI is usable and the kernel takes the shapes, on any device; else
   PyTorch, logged once as a warning. Scoring runs an op that trained on NKI so.
 
-Layouts follow PyTorch conventions at this boundary; a kernel that wants another layout (NKI attention
-wants the head dim on the partition axis) changes it inside its own wrapper.
 
-Each NKI kernel is a plain function over `nl`/`nisa`, launched by `_run_kernel` and registered as a
-PyTorch op pair (forward, backward, autograd) by `_register_kernel_ops`: through `torch_neuronx.nki_op`
-on Trainium, through `torch.library.custom_op` elsewhere.
+Layouts follow PyTorch conventions at this boundary; a kernel that wants another layout (NKI attention
+wants the head dim on the partition axis) changes it inside its own wrapper. Each NKI kernel is a plain
+function over `nl`/`nisa`, launched by `_run_kernel` and registered as a PyTorch op pair (forward,
+backward, autograd) by `_register_kernel_ops`: through `torch_neuronx.nki_op` on Trainium, through
+`torch.library.custom_op` elsewhere.
+
+For CUDA readers. A NeuronCore has no threads to program: each instruction runs on one engine over a
+whole tile, whose first axis is the 128 partitions (like 128 lanes, each with its own slice of memory)
+and whose other axes are the free axes. HBM is global memory; SBUF (24 MiB, 128 partitions) is the
+shared memory every engine reads and writes; PSUM (16 KiB a partition, 8 banks of 2 KiB) is where
+TensorE's matmuls accumulate, in fp32, like an accumulator fragment. The engines run in parallel,
+synchronised by the compiler. The instructions used here (nki.isa):
+
+  nc_matmul(dst, stationary, moving)   TensorE  dst (PSUM) (+)= stationary.T @ moving, contracting over the
+                                                partitions: stationary up to 128 x 128, moving 128 x 512
+  nc_transpose(dst, data)              TensorE  dst (PSUM) = data.T (a matmul with the identity)
+  activation(dst, op, data, bias, scale)  ScalarE  dst = op(data * scale + bias), op exp/tanh/copy/...; scale
+                                                and bias per partition; may sum each row into registers
+  activation_reduce(..., reduce_res)   ScalarE  activation plus each row's sum into reduce_res
+  tensor_tensor(dst, data1, data2, op) VectorE or GpSimd  elementwise dst = data1 op data2
+  tensor_scalar(dst, data, op0, operand0, op1, operand1)  VectorE or GpSimd  dst = (data op0 a) op1 b, a and
+                                                b scalars or one value per partition
+  scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1)  VectorE  dst = (data op0 a) op1 tensor
+  tensor_reduce(dst, op, data, axis)   VectorE  reduce along free axes (a row max or sum per partition)
+  tensor_copy(dst, src)                VectorE  copy with a dtype cast (PSUM -> SBUF evictions)
+  reciprocal(dst, data)                VectorE  1 / data
+  memset(dst, value), iota(dst, ...)   fill with a constant / with an affine index pattern
+  affine_select(dst, pattern, ...)     GpSimd   keep on_true_tile where an affine function of (partition,
+                                                index) passes cmp_op, else a constant (mask building)
+  dma_copy(dst, src)                   DMA      copy between HBM and SBUF (like a bulk async copy)
 """
+import dataclasses
 import functools
 import logging
 import math
@@ -57,24 +89,211 @@ try:
     NKI_IMPORT_ERROR = _nki_version_problem(getattr(nki, "__version__", ""))
 except ImportError as error:  # not installed, or PyPI's placeholder package (it raises "WRONG PACKAGE")
     NKI_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+
 if NKI_IMPORT_ERROR is not None:
     nki = nl = nisa = None
+
 
 try:
     import torch_neuronx  # registers the "neuron" device and provides nki_op
 except ImportError:
     torch_neuronx = None
 
+
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
 
-KERNEL_MODES = ("auto", "nki", "torch", "prefer")
-KERNEL_OPS = ("attention", "mlp", "rms_norm", "add_rms_norm", "softcap_cross_entropy", "rope_norm")  # what a per-op kernels
-# setting may name; a new kernel adds its op
-AUTO_NKI_DEVICES = ("neuron",)  # where kernels=auto runs NKI kernels (the tests add "cpu" to run auto emulated)
-MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 
 # -----------------------------------------------------------------------------
-# dispatch and registration, shared by every NKI kernel
+# the operations model.py calls: each asks _use_nki, then runs its NKI path or its PyTorch path (both in
+# the op's own section below)
+
+
+def attention(q, k, v, mode="auto", window=None):
+    """Causal self-attention with grouped-query heads, optionally in a sliding window.
+
+    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
+    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
+    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
+    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
+    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
+    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
+    """
+    seq_len = q.size(-2)
+    if window is not None and window < 0:
+        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
+    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
+        window = None
+    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
+        return _attention_nki(q, k, v, window)
+    return _attention_torch(q, k, v, window)
+
+
+def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
+    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
+
+    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
+    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel)
+    take x as (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without
+    gradients (_mlp_shape_problem).
+    """
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
+    if (activation == "swiglu") != (w_gate is not None):
+        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
+    dtype = _matmul_dtype(x)
+    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
+        return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
+    return _mlp_torch(x, w_up, w_down, activation, w_gate)
+
+
+def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
+    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
+    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
+    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
+        return _rms_norm_nki(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
+    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
+
+    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
+    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
+    dtype, which is what the matmul reading the norm would round it to anyway."""
+    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
+        return _add_rms_norm_nki(x, branch, eps)
+    return _add_rms_norm_torch(x, branch, eps, mode)
+
+
+def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
+    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
+
+    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
+    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
+    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
+    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
+    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
+    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
+                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
+        return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
+    return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
+
+
+def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
+    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
+
+    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
+    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
+    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
+    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
+    (its own op)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
+        return _rope_norm_nki(x, cos, sin, n_heads, eps)
+    return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
+
+
+# -----------------------------------------------------------------------------
+# one declaration per op, and the dispatch between NKI and PyTorch
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckShapes:
+    """The shapes a kernel check runs at (KernelOp.check_cases). The defaults are small and ragged wherever
+    the kernels allow it: an odd batch, T = 3 x 128, grouped heads 4:1, token counts that leave the last
+    128-row tile partial, a vocabulary that is not a multiple of 128."""
+    batch: int = 3
+    seq_len: int = 384  # attention's T
+    rows: int = 67  # tokens per sequence for the ops that take rows
+    n_head: int = 4
+    n_kv_head: int = 1
+    head_dim: int = 32
+    n_embd: int = 128
+    hidden: int = 512
+    vocab_size: int = 257
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOp:
+    """What the kit knows of one kernel op, declared at the end of the op's section (`_declare`).
+
+    name: the op in --kernels, `_use_nki` and the per-op record (preview_fallbacks), and in KERNEL_OPS.
+    call: the public function model.py calls, `call(..., mode=)`; `torch_path`: its PyTorch fallback.
+    kernels: its NKI kernel functions (nl/nisa), forward first; each docstring states its layouts, limits
+        and SBUF and PSUM plan.
+    shape_problem: the shape rule, None where the kernels take the arguments, else why not and the fix.
+    cost_problem: the cost rule kernels=auto heeds (None: the kernels run wherever they take the shapes).
+    check_cases(shapes, dtype, device, generator): [(case name, make_inputs, call(*inputs, mode))], what
+        --check compares NKI with PyTorch on, forward and backward, at CheckShapes; inputs drawn from
+        `generator`, in `dtype` on `device`.
+    model_cases(config, batch_size, device, dtype): [(case name, useful FLOPs forward, forward + backward,
+        make_inputs, call(*inputs, mode))] at a model's shapes (a GPTConfig: what bench.py --kernels, the step
+        estimate and --first_hour run), inputs requiring grad; the name starts with the op's.
+    kill_matrix: the check cases the kill matrix (tests/test_kill_matrix.py) runs each wrong kernel against.
+    tests: the file in tests/ that compares the op with float64 references; its KILL_MATRIX[name] gives the
+        kill matrix one small bf16 case of them.
+    """
+    name: str
+    call: object
+    kernels: tuple
+    torch_path: object
+    shape_problem: object
+    cost_problem: object
+    check_cases: object
+    model_cases: object
+    kill_matrix: tuple
+    tests: str
+
+
+OPS = {}  # name -> KernelOp, in the order of the sections below; KERNEL_OPS (at the end) lists the names
+
+
+def _declare(op):
+    """Adds `op` to OPS and returns it, for the section's NAME_OP = _declare(KernelOp(...)): the public op
+    names itself through it (`_use_nki(NAME_OP.name, ...)`), so a one-file export that leaves an op out
+    (kit/contest.py) leaves its declaration, and with it its kernels, out too."""
+    if op.name in OPS:
+        raise ValueError(f"kernel op {op.name!r} is declared twice")
+    OPS[op.name] = op
+    return op
+
+
+def check_cases(dtype, device, generator, shapes=CheckShapes()):
+    """(op, case name, make_inputs, call(*inputs, mode)) for every case of every op (KernelOp.check_cases)."""
+    cases = []
+    for op in OPS.values():
+        for name, make_inputs, call in op.check_cases(shapes, dtype, device, generator):
+            cases.append((op.name, name, make_inputs, call))
+    return cases
+
+
+def model_cases(config, batch_size, device, dtype):
+    """Every op's KernelOp.model_cases at the shapes of `config` (a GPTConfig) with `batch_size` sequences."""
+    cases = []
+    for op in OPS.values():
+        cases += op.model_cases(config, batch_size, device, dtype)
+    return cases
+
+
+def _model_drawing(device, dtype):
+    """draw(*shape, scale=1.0): standard normal values times scale, in dtype on device, requiring grad."""
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype).requires_grad_()
+    return draw
+
+
+def _drawing(dtype, device, generator):
+    """draw(*shape, scale=1.0): standard normal values times scale from `generator`, in dtype on device."""
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
+    return draw
+
+
+KERNEL_MODES = ("auto", "nki", "torch", "prefer")
+AUTO_NKI_DEVICES = ("neuron",)  # where kernels=auto runs NKI kernels (the tests add "cpu" to run auto emulated)
 
 
 def parse_kernels(setting):
@@ -120,6 +339,10 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     "prefer", info elsewhere. An op in BUILD_FAILURES runs on PyTorch in every mode, unlogged here (train.py
     said it when the kernel failed).
     """
+    if op_name not in OPS:
+        raise ValueError(f"{op_name!r} is not a declared kernel op ({', '.join(OPS)}); declare it with "
+                         "NAME_OP = _declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
+                         "\"Adding a kernel op\")")
     mode = parse_kernels(setting)[op_name]
     if mode == "torch":
         return _chose(op_name, False, "kernels=torch")
@@ -186,11 +409,17 @@ def preview_fallbacks(module, *inputs):
 
 def scoring_kernels(record):
     """The kernels setting that runs each op as `record` (preview_fallbacks) says training did: "prefer"
-    where it ran NKI, "torch" where not; ops it does not name "auto"."""
+    where it ran NKI, "torch" where not; ops it does not name "auto". One mode when every op it names ran one
+    way: an op training never called (one declared after the run, or one this model does not use) follows
+    the others."""
     modes = {op: "prefer" if "nki" in record[op]["ran"] else "torch" for op in KERNEL_OPS if op in record}
-    if len(modes) == len(KERNEL_OPS) and len(set(modes.values())) == 1:
-        return modes[KERNEL_OPS[0]]
+    if len(set(modes.values())) == 1:
+        return next(iter(modes.values()))
     return ",".join(["auto"] + [f"{op}:{mode}" for op, mode in modes.items()])
+
+
+# -----------------------------------------------------------------------------
+# launching and registering the kernels, shared by every op
 
 
 def _logical_core_degree():
@@ -220,9 +449,9 @@ _built_kernels = set()  # _build_key of each kernel variant that has run once in
 
 
 def _kernel_op(kernel):
-    """The op of KERNEL_OPS an NKI kernel function serves, from its name, which holds the op's (the longest
-    that fits: add_rms_norm_fwd_kernel is add_rms_norm's, flash_attention_bwd_kernel attention's)."""
-    return max((op for op in KERNEL_OPS if op in kernel.__name__), key=len)
+    """The op whose declaration (KernelOp.kernels) lists an NKI kernel function of `kernel`'s name (by name:
+    a test may launch a stand-in under the kernel's name)."""
+    return next(op.name for op in OPS.values() if kernel.__name__ in [k.__name__ for k in op.kernels])
 
 
 def _build_key(kernel, lnc, args):
@@ -240,7 +469,14 @@ def _run_kernel(kernel, *args):
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
     copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at the first
     call of a kernel variant (_build_key) in this process (its build: trace and compile, under the emulator
-    its first run) comes out as KernelBuildError naming the op; at any later call, as it is."""
+    its first run) comes out as KernelBuildError naming the op; at any later call, as it is.
+
+    A kernel indexes its HBM arguments as dense row-major arrays, so every tensor goes in contiguous: the
+    model's v is a transposed view of c_v's output, and the gradient reaching attention's output one of
+    c_proj's input. The copy is made here, inside the op, where the compiled graph does not see it (a
+    transpose + copy feeding the op is what inductor miscompiles in 16 bits on some CPUs); a tensor that
+    is already dense is passed as it is."""
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     lnc = _logical_core_degree()
     variant = _build_key(kernel, lnc, args)
@@ -285,7 +521,158 @@ def _register_kernel_ops(name, forward, forward_fake, backward, backward_fake, s
 
 
 # -----------------------------------------------------------------------------
-# causal flash attention: NKI kernels
+# hardware constants and the helpers the kernels share
+#
+# The row-wise kernels (MLP, the norms, the loss) put tokens (rows) on the 128 partitions, TILE at a time;
+# a program of an LNC launch takes a contiguous share of the rows. Any row count works: the last tile may
+# be short.
+
+TILE = 128  # the partition count: rows per tile (tokens, queries per query tile, keys per key chunk)
+BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving operand (Trn1/Trn2)
+# Bytes per SBUF partition a kernel may use: nl.tile_size.total_available_sbuf_size, what the NKI front end
+# leaves of the 24 MiB (Trn2) after its own reservations (leanprover/KLR, KLR/Trace.lean lines 52-54)
+SBUF_USABLE_BYTES = {"trn1": 180_224, "trn2": 212_984, "trn3": 245_752}
+# What the kernels plan to use on the Trn2 they are tuned for: the plans (_mlp_sbuf_plan,
+# _attention_sbuf_bytes) are rounded up, and 16,376 bytes (8%) of the usable figure stay free for the
+# compiler's buffering (192 KiB, what the plans were sized and tested at). Trn1's 180,224 is below it.
+SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _matmul_dtype(x):
+    """The dtype F.linear would multiply x in: autocast's, where autocast is on for x's device, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _spans(start, stop, size):
+    """(offset, length) of the consecutive pieces of [start, stop), each at most `size` long."""
+    spans = []
+    for offset in range(start, stop, size):
+        spans.append((offset, min(size, stop - offset)))
+    return spans
+
+
+def _even_spans(start, stop, most):
+    """_spans of [start, stop) into as few pieces of at most `most` as possible, as even as possible."""
+    pieces = math.ceil((stop - start) / most)
+    return _spans(start, stop, math.ceil((stop - start) / pieces))
+
+
+def _program_rows(n_rows):
+    """The [start, stop) rows this program handles: whole 128-row tiles, split evenly between the
+    programs of an LNC launch (kernel[2] runs one program on each physical core)."""
+    tiles = math.ceil(n_rows / TILE)
+    per_program = math.ceil(tiles / nl.num_programs())
+    start = min(n_rows, nl.program_id(0) * per_program * TILE)
+    return start, min(n_rows, start + per_program * TILE)
+
+
+def _load_tile(src, rows, cols):
+    """src[rows, cols] (two slices) into a new SBUF tile, one DMA."""
+    tile = nl.ndarray((rows.stop - rows.start, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src[rows, cols])
+    return tile
+
+
+def _load_row_pieces(src, row_start, row_count, cols):
+    """src[row_start : row_start + row_count, cols] into SBUF as tiles of at most 128 rows, one row per
+    partition (one DMA each)."""
+    pieces = []
+    for span in _spans(row_start, row_start + row_count, TILE):
+        start, count = span
+        piece = nl.ndarray((count, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=piece, src=src[start:start + count, cols])
+        pieces.append(piece)
+    return pieces
+
+
+def _column_slices(tiles, start, stop):
+    """tile[:, start:stop] of every tile in `tiles`, in order."""
+    slices = []
+    for tile in tiles:
+        slices.append(tile[:, start:stop])
+    return slices
+
+
+def _sbuf_tiles(count, shape, dtype):
+    """`count` new SBUF tiles of one shape and dtype."""
+    tiles = []
+    for _ in range(count):
+        tiles.append(nl.ndarray(shape, dtype, buffer=nl.sbuf))
+    return tiles
+
+
+def _transpose_pieces_into(dst_tiles, dst_col, pieces):
+    """Write the transpose of the stacked row pieces (at most 512 rows in all) into columns
+    dst_col.. of dst_tiles, where dst_tiles[c] receives columns c*128 .. c*128+127 of the pieces.
+    TensorE flips the pieces' blocks of one column tile side by side into a PSUM bank (up to four
+    128x128 flips), and one copy per bank brings them back to SBUF."""
+    width = 0
+    for piece in pieces:
+        width += piece.shape[0]
+    for c in range(len(dst_tiles)):
+        dst = dst_tiles[c]
+        flipped = nl.ndarray((TILE, width), dst.dtype, buffer=nl.psum)
+        offset = 0
+        for piece in pieces:
+            rows = piece.shape[0]
+            nisa.nc_transpose(dst=flipped[:, offset:offset + rows], data=piece[:, c * TILE:(c + 1) * TILE])
+            offset += rows
+        nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
+
+
+def _transposed_in_sbuf(matrix, rows, cols):
+    """The block matrix[rows, cols] (R x C, C a multiple of 128) from HBM into SBUF as C/128 tiles
+    [128, R]: tile c holds the block's columns c*128 .. c*128+127, transposed, so that C lies on the
+    partitions."""
+    tiles = _sbuf_tiles((cols.stop - cols.start) // TILE, (TILE, rows.stop - rows.start), matrix.dtype)
+    for span in _spans(rows.start, rows.stop, BANK_FP32):
+        row_start, row_count = span
+        _transpose_pieces_into(tiles, row_start - rows.start, _load_row_pieces(matrix, row_start, row_count, cols))
+    return tiles
+
+
+def _matmul_into_psum(stationaries, movings):
+    """sum_k stationaries[k].T @ movings[k] into a new fp32 PSUM tile [M, N]: the first matmul
+    overwrites, the others accumulate (said explicitly rather than left to accumulate=None's
+    first-write detection, which the ISA and architecture docs word differently)."""
+    result = nl.ndarray((stationaries[0].shape[1], movings[0].shape[1]), nl.float32, buffer=nl.psum)
+    for k in range(len(stationaries)):
+        nisa.nc_matmul(dst=result, stationary=stationaries[k], moving=movings[k], accumulate=k > 0)
+    return result
+
+
+def _evict(dst, src, on_scalar):
+    """PSUM -> SBUF copy on ScalarE or VectorE: callers alternate to keep the two balanced."""
+    if on_scalar:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+    else:
+        nisa.tensor_copy(dst=dst, src=src)
+
+
+def _constant_column(value):
+    """A [128, 1] fp32 column of `value`: a per-partition operand (activation bias, ones for a matmul)."""
+    column = nl.ndarray((TILE, 1), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=column, value=value)
+    return column
+
+
+def _reciprocal_rms(x_tile, eps, squares):
+    """1 / sqrt(mean(x^2) + eps) of each row of x_tile, a fp32 (rows, 1) column. ScalarE squares and sums
+    in one instruction (`squares` (rows, d) receives the squares, which nobody reads); the column's mean +
+    eps is VectorE's and its rsqrt GpSimd's (nl.rsqrt's engine), which leaves ScalarE the wide passes."""
+    rows, dim = x_tile.shape
+    sum_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=squares, op=nl.square, data=x_tile, reduce_op=nl.add, reduce_res=sum_sq)
+    mean_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
+    rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
+    return rstd
+
+
+# =============================================================================
+# attention: causal flash attention with grouped-query heads
 #
 # Notation: S sequence length, d head dim, G = n_head / n_kv_head query heads per kv head. A "tile" is
 # 128 rows (queries or keys, one per partition); a "block" is up to 512 keys, the widest matmul moving
@@ -295,7 +682,6 @@ def _register_kernel_ops(name, forward, forward_fake, backward, backward_fake, s
 # straight from HBM, 128 per DMA), and *_cols, one (d_piece, S) tile per piece of the head dim (d on the
 # partitions, as TensorE contracts over partitions; made from the rows by TensorE transposes).
 
-TILE = 128  # queries per query tile, keys per key chunk: the partition count
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
@@ -321,14 +707,16 @@ def _mask_operands(dtype, seq_len, window):
     _MASKED_SCORE below. TensorE adds a bias onto the scores in PSUM, so masking costs one small matmul
     instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the engines that
     are already the busiest."""
-    identity = nl.ndarray((TILE, TILE), dtype=dtype)
-    nisa.affine_select(identity, [[-1, TILE]], 1, nl.ones((TILE, TILE), dtype=dtype), 0.0, cmp_op=nl.equal)
-    diagonal = nl.ndarray((TILE, TILE), dtype=dtype)
-    nisa.affine_select(diagonal, [[-1, TILE]], 1, nl.zeros((TILE, TILE), dtype=dtype), _MASKED_SCORE,
+    identity = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=identity, pattern=[[-1, TILE]], channel_multiplier=1,
+                       on_true_tile=nl.ones((TILE, TILE), dtype=dtype), on_false_value=0.0, cmp_op=nl.equal)
+    diagonal = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=diagonal, pattern=[[-1, TILE]], channel_multiplier=1,
+                       on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
                        cmp_op=nl.greater_equal)
     edge = None
     if window <= seq_len - TILE:  # some query tile's window starts after key 0
-        edge = nl.ndarray((TILE, TILE), dtype=dtype)
+        edge = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
         nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
                            on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
                            cmp_op=nl.greater_equal)
@@ -344,23 +732,15 @@ def _load_rows(src, b, h, dtype):
     """HBM src[b, h] (S, d) -> SBUF rows (128, S/128, d), one 128-row DMA per tile, each indexing the
     kernel argument once (nki-library style: no view of a view of an HBM tensor)."""
     seq_len, head_dim = src.shape[2], src.shape[3]
-    rows = nl.ndarray((TILE, seq_len // TILE, head_dim), dtype=dtype)
+    rows = nl.ndarray((TILE, seq_len // TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
     for t in range(seq_len // TILE):
-        nisa.dma_copy(rows[:, t, :], src[b, h, t * TILE:(t + 1) * TILE, :])
+        nisa.dma_copy(dst=rows[:, t, :], src=src[b, h, t * TILE:(t + 1) * TILE, :])
     return rows
 
 
 def _store_rows(dst, b, h, rows):
     for t in range(rows.shape[1]):
-        nisa.dma_copy(dst[b, h, t * TILE:(t + 1) * TILE, :], rows[:, t, :])
-
-
-def _evict(dst, src, on_scalar):
-    """PSUM -> SBUF copy on ScalarE or VectorE: callers alternate to keep the two balanced."""
-    if on_scalar:
-        nisa.activation(dst, nl.copy, src)
-    else:
-        nisa.tensor_copy(dst, src)
+        nisa.dma_copy(dst=dst[b, h, t * TILE:(t + 1) * TILE, :], src=rows[:, t, :])
 
 
 def _rows_to_cols(rows, on_scalar):
@@ -370,12 +750,13 @@ def _rows_to_cols(rows, on_scalar):
     pieces = []
     for piece in _head_dim_pieces(head_dim):
         start, size = piece
-        cols = nl.ndarray((size, n_tiles * TILE), dtype=rows.dtype)
+        cols = nl.ndarray((size, n_tiles * TILE), dtype=rows.dtype, buffer=nl.sbuf)
         for first in range(0, n_tiles, 4):
             count = min(4, n_tiles - first)
             transposed = nl.ndarray((size, count * TILE), dtype=rows.dtype, buffer=nl.psum)
             for t in range(count):
-                nisa.nc_transpose(transposed[:, t * TILE:(t + 1) * TILE], rows[:, first + t, start:start + size])
+                nisa.nc_transpose(dst=transposed[:, t * TILE:(t + 1) * TILE],
+                                  data=rows[:, first + t, start:start + size])
             _evict(cols[:, first * TILE:(first + count) * TILE], transposed, on_scalar)
         pieces.append(cols)
     return tuple(pieces)
@@ -390,30 +771,30 @@ def _load_cols(src, b, h, dtype, on_scalar):
     seq_len, head_dim = src.shape[2], src.shape[3]
     pieces = []
     for piece in _head_dim_pieces(head_dim):
-        pieces.append(nl.ndarray((piece[1], seq_len), dtype=dtype))
+        pieces.append(nl.ndarray((piece[1], seq_len), dtype=dtype, buffer=nl.sbuf))
     for start in range(0, seq_len, KEY_BLOCK):
         width = min(KEY_BLOCK, seq_len - start)
         per_partition = width // TILE
-        rows = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype)
-        nisa.dma_copy(rows, src[b, h, start:start + width, :])
+        rows = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=src[b, h, start:start + width, :])
         for p in range(len(pieces)):
             first, size = _head_dim_pieces(head_dim)[p]
             transposed = nl.ndarray((size, TILE, per_partition), dtype=dtype, buffer=nl.psum)
             for j in range(per_partition):
-                nisa.nc_transpose(transposed[:, :, j], rows[:, j, first:first + size])
+                nisa.nc_transpose(dst=transposed[:, :, j], data=rows[:, j, first:first + size])
             _evict(pieces[p][:, start:start + width], transposed, on_scalar)
     return tuple(pieces)
 
 
-def _transpose_chunks(dst, src):
+def _transpose_chunks(dst, src, on_scalar):
     """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
-    transposes into one PSUM bank, VectorE copies them out in one instruction (bf16 from PSUM at twice
-    ScalarE's rate, [TRN2] performance mode; ScalarE has the exps)."""
+    transposes into one PSUM bank, one copy takes them out (VectorE: bf16 from PSUM at twice ScalarE's rate,
+    [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
     count = dst.shape[1]
     transposed = nl.ndarray((TILE, count, TILE), dtype=dst.dtype, buffer=nl.psum)
     for c in range(count):
-        nisa.nc_transpose(transposed[:, c, :], src[:, c * TILE:(c + 1) * TILE])
-    nisa.tensor_copy(dst, transposed)
+        nisa.nc_transpose(dst=transposed[:, c, :], data=src[:, c * TILE:(c + 1) * TILE])
+    _evict(dst, transposed, on_scalar)
 
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
@@ -426,11 +807,11 @@ def _scores(scores, q_cols, k_cols, query_tile, start, mask):
     width = scores.shape[1]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
     for piece in range(len(q_cols)):
-        nisa.nc_matmul(scores, q_cols[piece][:, queries], k_cols[piece][:, start:start + width],
+        nisa.nc_matmul(dst=scores, stationary=q_cols[piece][:, queries], moving=k_cols[piece][:, start:start + width],
                        accumulate=piece > 0)
     identity, diagonal, edge, window = mask
     if start + width == (query_tile + 1) * TILE:
-        nisa.nc_matmul(scores[:, width - TILE:width], identity, diagonal, accumulate=True)
+        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=identity, moving=diagonal, accumulate=True)
     if start == query_tile * TILE - window:
         nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=identity, moving=edge, accumulate=True)
 
@@ -458,43 +839,43 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
             starts.append(start)
         n_blocks = len(starts)
         scores = []
-        block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32)
+        block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
         for j in range(n_blocks):
             width = min(KEY_BLOCK, group_stop - starts[j])
             block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
             _scores(block, q_cols, k_cols, query_tile, starts[j], mask)
-            if j % 2:  # ScalarE's reduce registers take the max too: they share VectorE's load
-                ignored = nl.ndarray((TILE, width), dtype=dtype)
-                nisa.activation_reduce(ignored, nl.copy, block, reduce_op=nl.maximum, reduce_res=block_max[:, j:j + 1])
-            else:
-                nisa.tensor_reduce(block_max[:, j:j + 1], nl.maximum, block, axis=1)
+            # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
+            # activation_reduce), so their max of a row whose scores are all negative would be 0, and
+            # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
+            nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=block, axis=1)
             scores.append(block)
 
         group_neg_max = neg_max_all[:, query_tile:query_tile + 1] if single_group else \
-            nl.ndarray((TILE, 1), dtype=nl.float32)
+            nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
         if n_blocks == 1:
-            nisa.tensor_scalar(group_neg_max, block_max, nl.multiply, -scale)
+            nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
         else:
-            group_max = nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.tensor_reduce(group_max, nl.maximum, block_max, axis=1)
-            nisa.tensor_scalar(group_neg_max, group_max, nl.multiply, -scale)
+            group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
+            nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
         if group_start == key_start:
             neg_max = group_neg_max
         else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
             new_neg_max = neg_max_all[:, query_tile:query_tile + 1] if last_group else \
-                nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.tensor_tensor(new_neg_max, neg_max, group_neg_max, nl.minimum)
-            alpha = nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.activation(alpha, nl.exp, neg_max, bias=new_neg_max, scale=-1.0)
+                nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=new_neg_max, data1=neg_max, data2=group_neg_max, op=nl.minimum)
+            alpha = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=alpha, op=nl.exp, data=neg_max, bias=new_neg_max, scale=-1.0)
             neg_max = new_neg_max
 
         # p = exp(scale * s - scale * max) on ScalarE, reading PSUM; the row sum over the group's blocks
         # builds up in ScalarE's reduce registers and is read once, with the last block
-        group_sum = sum_all[:, query_tile:query_tile + 1] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32)
+        group_sum = sum_all[:, query_tile:query_tile + 1] if single_group else \
+            nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
         probs = []
         for j in range(n_blocks):
-            block_probs = nl.ndarray(scores[j].shape, dtype=dtype)
-            nisa.activation(block_probs, nl.exp, scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
+            block_probs = nl.ndarray(scores[j].shape, dtype=dtype, buffer=nl.sbuf)
+            nisa.activation(dst=block_probs, op=nl.exp, data=scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
                             reduce_res=group_sum if j == n_blocks - 1 else None,
                             reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
             probs.append(block_probs)
@@ -503,31 +884,34 @@ def _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, sc
         group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
         for j in range(n_blocks):
             n_chunks = probs[j].shape[1] // TILE
-            probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)
-            _transpose_chunks(probs_t, probs[j])
+            probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
+            _transpose_chunks(probs_t, probs[j], (query_tile + j) % 2 == 1)
             for c in range(n_chunks):
-                nisa.nc_matmul(group_out, probs_t[:, c, :], v_rows[:, starts[j] // TILE + c, :],
+                nisa.nc_matmul(dst=group_out, stationary=probs_t[:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
                                accumulate=j > 0 or c > 0)
 
         if single_group:
             out_acc, row_sum = group_out, group_sum
         elif group_start == key_start:
-            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32)
-            nisa.tensor_copy(out_acc, group_out)
+            out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=out_acc, src=group_out)
             row_sum = group_sum
         else:  # rescale what the earlier groups summed to the new max
-            new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32)
-            nisa.scalar_tensor_tensor(new_sum, row_sum, nl.multiply, alpha, nl.add, group_sum)
+            new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else \
+                nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=new_sum, data=row_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                      operand1=group_sum)
             row_sum = new_sum
-            nisa.scalar_tensor_tensor(out_acc, out_acc, nl.multiply, alpha, nl.add, group_out)
+            nisa.scalar_tensor_tensor(dst=out_acc, data=out_acc, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                      operand1=group_out)
 
     # no division on the hardware (nki.api.shared.rst's ISA operator table; the release notes' known issues):
     # one VectorE reciprocal of the (128, 1) row sums, then a multiply from PSUM
-    inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32)
-    nisa.reciprocal(inverse_sum, row_sum)
-    out_tile = nl.ndarray((TILE, head_dim), dtype=dtype)
-    nisa.tensor_scalar(out_tile, out_acc, nl.multiply, inverse_sum)
-    nisa.dma_copy(out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], out_tile)
+    inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=inverse_sum, data=row_sum)
+    out_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_tile, data=out_acc, op0=nl.multiply, operand0=inverse_sum)
+    nisa.dma_copy(dst=out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], src=out_tile)
 
 
 def flash_attention_fwd_kernel(q, k, v, scale, window):
@@ -553,35 +937,38 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped); with a window, keys start at
     128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of
-    up to 4 blocks (2048 keys): one row max (a reduce per block, alternately on VectorE and, through its reduce
-    registers, ScalarE, which reduce with nl.maximum from Trn2 on; one combine), exp on ScalarE reading PSUM with the row sum accumulated in its
-    reduce registers over the group's blocks, P cast to the input dtype and transposed in 128x128 chunks
-    on TensorE (VectorE copies each block's chunks out in one instruction), then P @ V as 128x128xd
+    up to 4 blocks (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce registers,
+    which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE reading PSUM
+    with the row sum accumulated in its reduce registers over the group's blocks, P cast to the input
+    dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one instruction,
+    VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as 128x128xd
     matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE reciprocal of
     the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the first
-    (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is
-    one ScalarE and one VectorE instruction per head.
+    (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics
+    stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is one ScalarE and one VectorE
+    instruction per head.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
-    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB). PSUM: a group's scores
-    4 banks, P^T 1 KiB, the output tile d*4 bytes, the layout transposes 1 KiB: at most 6 of the 8 banks.
+    S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
+    (`_attention_sbuf_bytes`), which bounds S. PSUM, each tile in whole 2 KiB banks: a group's scores 4
+    banks, P^T, the output tile and the layout transposes one each: at most 7 of the 8 banks.
 
     Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
     TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
-    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz) or 576 on ScalarE (480 ns), the exp 576
-    ScalarE cycles, the P^T copy 256 VectorE cycles: split as above, VectorE and ScalarE each land near
-    TensorE. Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 39.2
-    (1.11x), ScalarE 36.5, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound,
-    44.4 us against VectorE 35.7, ScalarE 30.9, DMA 23.9.
+    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz), the exp 576 ScalarE cycles, the P^T copy
+    256 VectorE or 576 ScalarE cycles: split as above, VectorE and ScalarE each land near TensorE.
+    Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5 (1.21x),
+    ScalarE 39.7, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 44.4 us
+    against VectorE 38.3, ScalarE 33.5, DMA 23.9.
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
     dtype = q.dtype
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
@@ -589,23 +976,24 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
         v_rows = _load_rows(v, b, kv_head, dtype)
         for h in range(kv_head * group, (kv_head + 1) * group):
             q_cols = _load_cols(q, b, h, dtype, True)
-            stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32), nl.ndarray((TILE, n_tiles), dtype=nl.float32))
+            neg_max_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            sum_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            stats = (neg_max_all, sum_all)
             for i in range(n_tiles):
                 _attention_fwd_query_tile(out, b, h, stats, q_cols, k_cols, v_rows, mask, scale, i)
-            neg_max_all, sum_all = stats
-            log_sum = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-            nisa.activation(log_sum, nl.log, sum_all)  # sum >= 1: the max itself contributes exp(0)
-            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-            nisa.tensor_tensor(lse_tile, log_sum, neg_max_all, nl.subtract)
-            nisa.dma_copy(lse[b, h, :, :], lse_tile)
+            log_sum = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=log_sum, op=nl.log, data=sum_all)  # sum >= 1: the max itself contributes exp(0)
+            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=neg_max_all, op=nl.subtract)
+            nisa.dma_copy(dst=lse[b, h, :, :], src=lse_tile)
     return out, lse
 
 
 def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, query_tile, start):
     """Query tile i against the keys it sees of the key block starting at `start`: adds dV and dK of those
-    keys into the PSUM accumulators dk_block, dv_block (one (128 keys, d) tile per 128-key chunk of the
-    block) and dQ of the tile into the SBUF accumulator dq_acc[:, i, :]. head and kv are the tuples the
-    kernel builds, mask `_mask_operands`."""
+    keys into the PSUM accumulators dk_block, dv_block (one (128 keys, d) slot per 128-key chunk of the
+    block, `_banked_chunks`) and dQ of the tile into the SBUF accumulator dq_acc[:, i, :]. head and kv are
+    the tuples the kernel builds, mask `_mask_operands`."""
     q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta = head
     k_cols, k_rows, v_cols = kv
     dtype, head_dim = k_rows.dtype, k_rows.shape[2]
@@ -617,36 +1005,53 @@ def _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, quer
 
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
     _scores(scores, q_cols, k_cols, query_tile, first, mask)
-    probs = nl.ndarray((TILE, width), dtype=dtype)  # P recomputed from lse: exp(scale * s - lse)
-    nisa.activation(probs, nl.exp, scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
+    probs = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)  # P recomputed from lse: exp(scale * s - lse)
+    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=neg_lse[:, query_tile:query_tile + 1], scale=scale)
     dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)  # dP = dO @ V.T over the d pieces
     for piece in range(len(do_cols)):
-        nisa.nc_matmul(dprobs, do_cols[piece][:, queries], v_cols[piece][:, first:first + width],
+        nisa.nc_matmul(dst=dprobs, stationary=do_cols[piece][:, queries], moving=v_cols[piece][:, first:first + width],
                        accumulate=piece > 0)
     # dS = P * (dP - D), the scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's
     # product has both inputs in SBUF in the input dtype (its fast case, N cycles, not 2N)
-    shifted = nl.ndarray((TILE, width), dtype=dtype)
-    nisa.activation(shifted, nl.copy, dprobs, bias=neg_delta[:, query_tile:query_tile + 1])
-    dscores = nl.ndarray((TILE, width), dtype=dtype)
-    nisa.tensor_tensor(dscores, shifted, probs, nl.multiply)
+    shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=neg_delta[:, query_tile:query_tile + 1])
+    dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
 
     # dV += P.T @ dO, dK += dS.T @ Q: queries are already on the partitions. The sum of chunk c starts
     # at the query tile on its diagonal, the first one that sees its keys.
     for c in range(n_chunks):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > first // TILE + c
-        nisa.nc_matmul(dv_block[skipped + c], probs[:, chunk], do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dk_block[skipped + c], dscores[:, chunk], q_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dst=dv_block[skipped + c], stationary=probs[:, chunk], moving=do_rows[:, query_tile, :],
+                       accumulate=started)
+        nisa.nc_matmul(dst=dk_block[skipped + c], stationary=dscores[:, chunk], moving=q_rows[:, query_tile, :],
+                       accumulate=started)
 
-    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype)  # dQ = dS @ K contracts over keys
-    _transpose_chunks(dscores_t, dscores)
+    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)  # dQ = dS @ K contracts over keys
+    _transpose_chunks(dscores_t, dscores, False)
     dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
     for c in range(n_chunks):
-        nisa.nc_matmul(dq_block, dscores_t[:, c, :], k_rows[:, first // TILE + c, :], accumulate=c > 0)
+        nisa.nc_matmul(dst=dq_block, stationary=dscores_t[:, c, :], moving=k_rows[:, first // TILE + c, :],
+                       accumulate=c > 0)
     if first == tile_first_key:
-        nisa.tensor_copy(dq_acc[:, query_tile, :], dq_block)
+        nisa.tensor_copy(dst=dq_acc[:, query_tile, :], src=dq_block)
     else:
-        nisa.tensor_tensor(dq_acc[:, query_tile, :], dq_acc[:, query_tile, :], dq_block, nl.add)
+        nisa.tensor_tensor(dst=dq_acc[:, query_tile, :], data1=dq_acc[:, query_tile, :], data2=dq_block, op=nl.add)
+
+
+def _banked_chunks(n_chunks, head_dim):
+    """`n_chunks` (128, d) fp32 PSUM accumulators packed side by side into as few banks as hold them (4 a bank
+    at d = 128, 2 at d = 256): the compiler gives each PSUM tile whole banks, so 8 separate tiles for dK and
+    dV would leave no bank for the scores. Each slot lies inside one bank, as a matmul output must."""
+    per_bank = max(1, min(n_chunks, BANK_FP32 // head_dim))
+    slots = []
+    for first in range(0, n_chunks, per_bank):
+        count = min(per_bank, n_chunks - first)
+        bank = nl.ndarray((TILE, count, head_dim), dtype=nl.float32, buffer=nl.psum)
+        for c in range(count):
+            slots.append(bank[:, c, :])
+    return slots
 
 
 def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
@@ -659,15 +1064,16 @@ def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
     do_rows = _load_rows(d_out, b, h, dtype)
     do_cols = _rows_to_cols(do_rows, False)
 
-    lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.dma_copy(lse_tile, lse[b, h, :, :])
-    neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.tensor_scalar(neg_lse, lse_tile, nl.multiply, -1.0)
+    lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
+    neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
     # the product on GpSimd (idle otherwise), its sum over d on VectorE
-    products = nl.ndarray(do_rows.shape, dtype=nl.float32)
-    nisa.tensor_tensor(products, do_rows, _load_rows(out, b, h, dtype), nl.multiply, engine=nisa.engine.gpsimd)
-    neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32)
-    nisa.tensor_reduce(neg_delta, nl.add, products, axis=2, negate=True)
+    products = nl.ndarray(do_rows.shape, dtype=nl.float32, buffer=nl.sbuf)
+    out_rows = _load_rows(out, b, h, dtype)
+    nisa.tensor_tensor(dst=products, data1=do_rows, data2=out_rows, op=nl.multiply, engine=nisa.engine.gpsimd)
+    neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_delta, op=nl.add, data=products, axis=2, negate=True)
     return q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta
 
 
@@ -677,9 +1083,10 @@ def _add_kv_grad(dst, acc, block, scale, first, last):
     target = dst if last else acc
     for c in range(len(block)):
         if first:
-            nisa.activation(target[:, c, :], nl.copy, block[c], scale=scale)
+            nisa.activation(dst=target[:, c, :], op=nl.copy, data=block[c], scale=scale)
         else:
-            nisa.scalar_tensor_tensor(target[:, c, :], block[c], nl.multiply, scale, nl.add, acc[:, c, :])
+            nisa.scalar_tensor_tensor(dst=target[:, c, :], data=block[c], op0=nl.multiply, operand0=scale,
+                                      op1=nl.add, operand1=acc[:, c, :])
 
 
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
@@ -709,9 +1116,10 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
 
     SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
     O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
-    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles. PSUM: scores 2 KiB, dP 2 KiB, dS^T 1 KiB,
-    dQ d*4 bytes, dK and dV accumulators 4 chunks x d*4 bytes each (2 KiB each at d = 128, 4 at d = 256):
-    at most 7 of the 8 banks.
+    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles: 137,216 bytes at the limit,
+    within SBUF_BUDGET (196,608) and the 212,984 usable on a Trn2 partition. PSUM, each tile in whole 2 KiB
+    banks: scores, dP, dS^T and dQ one bank each, the dK and dV accumulators 4 chunks x d*4 bytes each
+    (`_banked_chunks`: one bank each at d = 128, two at d = 256): at most 8 of the 8 banks.
 
     Per full block (d = 128) TensorE spends 512 cycles each on scores and dP and 4 x 128 each on dV, dK,
     dQ and the dS transposes (1280 ns); ScalarE 2 x 512 cycles (exp, the dP shift; 853 ns), VectorE the
@@ -726,30 +1134,28 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     group = n_heads // n_kv_heads
     n_tiles = seq_len // TILE
     dtype = q.dtype
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         k_rows = _load_rows(k, b, kv_head, dtype)
         kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
-        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32) if group > 1 else None
-        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32) if group > 1 else None
+        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
+        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
+        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
+        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
 
         for h in range(kv_head * group, (kv_head + 1) * group):
             first, last = h == kv_head * group, h == (kv_head + 1) * group - 1
             head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
-            dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32)
+            dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                dk_block, dv_block = [], []
-                for c in range(chunks.stop - chunks.start):
-                    dk_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
-                    dv_block.append(nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum))
+                dk_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
+                dv_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
                 # only the query tiles from the block's first chunk to the window past its last see it
                 for i in range(start // TILE, min(n_tiles, chunks.stop + window // TILE)):
                     _attention_bwd_block(dq_acc, dk_block, dv_block, head, kv, mask, scale, i, start)
@@ -757,16 +1163,15 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                              scale, first, last)
                 _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
                              1.0, first, last)
-            dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype)
-            nisa.activation(dq_rows, nl.copy, dq_acc, scale=scale)
+            dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
+            nisa.activation(dst=dq_rows, op=nl.copy, data=dq_acc, scale=scale)
             _store_rows(dq, b, h, dq_rows)
         _store_rows(dk, b, kv_head, dk_rows)
         _store_rows(dv, b, kv_head, dv_rows)
     return dq, dk, dv
 
 
-# -----------------------------------------------------------------------------
-# causal flash attention: PyTorch ops around the kernels
+# attention: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
 def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
@@ -845,103 +1250,124 @@ if nki is not None:
         _flash_attention_backward_fake, _flash_attention_setup_context, _flash_attention_vjp)
 
 
-# -----------------------------------------------------------------------------
-# MLP and RMSNorm: tiling helpers shared by their NKI kernels
-#
-# Both put tokens (rows) on the 128 partitions, TILE at a time; a program of an LNC launch takes a
-# contiguous share of the rows. Any row count works: the last tile may be short.
-
-BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving operand (Trn1/Trn2)
-SBUF_BUDGET = 192 * 1024  # bytes per partition the kernels may plan to use: Trn2 has 224 KiB (Trn1: 192)
-
-
-def _spans(start, stop, size):
-    """(offset, length) of the consecutive pieces of [start, stop), each at most `size` long."""
-    spans = []
-    for offset in range(start, stop, size):
-        spans.append((offset, min(size, stop - offset)))
-    return spans
+CPU_QUERY_BLOCK = 64  # queries per block; at T=256, d=64 on an AVX2 EPYC, fwd+bwd of a layer (B=8, H=2)
+# took 7.8 ms with blocks of 64, 8.4 with 32, 8.0 with 128, and 10.4 ms in SDPA's flash kernel
+CPU_BLOCK_ATTENTION_MAX_LEN = 2048  # measured faster than SDPA up to here (x1.4 at T=256, x1.1 at 2048); it
+# keeps T*T/2 probabilities per head for backward, so longer contexts use SDPA's O(T) memory
+def _cpu_query_blocks(seq_len, window):
+    """(start, end, first key) of each block of CPU_QUERY_BLOCK queries: the keys it scores are first .. end."""
+    for start in range(0, seq_len, CPU_QUERY_BLOCK):
+        yield start, min(start + CPU_QUERY_BLOCK, seq_len), 0 if window is None else max(0, start - window)
 
 
-def _program_rows(n_rows):
-    """The [start, stop) rows this program handles: whole 128-row tiles, split evenly between the
-    programs of an LNC launch (kernel[2] runs one program on each physical core)."""
-    tiles = math.ceil(n_rows / TILE)
-    per_program = math.ceil(tiles / nl.num_programs())
-    start = min(n_rows, nl.program_id(0) * per_program * TILE)
-    return start, min(n_rows, start + per_program * TILE)
+class BlockCausalAttention(torch.autograd.Function):
+    """Exact causal attention for short contexts on CPU, optionally in a sliding window (`attention`'s).
+    SDPA's flash kernel keeps only the logsumexp and recomputes scores and softmax in backward; at short T
+    memory is cheap and the recomputation is not. Queries go in blocks of CPU_QUERY_BLOCK; block i scores
+    only the keys from its first query's window start to its own end, with one batched matmul over all
+    batch x heads, so masked scores are computed only on the diagonal blocks and the blocks where a window
+    starts, and the softmax of every block is kept for backward (T x T / 2 floats per head without a
+    window: 2 MB a layer at B=8, H=2, T=256).
+
+    q, k, v: (B, H, T, d), H equal for all three (GQA expands k and v first). `attention` uses it for
+    fp32 on CPU; bf16 stays on SDPA, whose speed against this on bf16 hardware has not been measured.
+    Backward is the flash-attention identity dS = P * (dP - rowsum(dO * O)).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, window):
+        shape, (T, d) = q.shape, q.shape[-2:]
+        scale = d ** -0.5
+        q, k, v = (q * scale).reshape(-1, T, d), k.reshape(-1, T, d), v.reshape(-1, T, d)
+        block = CPU_QUERY_BLOCK
+        above_diagonal = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
+        before_window = above_diagonal.mT.contiguous()  # from where query 0's window starts: key c < query r
+        probs, outs = [], []
+        for start, end, first in _cpu_query_blocks(T, window):
+            rows = end - start
+            scores = torch.bmm(q[:, start:end], k[:, first:end].mT)  # (B*H, rows, keys first .. end)
+            scores[:, :, start - first:] += above_diagonal[:rows, :rows]
+            edge = None if window is None else start - window  # where the block's first query's window starts
+            if edge is not None and edge + rows > 0:
+                cut = max(0, -edge)  # the edge tile's columns before key 0
+                scores[:, :, edge + cut - first:edge + rows - first] += before_window[:rows, cut:rows]
+            p = torch.softmax(scores, dim=-1)
+            probs.append(p)
+            outs.append(torch.bmm(p, v[:, first:end]))
+        out = torch.cat(outs, dim=1)
+        ctx.save_for_backward(q, k, v, out, *probs)
+        ctx.shape, ctx.window = shape, window
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, *probs = ctx.saved_tensors  # q is pre-scaled, so dK needs no scale
+        T, d = q.shape[-2:]
+        d_out = d_out.reshape(out.shape)
+        d_out_dot_out = (d_out * out).sum(dim=-1, keepdim=True)  # rowsum(P * dP), per query
+        dq_blocks, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+        for p, (start, end, first) in zip(probs, _cpu_query_blocks(T, ctx.window)):
+            d_out_block = d_out[:, start:end]
+            dv[:, first:end].baddbmm_(p.mT, d_out_block)
+            d_scores = torch.bmm(d_out_block, v[:, first:end].mT).sub_(d_out_dot_out[:, start:end]).mul_(p)
+            dq_blocks.append(torch.bmm(d_scores, k[:, first:end]))
+            dk[:, first:end].baddbmm_(d_scores.mT, q[:, start:end])
+        dq = torch.cat(dq_blocks, dim=1).mul_(d ** -0.5)
+        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None
 
 
-def _load_row_pieces(src, row_start, row_count, cols):
-    """src[row_start : row_start + row_count, cols] into SBUF as tiles of at most 128 rows, one row per
-    partition (one DMA each)."""
-    pieces = []
-    for span in _spans(row_start, row_start + row_count, TILE):
-        start, count = span
-        piece = nl.ndarray((count, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=piece, src=src[start:start + count, cols])
-        pieces.append(piece)
-    return pieces
+def _attention_nki(q, k, v, window):
+    # as they come, no copies in the graph: the kernels change layouts on chip, and _run_kernel makes
+    # v (the model's transposed view of a (B, T, Hkv, D) tensor) dense inside the op
+    seq_len = q.size(-2)
+    out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)), seq_len if window is None else window)
+    return out
 
 
-def _column_slices(tiles, start, stop):
-    """tile[:, start:stop] of every tile in `tiles`, in order."""
-    slices = []
-    for tile in tiles:
-        slices.append(tile[:, start:stop])
-    return slices
+def _attention_torch(q, k, v, window):
+    seq_len = q.size(-2)
+    if q.device.type == "cpu" and q.dtype == torch.float32 and seq_len <= CPU_BLOCK_ATTENTION_MAX_LEN:
+        groups = q.size(1) // k.size(1)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return BlockCausalAttention.apply(q, k, v, window)
+    mask = None
+    if window is not None:  # key j visible to query i: i - window <= j <= i
+        distance = torch.arange(seq_len, device=q.device)[:, None] - torch.arange(seq_len, device=q.device)
+        mask = (distance >= 0) & (distance <= window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.size(1) != q.size(1))
 
 
-def _sbuf_tiles(count, shape, dtype):
-    """`count` new SBUF tiles of one shape and dtype."""
-    tiles = []
-    for _ in range(count):
-        tiles.append(nl.ndarray(shape, dtype, buffer=nl.sbuf))
-    return tiles
+def _attention_check_cases(shapes, dtype, device, generator):
+    draw = _drawing(dtype, device, generator)
+    s = shapes
+    return [("attention",
+             lambda: (draw(s.batch, s.n_head, s.seq_len, s.head_dim), draw(s.batch, s.n_kv_head, s.seq_len, s.head_dim),
+                      draw(s.batch, s.n_kv_head, s.seq_len, s.head_dim)),
+             lambda q, k, v, mode: attention(q, k, v, mode=mode))]
 
 
-def _transpose_pieces_into(dst_tiles, dst_col, pieces):
-    """Write the transpose of the stacked row pieces (at most 512 rows in all) into columns
-    dst_col.. of dst_tiles, where dst_tiles[c] receives columns c*128 .. c*128+127 of the pieces.
-    TensorE flips the pieces' blocks of one column tile side by side into a PSUM bank (up to four
-    128x128 flips), and one copy per bank brings them back to SBUF."""
-    width = 0
-    for piece in pieces:
-        width += piece.shape[0]
-    for c in range(len(dst_tiles)):
-        dst = dst_tiles[c]
-        flipped = nl.ndarray((TILE, width), dst.dtype, buffer=nl.psum)
-        offset = 0
-        for piece in pieces:
-            rows = piece.shape[0]
-            nisa.nc_transpose(dst=flipped[:, offset:offset + rows], data=piece[:, c * TILE:(c + 1) * TILE])
-            offset += rows
-        nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
+def _attention_model_cases(c, batch_size, device, dtype):
+    """The causal half of q k^T and p v forward; the backward recomputes P: 5 matmuls to the forward's 2."""
+    draw = _model_drawing(device, dtype)
+    B, T, D = batch_size, c.sequence_len, c.head_dim
+    flops = 2 * B * c.n_head * T * T * D
+    return [("attention", flops, 3.5 * flops,
+             lambda: (draw(B, c.n_head, T, D), draw(B, c.n_kv_head, T, D), draw(B, c.n_kv_head, T, D)),
+             lambda q, k, v, mode: attention(q, k, v, mode=mode))]
 
 
-def _transposed_in_sbuf(matrix, rows, cols):
-    """The block matrix[rows, cols] (R x C, C a multiple of 128) from HBM into SBUF as C/128 tiles
-    [128, R]: tile c holds the block's columns c*128 .. c*128+127, transposed, so that C lies on the
-    partitions."""
-    tiles = _sbuf_tiles((cols.stop - cols.start) // TILE, (TILE, rows.stop - rows.start), matrix.dtype)
-    for span in _spans(rows.start, rows.stop, BANK_FP32):
-        row_start, row_count = span
-        _transpose_pieces_into(tiles, row_start - rows.start, _load_row_pieces(matrix, row_start, row_count, cols))
-    return tiles
+ATTENTION_OP = _declare(KernelOp(
+    name="attention", call=attention,
+    kernels=(flash_attention_fwd_kernel, flash_attention_bwd_kernel),
+    torch_path=_attention_torch, shape_problem=_attention_shape_problem, cost_problem=None,
+    check_cases=_attention_check_cases, model_cases=_attention_model_cases, kill_matrix=("attention",),
+    tests="test_attention_kernels.py"))
 
 
-def _matmul_into_psum(stationaries, movings):
-    """sum_k stationaries[k].T @ movings[k] into a new fp32 PSUM tile [M, N]: the first matmul
-    overwrites, the others accumulate (said explicitly rather than left to accumulate=None's
-    first-write detection, which the ISA and architecture docs word differently)."""
-    result = nl.ndarray((stationaries[0].shape[1], movings[0].shape[1]), nl.float32, buffer=nl.psum)
-    for k in range(len(stationaries)):
-        nisa.nc_matmul(dst=result, stationary=stationaries[k], moving=movings[k], accumulate=k > 0)
-    return result
-
-
-# -----------------------------------------------------------------------------
-# MLP: NKI kernels, y = act(x @ w_up.T) @ w_down.T forward and backward
+# =============================================================================
+# mlp: y = act(x @ w_up.T) @ w_down.T, forward and backward
 #
 # Both kernels sweep the hidden units in chunks of whole 128-unit tiles, as many as SBUF holds (the glue
 # picks the chunk, _mlp_chunk_tiles): a chunk's weights are loaded once and stay on chip while all of
@@ -951,6 +1377,7 @@ def _matmul_into_psum(stationaries, movings):
 # (the weight gradients) accumulates over a block's tokens in PSUM, then in fp32 SBUF over the blocks,
 # and leaves the chip once per weight tile, at the end of its chunk.
 
+MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
 LEAKY_RELU2_SLOPE = 0.35  # leaky_relu2: (x if x > 0 else 0.35 x)^2
 
@@ -977,8 +1404,9 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
     of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
     and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
-    and 32 tiles; planned 94 and 190 KiB, the emulator measures 76 and 170); d=1536, hidden=6144
-    (phase2) in 3 chunks of 16. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
+    and 32 tiles; planned 96,256 and 194,560 bytes, the emulator measures 76 and 170 KiB); d=1536,
+    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984
+    bytes usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
     bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
     any N.
 
@@ -1045,18 +1473,12 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     return y, up_saved
 
 
-def _even_spans(start, stop, most):
-    """_spans of [start, stop) into as few pieces of at most `most` as possible, as even as possible."""
-    pieces = math.ceil((stop - start) / most)
-    return _spans(start, stop, math.ceil((stop - start) / pieces))
-
-
 def _partial_sums(program_start, program_stop, dim, chunks):
     """Where this program's rows of an output that sums over `chunks` hidden chunks collect: an fp32
     (rows, d) scratch in HBM, private to the program; None for one chunk, which needs none."""
     if chunks == 1:
         return None
-    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.hbm)
+    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.private_hbm)
 
 
 def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
@@ -1151,8 +1573,9 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
     (weights and fp32 accumulators); plus dy, dy.T and x of a block (3 B d itemsize / 128), one hidden
     tile's elementwise and flipped tiles, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk
-    of 20 tiles (planned 178 KiB, measured 159); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10
-    (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5).
+    of 20 tiles (planned 182,784 bytes, measured 159 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11,
+    11, 10 (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
+    5): within SBUF_BUDGET (196,608), under the 212,984 bytes usable on a Trn2 partition.
     PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
     _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
@@ -1258,13 +1681,6 @@ def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumu
                            moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
-def _load_tile(src, rows, cols):
-    """src[rows, cols] (two slices) into a new SBUF tile, one DMA."""
-    tile = nl.ndarray((rows.stop - rows.start, cols.stop - cols.start), src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src[rows, cols])
-    return tile
-
-
 def _accumulate_weight_grad(acc, hidden_t, pieces, first, scale):
     """acc [128 hidden, d] (fp32 SBUF) (+)= scale * hidden_t [128 hidden, tokens] @ the stacked token pieces
     [tokens, d]; `first` (the program's first block) overwrites. TensorE contracts over partitions, so each
@@ -1363,8 +1779,178 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
     return act, act_scale, d_up, d_gate
 
 
-# -----------------------------------------------------------------------------
-# RMSNorm: NKI kernels, y = x / sqrt(mean(x^2) + eps) * weight over the last dim, forward and backward
+# mlp: the PyTorch ops around the kernels, the PyTorch path, the shape and cost rules, the checks
+
+
+def _mlp_sbuf_plan(dim, gated, itemsize, backward):
+    """(bytes per hidden tile of a chunk, bytes besides) per SBUF partition that the MLP kernels keep live:
+    the accounting in their docstrings, rounded up (the emulator measures a little less; SBUF_BUDGET keeps
+    a margin below the usable 212,984 bytes of a Trn2 partition for the compiler's buffering)."""
+    projections = 3 if gated else 2
+    if backward:
+        block = _mlp_bwd_block_tokens(dim)
+        per_tile = projections * dim * (itemsize + 4)  # the chunk's weight slices, its fp32 gradient accumulators
+        # dy, dy.T and x of a block; one hidden tile's elementwise and flipped tiles; dx's rows and partial sums
+        besides = 3 * dim * block * itemsize // TILE + block * (8 * itemsize + 16) + 8 * dim
+    else:
+        per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
+        # x.T of a block; fp32 activation scratch and the saved pre-activations' staging; y's rows and partial sums
+        besides = 4 * dim * itemsize + MLP_BLOCK_TOKENS * (8 + 2 * itemsize) + 8 * dim
+    return per_tile, besides + 8 * 1024
+
+
+def _mlp_chunk_tiles(dim, hidden, gated, itemsize, backward):
+    """Hidden tiles (of 128 units) per chunk of the MLP kernels: as many as SBUF_BUDGET holds, at most all.
+    For d <= 2048 (_mlp_shape_problem) that is at least one, even in fp32 with SwiGLU's three projections."""
+    per_tile, besides = _mlp_sbuf_plan(dim, gated, itemsize, backward)
+    return min(hidden // TILE, (SBUF_BUDGET - besides) // per_tile)
+
+
+def _mlp_shape_problem(x, w_up, dtype):
+    """None if the NKI MLP takes these shapes, else what stops it. One rule for the forward and the
+    backward, so that a model scores (no grad) on the very kernels it trained on."""
+    dim, hidden = x.size(-1), w_up.size(0)
+    if dtype not in _KERNEL_DTYPES:
+        return f"the kernels multiply in bfloat16 or float32, not {dtype}"
+    if dim % TILE or hidden % TILE:
+        return (f"d={dim} and hidden={hidden} must be multiples of {TILE}, the partition tile; choose n_embd and "
+                "mlp_hidden so")
+    if dim > 4 * BANK_FP32:
+        return (f"d={dim} is over {4 * BANK_FP32}, as wide as the backward's dx accumulators in PSUM go; use a "
+                "smaller n_embd")
+    if x.numel() == 0:
+        return "there are no tokens"
+    return None
+
+
+# Fewest tokens per call from which the cost model expects the NKI MLP (forward + backward) to beat the
+# compiled plain ops, by width: d, or 1.5 d gated. From bench.py --kernels (docs/results.md): below them
+# the weights' DMA traffic is not paid back. One rule for forward and backward, as _mlp_shape_problem's.
+MLP_MIN_TOKENS = ((256, 128), (768, 256), (2048, 512))  # (width up to, tokens from); 2048: the kernels' widest d
+
+
+def _mlp_cost_problem(tokens, dim, gated):
+    """None where the cost model expects the NKI MLP to beat the compiled plain ops, else why not."""
+    width = dim * 3 // 2 if gated else dim
+    fewest = next((count for widest, count in MLP_MIN_TOKENS if width <= widest), MLP_MIN_TOKENS[-1][1])
+    if tokens >= fewest:
+        return None
+    return (f"at {tokens} tokens per call and d={dim}{' (gated)' if gated else ''} the cost model expects the "
+            f"compiled PyTorch MLP to be faster (NKI pays off from {fewest} tokens: bench.py --kernels); use a "
+            "larger --batch_size, or --kernels=mlp:nki")
+
+
+def _mlp_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor | None,
+                 activation: str, save_preactivation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=False)
+    y, *saved = _run_kernel(mlp_fwd_kernel, x, w_up, w_down, w_gate, activation, save_preactivation, chunk)
+    saved += [x.new_empty(0) for _ in range(2 - len(saved))]  # the op always returns three tensors
+    return y, *saved
+
+
+def _mlp_forward_fake(x, w_up, w_down, w_gate, activation, save_preactivation):
+    saved = [x.new_empty(w_up.size(0), x.size(0)) if save_preactivation and weight is not None else x.new_empty(0)
+             for weight in (w_up, w_gate)]
+    return torch.empty_like(x), *saved
+
+
+def _mlp_backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  w_gate: torch.Tensor | None, up_saved: torch.Tensor, gate_saved: torch.Tensor | None,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=True)
+    dx, *grads = _run_kernel(mlp_bwd_kernel, dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation, chunk)
+    grads += [x.new_empty(0) for _ in range(3 - len(grads))]
+    return dx, *grads
+
+
+def _mlp_backward_fake(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation):
+    partials = (_logical_core_degree(), w_up.size(0), x.size(1))
+    grads = [x.new_empty(partials, dtype=torch.float32) if weight is not None else x.new_empty(0)
+             for weight in (w_up, w_down, w_gate)]
+    return torch.empty_like(x), *grads
+
+
+def _mlp_setup_context(ctx, inputs, output):
+    x, w_up, w_down, w_gate, activation, _ = inputs
+    _, up_saved, gate_saved = output
+    ctx.save_for_backward(x, w_up, w_down, w_gate, up_saved, gate_saved if w_gate is not None else None)
+    ctx.mark_non_differentiable(up_saved, gate_saved)  # outputs only for the backward's sake
+    ctx.set_materialize_grads(False)  # so autograd does not allocate (hidden, N) zero gradients for them
+    ctx.activation = activation
+
+
+def _mlp_vjp(backward_op, ctx, dy, _up_saved_grad, _gate_saved_grad):
+    x, w_up, w_down, w_gate, up_saved, gate_saved = ctx.saved_tensors
+    dx, dw_up, dw_down_t, dw_gate = backward_op(dy.to(x.dtype).contiguous(), x, w_up, w_down, w_gate, up_saved,
+                                                gate_saved, ctx.activation)
+    # the kernel returns each core's share of the weight gradients (fp32), and w_down's transposed
+    dw_gate = dw_gate.sum(0).to(w_gate.dtype) if w_gate is not None else None
+    return dx, dw_up.sum(0).to(w_up.dtype), dw_down_t.sum(0).t().to(w_down.dtype), dw_gate, None, None
+
+
+if nki is not None:
+    _mlp_op = _register_kernel_ops("mlp", _mlp_forward, _mlp_forward_fake, _mlp_backward, _mlp_backward_fake,
+                                   _mlp_setup_context, _mlp_vjp)
+
+
+def _mlp_nki(x, w_up, w_down, activation, w_gate, dtype):
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
+    rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
+    weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
+    y, _, _ = _mlp_op(rows, *weights, activation, training)
+    return y.view(*x.shape[:-1], y.size(-1))
+
+
+def _mlp_torch(x, w_up, w_down, activation, w_gate):
+    h = F.linear(x, w_up)
+    if activation == "relu2":
+        h = F.relu(h).square()
+    elif activation == "leaky_relu2":
+        h = F.leaky_relu(h, LEAKY_RELU2_SLOPE).square()
+    elif activation == "gelu":
+        h = F.gelu(h, approximate="tanh")
+    else:
+        h = F.silu(F.linear(x, w_gate)) * h
+    return F.linear(h, w_down)
+
+
+def _mlp_check_cases(shapes, dtype, device, generator):
+    """One case per activation."""
+    draw = _drawing(dtype, device, generator)
+    dim, hidden = shapes.n_embd, shapes.hidden
+    cases = []
+    for activation in MLP_ACTIVATIONS:
+        def make_inputs(activation=activation):
+            gate = draw(hidden, dim, scale=dim ** -0.5) if activation == "swiglu" else None
+            return (draw(shapes.batch, shapes.rows, dim), draw(hidden, dim, scale=dim ** -0.5),
+                    draw(dim, hidden, scale=hidden ** -0.5), gate)
+
+        cases.append((f"mlp {activation}", make_inputs, lambda x, w_up, w_down, w_gate, mode, activation=activation:
+                      mlp(x, w_up, w_down, activation, w_gate, mode=mode)))
+    return cases
+
+
+def _mlp_model_cases(c, batch_size, device, dtype):
+    draw = _model_drawing(device, dtype)
+    B, T, C, hidden = batch_size, c.sequence_len, c.n_embd, c.hidden_dim
+    gated = c.mlp == "swiglu"
+    flops = 2 * B * T * C * hidden * (3 if gated else 2)
+    return [(f"mlp ({c.mlp})", flops, 3 * flops,
+             lambda: (draw(B, T, C), draw(hidden, C, scale=C ** -0.5), draw(C, hidden, scale=hidden ** -0.5),
+                      draw(hidden, C, scale=C ** -0.5) if gated else None),
+             lambda x, w_up, w_down, w_gate, mode: mlp(x, w_up, w_down, c.mlp, w_gate, mode=mode))]
+
+
+MLP_OP = _declare(KernelOp(
+    name="mlp", call=mlp,
+    kernels=(mlp_fwd_kernel, mlp_bwd_kernel),
+    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem,
+    check_cases=_mlp_check_cases, model_cases=_mlp_model_cases, kill_matrix=("mlp leaky_relu2", "mlp gelu"),
+    tests="test_mlp_norm_kernels.py"))
+
+
+# =============================================================================
+# rms_norm: y = x / sqrt(mean(x^2) + eps) * weight over the last dim, forward and backward
 
 RMS_NORM_MAX_DIM = 2048  # the backward's weight gradient accumulates in PSUM, 512 per bank, 4 banks
 
@@ -1500,27 +2086,6 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     return dx, dweight
 
 
-def _constant_column(value):
-    """A [128, 1] fp32 column of `value`: a per-partition operand (activation bias, ones for a matmul)."""
-    column = nl.ndarray((TILE, 1), nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=column, value=value)
-    return column
-
-
-def _reciprocal_rms(x_tile, eps, squares):
-    """1 / sqrt(mean(x^2) + eps) of each row of x_tile, a fp32 (rows, 1) column. ScalarE squares and sums
-    in one instruction (`squares` (rows, d) receives the squares, which nobody reads); the column's mean +
-    eps is VectorE's and its rsqrt GpSimd's (nl.rsqrt's engine), which leaves ScalarE the wide passes."""
-    rows, dim = x_tile.shape
-    sum_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.activation_reduce(dst=squares, op=nl.square, data=x_tile, reduce_op=nl.add, reduce_res=sum_sq)
-    mean_sq = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
-    rstd = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
-    return rstd
-
-
 def _broadcast_to_partitions(vector):
     """A (d,) fp32 vector from HBM copied into all 128 partitions of an SBUF tile [128, d]: a K=1 matmul of
     a row of ones (stationary) with the vector (moving), one PSUM bank at a time."""
@@ -1536,17 +2101,105 @@ def _broadcast_to_partitions(vector):
     return rows
 
 
-# -----------------------------------------------------------------------------
-# residual add + RMSNorm: NKI kernels, s = x + branch and y = s / sqrt(mean(s^2) + eps), forward and backward
-# (fused, s makes no extra round trip through HBM; backward, s's later gradient is added in the same pass)
+# rms_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
+
+
+def _rms_norm_shape_problem(x):
+    """None if the NKI RMSNorm takes x, else what stops it."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32, not {x.dtype}"
+    if x.size(-1) > RMS_NORM_MAX_DIM:
+        return (f"rows of {x.size(-1)} are over {RMS_NORM_MAX_DIM}, as wide as the weight gradient's PSUM "
+                "accumulators go; use a smaller n_embd")
+    if x.numel() == 0:
+        return "there are no rows"
+    return None
+
+
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    (y,) = _run_kernel(rms_norm_fwd_kernel, x, weight, eps)
+    return y
+
+
+def _rms_norm_forward_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, *dweight = _run_kernel(rms_norm_bwd_kernel, dy, x, weight, eps)
+    return dx, dweight[0] if dweight else x.new_empty(0)
+
+
+def _rms_norm_backward_fake(dy, x, weight, eps):
+    dweight = x.new_empty((_logical_core_degree(), x.size(1)), dtype=torch.float32) if weight is not None \
+        else x.new_empty(0)
+    return torch.empty_like(x), dweight
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_vjp(backward_op, ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dweight = backward_op(dy.to(x.dtype).contiguous(), x, weight, ctx.eps)
+    return dx, dweight.sum(0) if weight is not None else None, None  # summed over the cores' shares
+
+
+if nki is not None:
+    _rms_norm_op = _register_kernel_ops("rms_norm", _rms_norm_forward, _rms_norm_forward_fake, _rms_norm_backward,
+                                        _rms_norm_backward_fake, _rms_norm_setup_context, _rms_norm_vjp)
+
+
+def _rms_norm_nki(x, weight, eps):
+    rows = x.reshape(-1, x.size(-1)).contiguous()
+    return _rms_norm_op(rows, weight.float() if weight is not None else None, eps).view(x.shape)
+
+
+def _rms_norm_torch(x, weight, eps):
+    return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)
+
+
+def _rms_norm_check_cases(shapes, dtype, device, generator):
+    draw = _drawing(dtype, device, generator)
+    rows = (shapes.batch, shapes.rows, shapes.n_embd)
+    weight = (1 + 0.5 * torch.randn(shapes.n_embd, generator=generator)).to(device)
+    return [("rms_norm", lambda: (draw(*rows),), lambda x, mode: rms_norm(x, mode=mode)),
+            ("rms_norm weighted", lambda: (draw(*rows), weight), lambda x, w, mode: rms_norm(x, w, mode=mode))]
+
+
+def _rms_norm_model_cases(c, batch_size, device, dtype):
+    """No matmul FLOPs (memory-bound). The residual stream is fp32 under autocast, and so are the norms on it:
+    rms_norm_fp32."""
+    draw = _model_drawing(device, dtype)
+    shape = (batch_size, c.sequence_len, c.n_embd)
+    return [("rms_norm", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x, mode=mode)),
+            ("rms_norm_fp32", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x.float(), mode=mode))]
+
+
+RMS_NORM_OP = _declare(KernelOp(
+    name="rms_norm", call=rms_norm,
+    kernels=(rms_norm_fwd_kernel, rms_norm_bwd_kernel),
+    torch_path=_rms_norm_torch, shape_problem=_rms_norm_shape_problem, cost_problem=None,
+    check_cases=_rms_norm_check_cases, model_cases=_rms_norm_model_cases, kill_matrix=("rms_norm weighted",),
+    tests="test_mlp_norm_kernels.py"))
+
+
+# =============================================================================
+# add_rms_norm: s = x + branch and y = s / sqrt(mean(s^2) + eps), forward and backward (fused, s makes no
+# extra round trip through HBM; backward, s's later gradient is added in the same pass)
 
 
 def add_rms_norm_fwd_kernel(x, branch, eps):
     """Residual add and the RMSNorm after it, one pass over the rows.
 
-    x (N, d), the residual stream, bf16 or fp32; branch (N, d), the sub-block's output, bf16 or fp32. Returns s = x + branch (N, d) in x's dtype and
-    y = s * rstd(s) (N, d) in branch's dtype: the dtype of the matmul that made the branch, which is the
-    one the next matmul takes (under bf16 autocast: the rounding autocast would apply to y anyway).
+    x (N, d), the residual stream, bf16 or fp32; branch (N, d), the sub-block's output, bf16 or fp32.
+    Returns s = x + branch (N, d) in x's dtype and y = s * rstd(s) (N, d) in branch's dtype: the dtype of
+    the matmul that made the branch, which is the one the next matmul takes (under bf16 autocast: the
+    rounding autocast would apply to y anyway).
 
     Rows on the partitions, 128 per tile, the whole of d along the free axis (as rms_norm_fwd_kernel).
     Per tile: VectorE adds the two tiles (fp32 inside, rounded to x's dtype, as PyTorch's x + branch);
@@ -1556,8 +2209,9 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
     backward beyond s itself (an output), from which it recomputes rstd.
 
     HBM traffic: read x and branch, write s and y, once each (fp32 stream, bf16 branch: 12 bytes a value;
-    apart: 18, the norm's output fp32, and 6 more where autocast casts it for the next matmul). SBUF per partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the
-    compiler: under 64 KiB at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
+    apart: 18, the norm's output fp32, and 6 more where autocast casts it for the next matmul). SBUF per
+    partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the compiler: under 64 KiB
+    at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
     pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
     at the baseline shape, 1024 x 640, fp32 stream and bf16 branch: DMA 27 us, VectorE 11, ScalarE 9).
@@ -1641,174 +2295,99 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     return dx  # one output: TorchNeuron hands it back bare
 
 
-# -----------------------------------------------------------------------------
-# RoPE + QK-norm: NKI kernels from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
-
-ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) fp32 tiles in SBUF
+# add_rms_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
-def _rope_steps(batch, seq_len):
-    """This program's (b, start, partitions, tokens per partition) steps.
-
-    512 tokens go as (128, 4), 4 consecutive tokens per partition (one contiguous run in x, in each head of
-    y and in the tables), where they make whole 128-token tiles; else 128-token tiles, one token per
-    partition. The steps of all sequences are split evenly between the programs of an LNC launch."""
-    steps = []
-    for b in range(batch):
-        for span in _spans(0, seq_len, 4 * TILE):
-            start, width = span
-            if width % TILE == 0:
-                steps.append((b, start, TILE, width // TILE))
-            else:
-                for piece in _spans(start, start + width, TILE):
-                    steps.append((b, piece[0], piece[1], 1))
-    per_program = math.ceil(len(steps) / nl.num_programs())
-    first = min(len(steps), nl.program_id(0) * per_program)
-    mine = []
-    for s in range(first, min(len(steps), first + per_program)):
-        mine.append(steps[s])
-    return mine
+def _add_rms_norm_shape_problem(x, branch):
+    """None if the fused residual add + RMSNorm kernels take x and branch, else what stops them."""
+    if branch.shape != x.shape:
+        return f"the branch {tuple(branch.shape)} is not the residual's shape {tuple(x.shape)}"
+    if branch.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32, not {branch.dtype}"
+    if torch.promote_types(x.dtype, branch.dtype) != x.dtype:
+        return f"the residual stream ({x.dtype}) cannot hold its sum with a {branch.dtype} branch"
+    return _rms_norm_shape_problem(x)
 
 
-def _head_slots(tile, n_heads):
-    """tile[:, j, head h] of a (P, J, H * D) tile, for each head h and slot j, at h * J + j."""
-    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
-    slots = []
-    for h in range(n_heads):
-        for j in range(per_part):
-            slots.append(tile[:, j, h * dim:(h + 1) * dim])
-    return slots
+def _add_rms_norm_forward(x: torch.Tensor, branch: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(add_rms_norm_fwd_kernel, x, branch, eps)
 
 
-def _rotate(dst, src, n_heads, cos_sin, inverse):
-    """dst = rope of each of src's n_heads heads (sin negated if `inverse`), each step rounded.
-
-    The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
-    as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
-    cos_tile, sin_tile = cos_sin
-    half = cos_tile.shape[2]
-    for h in range(n_heads):
-        lo, mid, hi = 2 * h * half, (2 * h + 1) * half, (2 * h + 2) * half
-        x1, x2, out1, out2 = src[:, :, lo:mid], src[:, :, mid:hi], dst[:, :, lo:mid], dst[:, :, mid:hi]
-        sin_x2 = nl.ndarray(cos_tile.shape, dst.dtype)
-        sin_x1 = nl.ndarray(cos_tile.shape, dst.dtype)
-        nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
-        nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
-        nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
-        nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
+def _add_rms_norm_forward_fake(x, branch, eps):
+    return torch.empty_like(x), torch.empty_like(branch)
 
 
-def _load_rope_step(src, cos, sin, b, tokens, parts):
-    """src[b, tokens] and the tokens' cos and sin, as (parts, J, .) tiles."""
-    tiles = []
-    for t in (src[b, tokens, :], cos[tokens, :], sin[tokens, :]):
-        tile = nl.ndarray((parts, (tokens.stop - tokens.start) // parts, t.shape[-1]), src.dtype)
-        nisa.dma_copy(dst=tile, src=t)
-        tiles.append(tile)
-    return tiles[0], (tiles[1], tiles[2])
+def _add_rms_norm_backward(d_total: torch.Tensor | None, d_normed: torch.Tensor, total: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, *d_branch = _run_kernel(add_rms_norm_bwd_kernel, d_total, d_normed, total, eps)
+    return dx, d_branch[0] if d_branch else dx.new_empty(0)
 
 
-def _slot_rstds(slots, eps, squares):
-    """1 / sqrt(mean(x^2) + eps) of each slot, a fp32 (P, len(slots)) tile.
-
-    ScalarE squares and sums each slot (into `squares`, slots of the same shapes, unread); the mean and
-    rsqrt are one instruction each for all the slots (VectorE, GpSimd)."""
-    parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
-    sum_sq = nl.ndarray((parts, count), nl.float32)
-    for c in range(count):
-        nisa.activation_reduce(dst=squares[c], op=nl.square, data=slots[c], reduce_op=nl.add,
-                               reduce_res=sum_sq[:, c:c + 1])
-    mean_sq = nl.ndarray((parts, count), nl.float32)
-    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
-    rstd = nl.ndarray((parts, count), nl.float32)
-    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
-    return rstd
+def _add_rms_norm_backward_fake(d_total, d_normed, total, eps):
+    d_branch = torch.empty_like(d_normed) if d_normed.dtype != total.dtype else total.new_empty(0)
+    return torch.empty_like(total), d_branch
 
 
-def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
-    """RoPE, then RMSNorm (no weight) of each head, from projection rows into attention's head layout.
-
-    x (B, T, H * D) bf16 or fp32, a q or k projection as its matmul wrote it; cos, sin (T, D / 2) in x's
-    dtype. Returns y (B, H, T, D): z = rope(x) rounded to x's dtype (as the model's PyTorch path rounds it),
-    y = z / sqrt(mean(z^2) + eps).
-
-    Per step (_rope_steps: 128 partitions x 4 tokens): one DMA brings every head of the tokens, one each
-    cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate); ScalarE squares and sums each
-    (token, head) and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]:
-    the layout change is the store's access pattern. HBM traffic: x read once, y written once (apart: the
-    rotary's four bf16 passes and the norm's read and write). SBUF per partition: 3 tiles of 4 H D values.
-    PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
-    k: 23 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
-    """
-    batch, seq_len, width = x.shape
-    dim = width // n_heads
-    y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    for step in _rope_steps(batch, seq_len):
-        b, start, parts, per_part = step
-        tokens = slice(start, start + parts * per_part)
-        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-        rotated = nl.ndarray(x_tile.shape, x.dtype)
-        _rotate(rotated, x_tile, n_heads, cos_sin, False)
-        out = nl.ndarray(x_tile.shape, x.dtype)
-        z_slots, out_slots = _head_slots(rotated, n_heads), _head_slots(out, n_heads)
-        rstd = _slot_rstds(z_slots, eps, out_slots)
-        for c in range(len(z_slots)):
-            nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-        for h in range(n_heads):
-            nisa.dma_copy(dst=y[b, h, tokens, :], src=out[:, :, h * dim:(h + 1) * dim])
-    return y
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[0])  # s: the backward recomputes rstd from it
+    ctx.eps = inputs[2]
+    ctx.set_materialize_grads(False)  # no zeros for an s that nothing after it read (the last block's)
 
 
-def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
-    """Backward of rope_norm_fwd_kernel: dx (B, T, H * D) from dy (B, H, T, D) in x's dtype.
-
-    The rotation R is orthogonal, so rms(R x) = rms(x) = 1/r and y = r R x: with g = R^T dy (rope with -sin),
-    dx = r (g + c x), c = -r^2 mean(x g), RMSNorm's backward of x applied to g.
-    Per step: x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate dy back; r from x (ScalarE
-    squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
-    by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
-    r * that; one DMA stores dx. HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
-    tiles of 4 H D values, under 200 KiB at H D = 2048 in fp32. GpSimd and VectorE about equally busy,
-    ~1.4x the DMA time (the emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
-    """
-    batch, n_heads, seq_len, dim = dy.shape
-    dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    for step in _rope_steps(batch, seq_len):
-        b, start, parts, per_part = step
-        tokens = slice(start, start + parts * per_part)
-        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-        dy_tile = nl.ndarray(x_tile.shape, x.dtype)
-        for h in range(n_heads):
-            nisa.dma_copy(dst=dy_tile[:, :, h * dim:(h + 1) * dim], src=dy[b, h, tokens, :])
-        g = nl.ndarray(x_tile.shape, x.dtype)
-        _rotate(g, dy_tile, n_heads, cos_sin, True)
-        scratch = nl.ndarray(x_tile.shape, x.dtype)  # the squares, x g, then x c + g
-        out = nl.ndarray(x_tile.shape, x.dtype)
-        x_slots, scratch_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads)
-        out_slots = _head_slots(out, n_heads)
-        rstd = _slot_rstds(x_slots, eps, scratch_slots)
-        nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
-        neg_mean = nl.ndarray(rstd.shape, nl.float32)  # -mean(x g)
-        for c in range(len(x_slots)):
-            nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
-                                   reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-        x_coef = nl.ndarray(rstd.shape, nl.float32)  # c = -r^2 mean(x g)
-        nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
-        nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
-        for c in range(len(x_slots)):
-            nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-        nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
-        for c in range(len(x_slots)):
-            nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
-        nisa.dma_copy(dst=dx[b, tokens, :], src=out)
-    return dx
+def _add_rms_norm_vjp(backward_op, ctx, d_total, d_normed):
+    (total,) = ctx.saved_tensors
+    if d_normed is None:  # only s was used: the norm adds nothing to its gradient
+        return d_total, d_total, None
+    d_total = d_total.to(total.dtype).contiguous() if d_total is not None else None
+    dx, d_branch = backward_op(d_total, d_normed.contiguous(), total, ctx.eps)
+    return dx, d_branch if d_branch.numel() else dx, None
 
 
-# -----------------------------------------------------------------------------
-# the head's loss: NKI kernels, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap), forward and backward
-# (apart: several fp32 passes over the logits through HBM each way; fused: the logits read once each way)
+if nki is not None:
+    _add_rms_norm_op = _register_kernel_ops("add_rms_norm", _add_rms_norm_forward, _add_rms_norm_forward_fake,
+                                            _add_rms_norm_backward, _add_rms_norm_backward_fake,
+                                            _add_rms_norm_setup_context, _add_rms_norm_vjp)
+
+
+def _add_rms_norm_nki(x, branch, eps):
+    rows = x.reshape(-1, x.size(-1)).contiguous()
+    total, normed = _add_rms_norm_op(rows, branch.reshape(rows.shape).contiguous(), eps)
+    return total.view(x.shape), normed.view(x.shape)
+
+
+def _add_rms_norm_torch(x, branch, eps, mode):
+    total = x + branch
+    return total, rms_norm(total, eps=eps, mode=mode)
+
+
+def _add_rms_norm_check_cases(shapes, dtype, device, generator):
+    draw = _drawing(dtype, device, generator)
+    rows = (shapes.batch, shapes.rows, shapes.n_embd)
+    return [("add_rms_norm", lambda: (draw(*rows), draw(*rows)),
+             lambda x, branch, mode: torch.stack(add_rms_norm(x, branch, mode=mode)))]
+
+
+def _add_rms_norm_model_cases(c, batch_size, device, dtype):
+    """The stream fp32, the branch (a matmul's output) in the matmul dtype; the two outputs summed, so that
+    both get a gradient."""
+    draw = _model_drawing(device, dtype)
+    shape = (batch_size, c.sequence_len, c.n_embd)
+    return [("add_rms_norm", 0, 0, lambda: (draw(*shape), draw(*shape)),
+             lambda x, branch, mode: sum(o.float() for o in add_rms_norm(x.float(), branch, mode=mode)))]
+
+
+ADD_RMS_NORM_OP = _declare(KernelOp(
+    name="add_rms_norm", call=add_rms_norm,
+    kernels=(add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel),
+    torch_path=_add_rms_norm_torch, shape_problem=_add_rms_norm_shape_problem, cost_problem=None,
+    check_cases=_add_rms_norm_check_cases, model_cases=_add_rms_norm_model_cases, kill_matrix=("add_rms_norm",),
+    tests="test_mlp_norm_kernels.py"))
+
+
+# =============================================================================
+# softcap_cross_entropy: the head's loss, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap),
+# forward and backward (apart: several fp32 passes over the logits through HBM each way; fused: the logits
+# read once each way)
 
 VOCAB_CHUNK = 2048  # logits columns per step: 4 KiB rows of bf16 per DMA, ~40 KiB of SBUF per partition
 
@@ -1970,172 +2549,23 @@ def softcap_cross_entropy_bwd_kernel(logits, targets, lse, d_nll, vocab, cap):
     return d_logits
 
 
-# -----------------------------------------------------------------------------
-# MLP and RMSNorm: PyTorch ops around the kernels
+# softcap_cross_entropy: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
-def _mlp_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, w_gate: torch.Tensor | None,
-                 activation: str, save_preactivation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=False)
-    y, *saved = _run_kernel(mlp_fwd_kernel, x, w_up, w_down, w_gate, activation, save_preactivation, chunk)
-    saved += [x.new_empty(0) for _ in range(2 - len(saved))]  # the op always returns three tensors
-    return y, *saved
-
-
-def _mlp_forward_fake(x, w_up, w_down, w_gate, activation, save_preactivation):
-    saved = [x.new_empty(w_up.size(0), x.size(0)) if save_preactivation and weight is not None else x.new_empty(0)
-             for weight in (w_up, w_gate)]
-    return torch.empty_like(x), *saved
-
-
-def _mlp_backward(dy: torch.Tensor, x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                  w_gate: torch.Tensor | None, up_saved: torch.Tensor, gate_saved: torch.Tensor | None,
-                  activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    chunk = _mlp_chunk_tiles(x.size(1), w_up.size(0), w_gate is not None, x.element_size(), backward=True)
-    dx, *grads = _run_kernel(mlp_bwd_kernel, dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation, chunk)
-    grads += [x.new_empty(0) for _ in range(3 - len(grads))]
-    return dx, *grads
-
-
-def _mlp_backward_fake(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation):
-    partials = (_logical_core_degree(), w_up.size(0), x.size(1))
-    grads = [x.new_empty(partials, dtype=torch.float32) if weight is not None else x.new_empty(0)
-             for weight in (w_up, w_down, w_gate)]
-    return torch.empty_like(x), *grads
-
-
-def _mlp_setup_context(ctx, inputs, output):
-    x, w_up, w_down, w_gate, activation, _ = inputs
-    _, up_saved, gate_saved = output
-    ctx.save_for_backward(x, w_up, w_down, w_gate, up_saved, gate_saved if w_gate is not None else None)
-    ctx.mark_non_differentiable(up_saved, gate_saved)  # outputs only for the backward's sake
-    ctx.set_materialize_grads(False)  # so autograd does not allocate (hidden, N) zero gradients for them
-    ctx.activation = activation
-
-
-def _mlp_vjp(backward_op, ctx, dy, _up_saved_grad, _gate_saved_grad):
-    x, w_up, w_down, w_gate, up_saved, gate_saved = ctx.saved_tensors
-    dx, dw_up, dw_down_t, dw_gate = backward_op(dy.to(x.dtype).contiguous(), x, w_up, w_down, w_gate, up_saved,
-                                                gate_saved, ctx.activation)
-    # the kernel returns each core's share of the weight gradients (fp32), and w_down's transposed
-    dw_gate = dw_gate.sum(0).to(w_gate.dtype) if w_gate is not None else None
-    return dx, dw_up.sum(0).to(w_up.dtype), dw_down_t.sum(0).t().to(w_down.dtype), dw_gate, None, None
-
-
-if nki is not None:
-    _mlp_op = _register_kernel_ops("mlp", _mlp_forward, _mlp_forward_fake, _mlp_backward, _mlp_backward_fake,
-                                   _mlp_setup_context, _mlp_vjp)
-
-
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    (y,) = _run_kernel(rms_norm_fwd_kernel, x, weight, eps)
-    return y
-
-
-def _rms_norm_forward_fake(x, weight, eps):
-    return torch.empty_like(x)
-
-
-def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, *dweight = _run_kernel(rms_norm_bwd_kernel, dy, x, weight, eps)
-    return dx, dweight[0] if dweight else x.new_empty(0)
-
-
-def _rms_norm_backward_fake(dy, x, weight, eps):
-    dweight = x.new_empty((_logical_core_degree(), x.size(1)), dtype=torch.float32) if weight is not None \
-        else x.new_empty(0)
-    return torch.empty_like(x), dweight
-
-
-def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps = eps
-
-
-def _rms_norm_vjp(backward_op, ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dweight = backward_op(dy.to(x.dtype).contiguous(), x, weight, ctx.eps)
-    return dx, dweight.sum(0) if weight is not None else None, None  # summed over the cores' shares
-
-
-if nki is not None:
-    _rms_norm_op = _register_kernel_ops("rms_norm", _rms_norm_forward, _rms_norm_forward_fake, _rms_norm_backward,
-                                        _rms_norm_backward_fake, _rms_norm_setup_context, _rms_norm_vjp)
-
-
-def _add_rms_norm_forward(x: torch.Tensor, branch: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_kernel(add_rms_norm_fwd_kernel, x, branch, eps)
-
-
-def _add_rms_norm_forward_fake(x, branch, eps):
-    return torch.empty_like(x), torch.empty_like(branch)
-
-
-def _add_rms_norm_backward(d_total: torch.Tensor | None, d_normed: torch.Tensor, total: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, *d_branch = _run_kernel(add_rms_norm_bwd_kernel, d_total, d_normed, total, eps)
-    return dx, d_branch[0] if d_branch else dx.new_empty(0)
-
-
-def _add_rms_norm_backward_fake(d_total, d_normed, total, eps):
-    d_branch = torch.empty_like(d_normed) if d_normed.dtype != total.dtype else total.new_empty(0)
-    return torch.empty_like(total), d_branch
-
-
-def _add_rms_norm_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[0])  # s: the backward recomputes rstd from it
-    ctx.eps = inputs[2]
-    ctx.set_materialize_grads(False)  # no zeros for an s that nothing after it read (the last block's)
-
-
-def _add_rms_norm_vjp(backward_op, ctx, d_total, d_normed):
-    (total,) = ctx.saved_tensors
-    if d_normed is None:  # only s was used: the norm adds nothing to its gradient
-        return d_total, d_total, None
-    d_total = d_total.to(total.dtype).contiguous() if d_total is not None else None
-    dx, d_branch = backward_op(d_total, d_normed.contiguous(), total, ctx.eps)
-    return dx, d_branch if d_branch.numel() else dx, None
-
-
-if nki is not None:
-    _add_rms_norm_op = _register_kernel_ops("add_rms_norm", _add_rms_norm_forward, _add_rms_norm_forward_fake,
-                                            _add_rms_norm_backward, _add_rms_norm_backward_fake,
-                                            _add_rms_norm_setup_context, _add_rms_norm_vjp)
-
-
-def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                       eps: float) -> torch.Tensor:
-    return _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)[0]
-
-
-def _rope_norm_forward_fake(x, cos, sin, n_heads, eps):
-    return x.new_empty((x.size(0), n_heads, x.size(1), x.size(2) // n_heads))
-
-
-def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        eps: float) -> torch.Tensor:
-    return _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)[0]
-
-
-def _rope_norm_backward_fake(dy, x, cos, sin, eps):
-    return torch.empty_like(x)
-
-
-def _rope_norm_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.eps = inputs[4]
-
-
-def _rope_norm_vjp(backward_op, ctx, dy):
-    x, cos, sin = ctx.saved_tensors
-    return backward_op(dy.to(x.dtype).contiguous(), x, cos, sin, ctx.eps), None, None, None, None
-
-
-if nki is not None:
-    _rope_norm_op = _register_kernel_ops("rope_norm", _rope_norm_forward, _rope_norm_forward_fake, _rope_norm_backward,
-                                         _rope_norm_backward_fake, _rope_norm_setup_context, _rope_norm_vjp)
+def _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size):
+    """None if the softcap cross-entropy kernels take these, else what stops them."""
+    if logits.dtype not in _KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float32 logits, not {logits.dtype}"
+    if not cap:
+        return ("logit_softcap=0: the kernels rely on the cap's bound on the logits (no running max); set "
+                "logit_softcap > 0")
+    if not 0 < vocab_size <= logits.size(-1) or vocab_size >= 2 ** 24:
+        return f"vocab_size={vocab_size} must be in 1..{min(logits.size(-1), 2 ** 24 - 1)} (the logits' width)"
+    if targets.shape != logits.shape[:-1]:
+        return f"targets {tuple(targets.shape)} do not match the logits {tuple(logits.shape)}"
+    if logits.numel() == 0:
+        return "there are no rows"
+    return None
 
 
 def _softcap_cross_entropy_forward(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
@@ -2176,93 +2606,217 @@ if nki is not None:
         _softcap_cross_entropy_vjp)
 
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+def _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction):
+    rows = logits.reshape(-1, logits.size(-1)).contiguous()
+    nll, _ = _softcap_cross_entropy_op(rows, targets.reshape(-1, 1).to(torch.int32), vocab_size, float(cap))
+    if reduction == "none":
+        return nll.view(targets.shape)
+    return nll.sum() if reduction == "sum" else nll.sum() / (targets >= 0).sum()  # mean: over the kept targets
 
 
-def _matmul_dtype(x):
-    """The dtype F.linear would multiply x in: autocast's, where autocast is on for x's device, else x's."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+def _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction):
+    logits = logits[..., :vocab_size].float()  # padding columns never win
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
 
 
-def _mlp_sbuf_plan(dim, gated, itemsize, backward):
-    """(bytes per hidden tile of a chunk, bytes besides) per SBUF partition that the MLP kernels keep live:
-    the accounting in their docstrings, rounded up (the emulator measures a little less; the rest of
-    SBUF_BUDGET's margin below Trn2's 224 KiB is the compiler's for buffering)."""
-    projections = 3 if gated else 2
-    if backward:
-        block = _mlp_bwd_block_tokens(dim)
-        per_tile = projections * dim * (itemsize + 4)  # the chunk's weight slices, its fp32 gradient accumulators
-        # dy, dy.T and x of a block; one hidden tile's elementwise and flipped tiles; dx's rows and partial sums
-        besides = 3 * dim * block * itemsize // TILE + block * (8 * itemsize + 16) + 8 * dim
-    else:
-        per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
-        # x.T of a block; fp32 activation scratch and the saved pre-activations' staging; y's rows and partial sums
-        besides = 4 * dim * itemsize + MLP_BLOCK_TOKENS * (8 + 2 * itemsize) + 8 * dim
-    return per_tile, besides + 8 * 1024
+def _softcap_cross_entropy_check_cases(shapes, dtype, device, generator):
+    """Logits padded to a multiple of 128 columns (the kernel skips the padding) and some targets ignored."""
+    draw = _drawing(dtype, device, generator)
+    vocab = shapes.vocab_size
+    targets = torch.randint(-1, vocab, (shapes.batch, shapes.rows), generator=generator).to(device)  # -1: ignored
+    return [("softcap_cross_entropy",
+             lambda: (draw(shapes.batch, shapes.rows, math.ceil(vocab / TILE) * TILE, scale=8.0),),
+             lambda logits, mode: softcap_cross_entropy(logits, targets, 15.0, vocab, "none", mode=mode))]
 
 
-def _mlp_chunk_tiles(dim, hidden, gated, itemsize, backward):
-    """Hidden tiles (of 128 units) per chunk of the MLP kernels: as many as SBUF_BUDGET holds, at most all.
-    For d <= 2048 (_mlp_shape_problem) that is at least one, even in fp32 with SwiGLU's three projections."""
-    per_tile, besides = _mlp_sbuf_plan(dim, gated, itemsize, backward)
-    return min(hidden // TILE, (SBUF_BUDGET - besides) // per_tile)
+def _softcap_cross_entropy_model_cases(c, batch_size, device, dtype):
+    draw = _model_drawing(device, dtype)
+    B, T = batch_size, c.sequence_len
+    return [("softcap_cross_entropy", 0, 0, lambda: (draw(B, T, c.padded_vocab_size, scale=8.0),),
+             lambda logits, mode: softcap_cross_entropy(
+                 logits, torch.arange(B * T, device=logits.device).view(B, T) % c.vocab_size, c.logit_softcap,
+                 c.vocab_size, "none", mode=mode))]
 
 
-def _mlp_shape_problem(x, w_up, dtype):
-    """None if the NKI MLP takes these shapes, else what stops it. One rule for the forward and the
-    backward, so that a model scores (no grad) on the very kernels it trained on."""
-    dim, hidden = x.size(-1), w_up.size(0)
-    if dtype not in _KERNEL_DTYPES:
-        return f"the kernels multiply in bfloat16 or float32, not {dtype}"
-    if dim % TILE or hidden % TILE:
-        return (f"d={dim} and hidden={hidden} must be multiples of {TILE}, the partition tile; choose n_embd and "
-                "mlp_hidden so")
-    if dim > 4 * BANK_FP32:
-        return (f"d={dim} is over {4 * BANK_FP32}, as wide as the backward's dx accumulators in PSUM go; use a "
-                "smaller n_embd")
-    if x.numel() == 0:
-        return "there are no tokens"
-    return None
+SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
+    name="softcap_cross_entropy", call=softcap_cross_entropy,
+    kernels=(softcap_cross_entropy_fwd_kernel, softcap_cross_entropy_bwd_kernel),
+    torch_path=_softcap_cross_entropy_torch, shape_problem=_softcap_cross_entropy_shape_problem, cost_problem=None,
+    check_cases=_softcap_cross_entropy_check_cases, model_cases=_softcap_cross_entropy_model_cases,
+    kill_matrix=("softcap_cross_entropy",),
+    tests="test_cross_entropy_kernel.py"))
 
 
-# Fewest tokens per call from which the cost model expects the NKI MLP (forward + backward) to beat the
-# compiled plain ops, by width: d, or 1.5 d gated. From bench.py --kernels (docs/results.md): below them
-# the weights' DMA traffic is not paid back. One rule for forward and backward, as _mlp_shape_problem's.
-MLP_MIN_TOKENS = ((256, 128), (768, 256), (2048, 512))  # (width up to, tokens from); 2048: the kernels' widest d
+# =============================================================================
+# rope_norm: RoPE + QK-norm from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
+
+ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) fp32 tiles in SBUF
 
 
-def _mlp_cost_problem(tokens, dim, gated):
-    """None where the cost model expects the NKI MLP to beat the compiled plain ops, else why not."""
-    width = dim * 3 // 2 if gated else dim
-    fewest = next((count for widest, count in MLP_MIN_TOKENS if width <= widest), MLP_MIN_TOKENS[-1][1])
-    if tokens >= fewest:
-        return None
-    return (f"at {tokens} tokens per call and d={dim}{' (gated)' if gated else ''} the cost model expects the "
-            f"compiled PyTorch MLP to be faster (NKI pays off from {fewest} tokens: bench.py --kernels); use a "
-            "larger --batch_size, or --kernels=mlp:nki")
+def _rope_steps(batch, seq_len):
+    """This program's (b, start, partitions, tokens per partition) steps.
+
+    512 tokens go as (128, 4), 4 consecutive tokens per partition (one contiguous run in x, in each head of
+    y and in the tables), where they make whole 128-token tiles; else 128-token tiles, one token per
+    partition. The steps of all sequences are split evenly between the programs of an LNC launch."""
+    steps = []
+    for b in range(batch):
+        for span in _spans(0, seq_len, 4 * TILE):
+            start, width = span
+            if width % TILE == 0:
+                steps.append((b, start, TILE, width // TILE))
+            else:
+                for piece in _spans(start, start + width, TILE):
+                    steps.append((b, piece[0], piece[1], 1))
+    per_program = math.ceil(len(steps) / nl.num_programs())
+    first = min(len(steps), nl.program_id(0) * per_program)
+    mine = []
+    for s in range(first, min(len(steps), first + per_program)):
+        mine.append(steps[s])
+    return mine
 
 
-def _rms_norm_shape_problem(x):
-    """None if the NKI RMSNorm takes x, else what stops it."""
-    if x.dtype not in _KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float32, not {x.dtype}"
-    if x.size(-1) > RMS_NORM_MAX_DIM:
-        return (f"rows of {x.size(-1)} are over {RMS_NORM_MAX_DIM}, as wide as the weight gradient's PSUM "
-                "accumulators go; use a smaller n_embd")
-    if x.numel() == 0:
-        return "there are no rows"
-    return None
+def _head_slots(tile, n_heads):
+    """tile[:, j, head h] of a (P, J, H * D) tile, for each head h and slot j, at h * J + j."""
+    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
+    slots = []
+    for h in range(n_heads):
+        for j in range(per_part):
+            slots.append(tile[:, j, h * dim:(h + 1) * dim])
+    return slots
 
 
-def _add_rms_norm_shape_problem(x, branch):
-    """None if the fused residual add + RMSNorm kernels take x and branch, else what stops them."""
-    if branch.shape != x.shape:
-        return f"the branch {tuple(branch.shape)} is not the residual's shape {tuple(x.shape)}"
-    if branch.dtype not in _KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float32, not {branch.dtype}"
-    if torch.promote_types(x.dtype, branch.dtype) != x.dtype:
-        return f"the residual stream ({x.dtype}) cannot hold its sum with a {branch.dtype} branch"
-    return _rms_norm_shape_problem(x)
+def _rotate(dst, src, n_heads, cos_sin, inverse):
+    """dst = rope of each of src's n_heads heads (sin negated if `inverse`), each step rounded.
+
+    The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
+    as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
+    cos_tile, sin_tile = cos_sin
+    half = cos_tile.shape[2]
+    for h in range(n_heads):
+        lo, mid, hi = 2 * h * half, (2 * h + 1) * half, (2 * h + 2) * half
+        x1, x2, out1, out2 = src[:, :, lo:mid], src[:, :, mid:hi], dst[:, :, lo:mid], dst[:, :, mid:hi]
+        sin_x2 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
+        sin_x1 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
+        nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
+        nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
+        nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
+
+
+def _load_rope_step(src, cos, sin, b, tokens, parts):
+    """src[b, tokens] and the tokens' cos and sin, as (parts, J, .) tiles."""
+    tiles = []
+    for t in (src[b, tokens, :], cos[tokens, :], sin[tokens, :]):
+        tile = nl.ndarray((parts, (tokens.stop - tokens.start) // parts, t.shape[-1]), src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=t)
+        tiles.append(tile)
+    return tiles[0], (tiles[1], tiles[2])
+
+
+def _slot_rstds(slots, eps, squares):
+    """1 / sqrt(mean(x^2) + eps) of each slot, a fp32 (P, len(slots)) tile.
+
+    ScalarE squares and sums each slot (into `squares`, slots of the same shapes, unread); the mean and
+    rsqrt are one instruction each for all the slots (VectorE, GpSimd)."""
+    parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
+    sum_sq = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    for c in range(count):
+        nisa.activation_reduce(dst=squares[c], op=nl.square, data=slots[c], reduce_op=nl.add,
+                               reduce_res=sum_sq[:, c:c + 1])
+    mean_sq = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
+    rstd = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
+    return rstd
+
+
+def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
+    """RoPE, then RMSNorm (no weight) of each head, from projection rows into attention's head layout.
+
+    x (B, T, H * D) bf16 or fp32, a q or k projection as its matmul wrote it; cos, sin (T, D / 2) in x's
+    dtype. Returns y (B, H, T, D): z = rope(x) rounded to x's dtype (as the model's PyTorch path rounds it),
+    y = z / sqrt(mean(z^2) + eps).
+
+    Per step (_rope_steps: 128 partitions x 4 tokens): one DMA brings every head of the tokens, one each
+    cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate); ScalarE squares and sums each
+    (token, head) and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]:
+    the layout change is the store's access pattern. HBM traffic: x read once, y written once (apart: the
+    rotary's four bf16 passes and the norm's read and write). SBUF per partition: 3 tiles of 4 H D values.
+    PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
+    k: 23 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
+    """
+    batch, seq_len, width = x.shape
+    dim = width // n_heads
+    y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
+    for step in _rope_steps(batch, seq_len):
+        b, start, parts, per_part = step
+        tokens = slice(start, start + parts * per_part)
+        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        rotated = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
+        _rotate(rotated, x_tile, n_heads, cos_sin, False)
+        out = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
+        z_slots, out_slots = _head_slots(rotated, n_heads), _head_slots(out, n_heads)
+        rstd = _slot_rstds(z_slots, eps, out_slots)
+        for c in range(len(z_slots)):
+            nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
+        for h in range(n_heads):
+            nisa.dma_copy(dst=y[b, h, tokens, :], src=out[:, :, h * dim:(h + 1) * dim])
+    return y
+
+
+def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
+    """Backward of rope_norm_fwd_kernel: dx (B, T, H * D) from dy (B, H, T, D) in x's dtype.
+
+    The rotation R is orthogonal, so rms(R x) = rms(x) = 1/r and y = r R x: with g = R^T dy (rope with -sin),
+    dx = r (g + c x), c = -r^2 mean(x g), RMSNorm's backward of x applied to g.
+    Per step: x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate dy back; r from x (ScalarE
+    squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
+    by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
+    r * that; one DMA stores dx. HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
+    tiles of 4 H D values, at most 192 KiB at H D = 2048 in fp32 (the emulator measures 131,584 bytes live),
+    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time (the
+    emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
+    """
+    batch, n_heads, seq_len, dim = dy.shape
+    dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
+    for step in _rope_steps(batch, seq_len):
+        b, start, parts, per_part = step
+        tokens = slice(start, start + parts * per_part)
+        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        dy_tile = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
+        for h in range(n_heads):
+            nisa.dma_copy(dst=dy_tile[:, :, h * dim:(h + 1) * dim], src=dy[b, h, tokens, :])
+        g = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
+        _rotate(g, dy_tile, n_heads, cos_sin, True)
+        scratch = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
+        out = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
+        x_slots, scratch_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads)
+        out_slots = _head_slots(out, n_heads)
+        rstd = _slot_rstds(x_slots, eps, scratch_slots)
+        nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
+        neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+        for c in range(len(x_slots)):
+            nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
+                                   reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+        x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+        nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
+        nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
+        for c in range(len(x_slots)):
+            nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+        nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
+        for c in range(len(x_slots)):
+            nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
+        nisa.dma_copy(dst=dx[b, tokens, :], src=out)
+    return dx
+
+
+# rope_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
 def _rope_norm_shape_problem(x, cos, n_heads):
@@ -2274,219 +2828,78 @@ def _rope_norm_shape_problem(x, cos, n_heads):
     return _rms_norm_shape_problem(x)
 
 
-def _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size):
-    """None if the softcap cross-entropy kernels take these, else what stops them."""
-    if logits.dtype not in _KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float32 logits, not {logits.dtype}"
-    if not cap:
-        return ("logit_softcap=0: the kernels rely on the cap's bound on the logits (no running max); set "
-                "logit_softcap > 0")
-    if not 0 < vocab_size <= logits.size(-1) or vocab_size >= 2 ** 24:
-        return f"vocab_size={vocab_size} must be in 1..{min(logits.size(-1), 2 ** 24 - 1)} (the logits' width)"
-    if targets.shape != logits.shape[:-1]:
-        return f"targets {tuple(targets.shape)} do not match the logits {tuple(logits.shape)}"
-    if logits.numel() == 0:
-        return "there are no rows"
-    return None
+def _rope_norm_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                       eps: float) -> torch.Tensor:
+    return _run_kernel(rope_norm_fwd_kernel, x, cos, sin, n_heads, eps)[0]
 
 
-# -----------------------------------------------------------------------------
-# causal attention on CPU: the PyTorch path without the masked half
-
-CPU_QUERY_BLOCK = 64  # queries per block; at T=256, d=64 on an AVX2 EPYC, fwd+bwd of a layer (B=8, H=2)
-# took 7.8 ms with blocks of 64, 8.4 with 32, 8.0 with 128, and 10.4 ms in SDPA's flash kernel
-CPU_BLOCK_ATTENTION_MAX_LEN = 2048  # measured faster than SDPA up to here (x1.4 at T=256, x1.1 at 2048); it
-# keeps T*T/2 probabilities per head for backward, so longer contexts use SDPA's O(T) memory
+def _rope_norm_forward_fake(x, cos, sin, n_heads, eps):
+    return x.new_empty((x.size(0), n_heads, x.size(1), x.size(2) // n_heads))
 
 
-def _cpu_query_blocks(seq_len, window):
-    """(start, end, first key) of each block of CPU_QUERY_BLOCK queries: the keys it scores are first .. end."""
-    for start in range(0, seq_len, CPU_QUERY_BLOCK):
-        yield start, min(start + CPU_QUERY_BLOCK, seq_len), 0 if window is None else max(0, start - window)
+def _rope_norm_backward(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    return _run_kernel(rope_norm_bwd_kernel, dy, x, cos, sin, eps)[0]
 
 
-class BlockCausalAttention(torch.autograd.Function):
-    """Exact causal attention for short contexts on CPU, optionally in a sliding window (`attention`'s).
-    SDPA's flash kernel keeps only the logsumexp and recomputes scores and softmax in backward; at short T
-    memory is cheap and the recomputation is not. Queries go in blocks of CPU_QUERY_BLOCK; block i scores
-    only the keys from its first query's window start to its own end, with one batched matmul over all
-    batch x heads, so masked scores are computed only on the diagonal blocks and the blocks where a window
-    starts, and the softmax of every block is kept for backward (T x T / 2 floats per head without a
-    window: 2 MB a layer at B=8, H=2, T=256).
-
-    q, k, v: (B, H, T, d), H equal for all three (GQA expands k and v first). `attention` uses it for
-    fp32 on CPU; bf16 stays on SDPA, whose speed against this on bf16 hardware has not been measured.
-    Backward is the flash-attention identity dS = P * (dP - rowsum(dO * O)).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, window):
-        shape, (T, d) = q.shape, q.shape[-2:]
-        scale = d ** -0.5
-        q, k, v = (q * scale).reshape(-1, T, d), k.reshape(-1, T, d), v.reshape(-1, T, d)
-        block = CPU_QUERY_BLOCK
-        above_diagonal = torch.full((block, block), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
-        before_window = above_diagonal.mT.contiguous()  # from where query 0's window starts: key c < query r
-        probs, outs = [], []
-        for start, end, first in _cpu_query_blocks(T, window):
-            rows = end - start
-            scores = torch.bmm(q[:, start:end], k[:, first:end].mT)  # (B*H, rows, keys first .. end)
-            scores[:, :, start - first:] += above_diagonal[:rows, :rows]
-            edge = None if window is None else start - window  # where the block's first query's window starts
-            if edge is not None and edge + rows > 0:
-                cut = max(0, -edge)  # the edge tile's columns before key 0
-                scores[:, :, edge + cut - first:edge + rows - first] += before_window[:rows, cut:rows]
-            p = torch.softmax(scores, dim=-1)
-            probs.append(p)
-            outs.append(torch.bmm(p, v[:, first:end]))
-        out = torch.cat(outs, dim=1)
-        ctx.save_for_backward(q, k, v, out, *probs)
-        ctx.shape, ctx.window = shape, window
-        return out.view(shape)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, *probs = ctx.saved_tensors  # q is pre-scaled, so dK needs no scale
-        T, d = q.shape[-2:]
-        d_out = d_out.reshape(out.shape)
-        d_out_dot_out = (d_out * out).sum(dim=-1, keepdim=True)  # rowsum(P * dP), per query
-        dq_blocks, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-        for p, (start, end, first) in zip(probs, _cpu_query_blocks(T, ctx.window)):
-            d_out_block = d_out[:, start:end]
-            dv[:, first:end].baddbmm_(p.mT, d_out_block)
-            d_scores = torch.bmm(d_out_block, v[:, first:end].mT).sub_(d_out_dot_out[:, start:end]).mul_(p)
-            dq_blocks.append(torch.bmm(d_scores, k[:, first:end]))
-            dk[:, first:end].baddbmm_(d_scores.mT, q[:, start:end])
-        dq = torch.cat(dq_blocks, dim=1).mul_(d ** -0.5)
-        return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None
+def _rope_norm_backward_fake(dy, x, cos, sin, eps):
+    return torch.empty_like(x)
 
 
-# -----------------------------------------------------------------------------
-# the operations model.py calls
+def _rope_norm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.eps = inputs[4]
 
 
-def attention(q, k, v, mode="auto", window=None):
-    """Causal self-attention with grouped-query heads, optionally in a sliding window.
-
-    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
-    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
-    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
-    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
-    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
-    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
-    """
-    seq_len = q.size(-2)
-    if window is not None and window < 0:
-        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
-    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
-        window = None
-    if _use_nki("attention", mode, q.device.type, _attention_shape_problem(q, k, v, window)):
-        # as they come, no copies in the graph: the kernels change layouts on chip, and index each (S, d)
-        # head per 128-row tile, so v may be the model's transposed view of a (B, T, Hkv, D) tensor
-        out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)), seq_len if window is None else window)
-        return out
-    if q.device.type == "cpu" and q.dtype == torch.float32 and seq_len <= CPU_BLOCK_ATTENTION_MAX_LEN:
-        groups = q.size(1) // k.size(1)
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return BlockCausalAttention.apply(q, k, v, window)
-    mask = None
-    if window is not None:  # key j visible to query i: i - window <= j <= i
-        distance = torch.arange(seq_len, device=q.device)[:, None] - torch.arange(seq_len, device=q.device)
-        mask = (distance >= 0) & (distance <= window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.size(1) != q.size(1))
+def _rope_norm_vjp(backward_op, ctx, dy):
+    x, cos, sin = ctx.saved_tensors
+    return backward_op(dy.to(x.dtype).contiguous(), x, cos, sin, ctx.eps), None, None, None, None
 
 
-def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
-    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
-
-    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
-    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
-    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel) take x as
-    (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without gradients
-    (_mlp_shape_problem).
-    """
-    if activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
-    if (activation == "swiglu") != (w_gate is not None):
-        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
-    dtype = _matmul_dtype(x)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_up, w_down, w_gate))
-    if _use_nki("mlp", mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
-                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
-        rows = x.reshape(-1, x.size(-1)).to(dtype).contiguous()
-        weights = [w.to(dtype).contiguous() if w is not None else None for w in (w_up, w_down, w_gate)]
-        y, _, _ = _mlp_op(rows, *weights, activation, training)
-        return y.view(*x.shape[:-1], y.size(-1))
-    h = F.linear(x, w_up)
-    if activation == "relu2":
-        h = F.relu(h).square()
-    elif activation == "leaky_relu2":
-        h = F.leaky_relu(h, LEAKY_RELU2_SLOPE).square()
-    elif activation == "gelu":
-        h = F.gelu(h, approximate="tanh")
-    else:
-        h = F.silu(F.linear(x, w_gate)) * h
-    return F.linear(h, w_down)
+if nki is not None:
+    _rope_norm_op = _register_kernel_ops("rope_norm", _rope_norm_forward, _rope_norm_forward_fake, _rope_norm_backward,
+                                         _rope_norm_backward_fake, _rope_norm_setup_context, _rope_norm_vjp)
 
 
-def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
-    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
-    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
-    if _use_nki("rms_norm", mode, x.device.type, _rms_norm_shape_problem(x)):
-        rows = x.reshape(-1, x.size(-1)).contiguous()
-        return _rms_norm_op(rows, weight.float() if weight is not None else None, eps).view(x.shape)
-    return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)
+def _rope_norm_nki(x, cos, sin, n_heads, eps):
+    return _rope_norm_op(x.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, eps)
 
 
-def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
-    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
-
-    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
-    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
-    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
-    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
-    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
-    if _use_nki("softcap_cross_entropy", mode, logits.device.type,
-                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
-        rows = logits.reshape(-1, logits.size(-1)).contiguous()
-        nll, _ = _softcap_cross_entropy_op(rows, targets.reshape(-1, 1).to(torch.int32), vocab_size, float(cap))
-        if reduction == "none":
-            return nll.view(targets.shape)
-        return nll.sum() if reduction == "sum" else nll.sum() / (targets >= 0).sum()  # mean: over the kept targets
-    logits = logits[..., :vocab_size].float()  # padding columns never win
-    if cap:
-        logits = cap * torch.tanh(logits / cap)
-    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=-1, reduction=reduction)
-    return loss.view(targets.shape) if reduction == "none" else loss
-
-
-def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
-    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
-
-    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
-    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
-    dtype, which is what the matmul reading the norm would round it to anyway."""
-    if _use_nki("add_rms_norm", mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
-        rows = x.reshape(-1, x.size(-1)).contiguous()
-        total, normed = _add_rms_norm_op(rows, branch.reshape(rows.shape).contiguous(), eps)
-        return total.view(x.shape), normed.view(x.shape)
-    total = x + branch
-    return total, rms_norm(total, eps=eps, mode=mode)
-
-
-
-def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
-    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
-
-    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
-    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
-    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
-    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
-    (its own op)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if _use_nki("rope_norm", mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
-        return _rope_norm_op(x.contiguous(), cos.contiguous(), sin.contiguous(), n_heads, eps)
+def _rope_norm_torch(x, cos, sin, n_heads, eps, mode):
     x1, x2 = x.view(*x.shape[:2], n_heads, -1).transpose(1, 2).chunk(2, dim=-1)
     return rms_norm(torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1), eps=eps, mode=mode)
+
+
+def _rotary_angles(seq_len, head_dim, generator=None):
+    """cos and sin of random angles, (seq_len, head_dim / 2) each: tables a rotation could have (the kernels'
+    backward relies on cos^2 + sin^2 = 1), without model.py, which the submission leaves out of this file."""
+    angles = torch.rand(seq_len, head_dim // 2, generator=generator) * (2 * math.pi)
+    return angles.cos(), angles.sin()
+
+
+def _rope_norm_check_cases(shapes, dtype, device, generator):
+    draw = _drawing(dtype, device, generator)
+    cos, sin = (t.to(device) for t in _rotary_angles(shapes.rows, shapes.head_dim, generator))  # not inputs
+    return [("rope_norm", lambda: (draw(shapes.batch, shapes.rows, shapes.n_head * shapes.head_dim),),
+             lambda x, mode: rope_norm(x, cos, sin, shapes.n_head, mode=mode))]
+
+
+def _rope_norm_model_cases(c, batch_size, device, dtype):
+    """q and k of one attention layer as one case: the step prices them together."""
+    draw = _model_drawing(device, dtype)
+    B, T, D = batch_size, c.sequence_len, c.head_dim
+    tables = [t.to(device) for t in _rotary_angles(T, D)]
+    return [("rope_norm", 0, 0, lambda: (draw(B, T, c.n_head * D), draw(B, T, c.n_kv_head * D)),
+             lambda q, k, mode: torch.cat((rope_norm(q, *tables, c.n_head, mode=mode).flatten(),
+                                           rope_norm(k, *tables, c.n_kv_head, mode=mode).flatten())))]
+
+
+ROPE_NORM_OP = _declare(KernelOp(
+    name="rope_norm", call=rope_norm,
+    kernels=(rope_norm_fwd_kernel, rope_norm_bwd_kernel),
+    torch_path=_rope_norm_torch, shape_problem=_rope_norm_shape_problem, cost_problem=None,
+    check_cases=_rope_norm_check_cases, model_cases=_rope_norm_model_cases, kill_matrix=("rope_norm",),
+    tests="test_rope_norm_kernel.py"))
+
+
+KERNEL_OPS = tuple(OPS)  # what a per-op kernels setting may name: every declared op, in declaration order

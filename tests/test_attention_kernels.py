@@ -92,6 +92,30 @@ def test_attention_matches_reference(batch, n_heads, n_kv_heads, seq_len, head_d
     torch.testing.assert_close(lse_by_query.double(), attention_logsumexp_reference(q64, k64), **LSE_TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_whose_scores_are_all_very_negative_stay_exact(dtype):
+    """Every query scores every key it sees near -128 (scaled). ScalarE's reduce registers start a reduction
+    from zero (nki.isa activation_reduce: "first resets those registers to zero"; the emulator does too), so
+    a row max taken there would be 0, exp(-128) underflows in fp32 and the row sum is 0: NaN. S = 640 puts a
+    second key block (where a max went to ScalarE) after the first."""
+    generator = torch.Generator().manual_seed(0)
+    seq_len, head_dim = 640, 64
+    q = torch.full((1, 1, seq_len, head_dim), 4.0)
+    k = -4.0 + 0.1 * torch.randn(1, 1, seq_len, head_dim, generator=generator)
+    v = torch.randn(1, 1, seq_len, head_dim, generator=generator)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    out = kernels.attention(q, k, v, mode="nki")
+    d_out = torch.randn(out.shape, generator=generator).to(dtype)
+    out.backward(d_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = attention_reference(q64, k64, v64)
+    expected.backward(d_out.double())
+    assert expected.isfinite().all() and (q64 @ k64.mT / 8).max() < -100
+    torch.testing.assert_close(out.double(), expected, **TOLERANCES[dtype])
+    for name, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+
+
 def test_one_logical_core_launch_gives_the_same_result(monkeypatch):
     """The tests run kernel[2] (the Trn2 default, programs split the (batch, kv head) pairs); kernel[1]
     must agree bit for bit, including an odd number of pairs."""
@@ -316,3 +340,9 @@ def test_cpu_attention_keeps_sdpa_for_bf16_and_long_contexts():
     long = kernels.CPU_BLOCK_ATTENTION_MAX_LEN + 1
     q, k, v = (t.detach().requires_grad_() for t in random_qkv(1, 1, 1, long, 8, torch.float32))
     assert "BlockCausal" not in kernels.attention(q, k, v, mode="torch").grad_fn.__class__.__name__
+
+
+# One small bf16 case of the reference tests above per op, for the kill matrix (tests/test_kill_matrix.py):
+# KernelOp.tests names this file
+KILL_MATRIX = {"attention": [
+    ("attention test", lambda: test_attention_matches_reference(1, 4, 1, 384, 32, torch.bfloat16))]}

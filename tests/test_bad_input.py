@@ -469,12 +469,10 @@ def test_a_bad_kernels_setting_is_one_line_naming_the_flag_and_the_fix(setting, 
 
 def test_a_kernels_setting_gives_every_op_a_mode():
     assert kernels.parse_kernels("auto") == {op: "auto" for op in kernels.KERNEL_OPS}
-    assert kernels.parse_kernels("attention:nki, mlp:torch") == {"attention": "nki", "mlp": "torch", "rms_norm": "auto",
-                                                                 "add_rms_norm": "auto", "softcap_cross_entropy": "auto",
-                                                                 "rope_norm": "auto"}
-    assert kernels.parse_kernels("torch,rms_norm:prefer") == {"attention": "torch", "mlp": "torch", "rms_norm": "prefer",
-                                                              "add_rms_norm": "torch", "softcap_cross_entropy": "torch",
-                                                              "rope_norm": "torch"}
+    assert kernels.parse_kernels("attention:nki, mlp:torch") == {**dict.fromkeys(kernels.KERNEL_OPS, "auto"),
+                                                                 "attention": "nki", "mlp": "torch"}
+    assert kernels.parse_kernels("torch,rms_norm:prefer") == {**dict.fromkeys(kernels.KERNEL_OPS, "torch"),
+                                                              "rms_norm": "prefer"}
 
 
 def test_auto_declines_the_nki_mlp_where_the_cost_model_expects_the_compiled_ops_faster(monkeypatch, caplog):

@@ -91,3 +91,10 @@ def test_softcap_cross_entropy_limits_and_fallback():
     assert sum(counts.instructions.values()) == 0
     expected = F.cross_entropy(logits[:, :200].float(), targets, ignore_index=-1, reduction="none")
     torch.testing.assert_close(loss, expected)
+
+
+# One small bf16 case of the reference tests above, for the kill matrix (tests/test_kill_matrix.py): KernelOp.tests
+# names this file
+KILL_MATRIX = {"softcap_cross_entropy": [
+    ("softcap_cross_entropy test",
+     lambda: test_softcap_cross_entropy_matches_reference((200,), 300, torch.bfloat16, "none"))]}

@@ -21,6 +21,7 @@ The wrong variants:
 - swapped_op: the VectorE ALU op nl.maximum runs as nl.add (relu(x) = max(x, 0) becomes x).
 """
 import contextlib
+import importlib
 from unittest import mock
 
 import numpy as np
@@ -204,37 +205,22 @@ def injected(fault):
 # the matrix: every fault against the kernel tests and against bench.py --check's kernel checks
 
 def _kernel_test_cases():
-    """(name, run) for one small bf16 case of each kernel test, through the tests' own functions."""
-    import test_attention_kernels as attention_tests
-    import test_cross_entropy_kernel as cross_entropy_tests
-    import test_mlp_norm_kernels as mlp_norm_tests
-    import test_rope_norm_kernel as rope_norm_tests
-
-    return [
-        ("attention test", lambda: attention_tests.test_attention_matches_reference(1, 4, 1, 384, 32, torch.bfloat16)),
-        ("mlp leaky_relu2 test",
-         lambda: mlp_norm_tests.test_mlp_matches_reference(200, 128, 256, "leaky_relu2", torch.bfloat16)),
-        ("mlp gelu test", lambda: mlp_norm_tests.test_mlp_matches_reference(200, 128, 256, "gelu", torch.bfloat16)),
-        ("rms_norm test", lambda: mlp_norm_tests.test_rms_norm_matches_reference((3, 67, 128), True, torch.bfloat16)),
-        ("add_rms_norm test", lambda: mlp_norm_tests.test_add_rms_norm_matches_reference(
-            (2, 100, 128), torch.float32, torch.bfloat16, True)),
-        ("softcap_cross_entropy test", lambda: cross_entropy_tests.test_softcap_cross_entropy_matches_reference(
-            (200,), 300, torch.bfloat16, "none")),
-        ("rope_norm test", lambda: rope_norm_tests.test_rope_norm_matches_reference(2, 200, 2, 64, torch.bfloat16)),
-    ]
+    """(name, run) for one small bf16 case of each op's reference tests, through the tests' own functions: the
+    KILL_MATRIX entry of the test file its declaration names (KernelOp.tests)."""
+    cases = []
+    for op in kernels.OPS.values():
+        cases += importlib.import_module(op.tests.removesuffix(".py")).KILL_MATRIX[op.name]
+    return cases
 
 
 def _check_cases():
-    """(name, run) for bench.py --check's kernel checks (forward+backward, the first shape of each) that the
-    faults reach."""
-    wanted = ("attention", "mlp leaky_relu2", "mlp gelu", "rms_norm weighted", "add_rms_norm", "softcap_cross_entropy",
-              "rope_norm")
-    cases = {}
-    for case in device_check.kernel_cases(device_check.CPU_SHAPES, torch.bfloat16, "cpu", seed=7):
-        if case.name in wanted:
-            cases.setdefault(case.name, case)
-    return [(f"--check {name}", lambda case=case: device_check.check_kernel(case, grad=True))
-            for name, case in cases.items()]
+    """(name, run) for the kernel checks of bench.py --check (forward+backward, kit/device_check.py) at the
+    cases each op's declaration gives the kill matrix (KernelOp.kill_matrix), at its check shapes."""
+    generator = torch.Generator().manual_seed(7)
+    return [(f"--check {name}", lambda case=device_check.KernelCase(op, name, "", inputs, call):
+             device_check.check_kernel(case, grad=True))
+            for op, name, inputs, call in kernels.check_cases(torch.bfloat16, "cpu", generator)
+            if name in kernels.OPS[op].kill_matrix]
 
 
 def kill_matrix(fault):

@@ -317,3 +317,14 @@ def test_gpt_with_every_kernel_on_nki_matches_torch():
     for (name, want), got in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4 * want.grad.abs().max().item(),
                                    msg=lambda m: f"{name}: {m}")
+
+
+# One small bf16 case of the reference tests above per op, for the kill matrix (tests/test_kill_matrix.py):
+# KernelOp.tests names this file
+KILL_MATRIX = {
+    "mlp": [("mlp leaky_relu2 test", lambda: test_mlp_matches_reference(200, 128, 256, "leaky_relu2", torch.bfloat16)),
+            ("mlp gelu test", lambda: test_mlp_matches_reference(200, 128, 256, "gelu", torch.bfloat16))],
+    "rms_norm": [("rms_norm test", lambda: test_rms_norm_matches_reference((3, 67, 128), True, torch.bfloat16))],
+    "add_rms_norm": [("add_rms_norm test", lambda: test_add_rms_norm_matches_reference(
+        (2, 100, 128), torch.float32, torch.bfloat16, True))],
+}

@@ -86,3 +86,9 @@ def test_rope_norm_makes_one_pass_over_the_data():
     assert forward.dma_bytes == 2 * x.numel() * 2 + tables
     assert backward.dma_bytes == 3 * x.numel() * 2 + tables
     assert forward.matmul_flops == backward.matmul_flops == 0
+
+
+# One small bf16 case of the reference tests above, for the kill matrix (tests/test_kill_matrix.py): KernelOp.tests
+# names this file
+KILL_MATRIX = {"rope_norm": [
+    ("rope_norm test", lambda: test_rope_norm_matches_reference(2, 200, 2, 64, torch.bfloat16))]}
