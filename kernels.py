@@ -786,15 +786,10 @@ def _load_cols(src, b, h, dtype, on_scalar):
     return tuple(pieces)
 
 
-def _transpose_chunks(dst, src, on_scalar):
-    """src (128, n*128) -> dst (128, n, 128), dst[:, c, :] = src[:, c*128:(c+1)*128].T, n <= 4: TensorE
-    transposes into one PSUM bank, one copy takes them out (VectorE: bf16 from PSUM at twice ScalarE's rate,
-    [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
-    _evict(dst, _transposed_chunks(src), on_scalar)
-
-
 def _transposed_chunks(src):
-    """src (128, n*128) -> a PSUM tile (128, n, 128) of its 128x128 chunks transposed by TensorE, n <= 4."""
+    """src (128, n*128) -> a PSUM tile (128, n, 128), n <= 4 (one bank in bf16), [:, c, :] = src's chunk c
+    (columns c*128 .. c*128+127) transposed by TensorE; one `_evict` takes them all out (VectorE: bf16 from
+    PSUM at twice ScalarE's rate, [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
     count = src.shape[1] // TILE
     transposed = nl.ndarray((TILE, count, TILE), dtype=src.dtype, buffer=nl.psum)
     for c in range(count):
@@ -1044,17 +1039,12 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
-    # Software pipelining (attention_cte.py's group loop in aws-neuron/nki-library issues the P @ V and write-back
-    # of group i, the exp of i+1 and QK + max of i+2 together): step t issues tile t's score matmuls and the
-    # later stages of older tiles, so each in-order engine finds the inputs of its next instruction ready. At
-    # S <= 1024 (two tiles' scores in 4 banks) the scores lead the step and run a step ahead of the softmax, and
-    # P^T leaves PSUM a step after the transposes; above, a tile's scores take 4 banks, so P^T is copied out
-    # as it is made, before the next scores.
+    # software pipelining, as nki-library's attention_cte.py group loop (docstring: Issue order); at S <= 1024
+    # two tiles' scores fit in 4 banks: they run a step ahead, P^T leaves PSUM a step after the transposes
     split = 1 if seq_len <= 2 * KEY_BLOCK else 0
     softmax_at, transposes_at = split, split + 1
     values_at = transposes_at + split
     store_at = values_at + 1
-    # the (batch, kv head) pairs of this program, its query heads, their query tiles: one stream of tiles
     pairs = []
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         pairs.append(pair)
@@ -1285,8 +1275,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
             first, last = h == kv_head * group, h == (kv_head + 1) * group - 1
             head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
             dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-            # the head's (key block, query tile) units, blocks outer: only the query tiles from the block's
-            # first chunk to the window past its last see it
+            # (key block, query tile) units: the tiles from the block's first chunk to the window past its last
             units, block_starts, block_ends = [], [], []
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks_stop = min(start + KEY_BLOCK, seq_len) // TILE
@@ -1294,8 +1283,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                     units.append(_attention_bwd_unit(i, start, mask))
                     block_starts.append(start)
                     block_ends.append(i == min(n_tiles, chunks_stop + window // TILE) - 1)
-            # software-pipelined: step u issues unit u-1's dQ, unit u's softmax, unit u+1's score matmuls and
-            # unit u's dK/dV, so TensorE computes the next scores while ScalarE and VectorE make dS
+            # software-pipelined (docstring: Issue order)
             dk_block, dv_block = None, None
             for step in range(len(units) + 1):
                 if 0 <= step - 1:
