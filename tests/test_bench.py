@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench
+import kernels
 import train
 from kit import memory, runtime
 
@@ -61,7 +62,7 @@ def test_kernel_estimates_are_deterministic_and_labelled():
     config = GPTConfig(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1)
     estimates = []
     for _ in range(2):
-        cases = bench.kernel_cases(config, batch_size=1, device="cpu", dtype=torch.bfloat16)
+        cases = kernels.model_cases(config, batch_size=1, device="cpu", dtype=torch.bfloat16)
         run = []
         for name, _, _, make_inputs, call in cases:
             counts = bench.emulate(lambda *a: call(*a, "nki"), make_inputs(), backward=True)
