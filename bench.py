@@ -335,12 +335,16 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     return rows
 
 
+def _cost_declines(op, model_cfg, tokens):
+    """Whether op's cost rule (KernelOp.cost_problem) declines its kernel at `tokens` tokens per call."""
+    rule = kernels.OPS[op].cost_problem
+    return rule is not None and rule(model_cfg, tokens) is not None
+
+
 def auto_choice(row, model_cfg, tokens):
     """What kernels=auto runs on a Trn2 at the row's shapes: the kernel where it takes them, unless its cost
-    rule (kernels._mlp_cost_problem, the only op that has one) declines them."""
-    gated = model_cfg.mlp == "swiglu"
-    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, gated) is not None
-    return "torch" if "nki_unavailable" in row or declined else "nki"
+    rule declines them."""
+    return "torch" if "nki_unavailable" in row or _cost_declines(row["op"], model_cfg, tokens) else "nki"
 
 
 def kernels_choice(rows):
@@ -400,17 +404,16 @@ def kernel_step_costs(model_cfg, tokens_per_call, central=False):
     """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s; central: its
     calibrated schedule plus its launches' cost shared by the call's sequences), or None where
     the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
-    cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
+    cost rule declines it at `tokens_per_call` (KernelOp.cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
         raise ValueError("the Trn2 estimates run the kernels under the NKI emulator, which stands in for nki only "
                          "where the Neuron SDK is not installed; run them on a machine without it")
     modes, costs = kernels.parse_kernels(model_cfg.kernels), {}
     for name, _, _, make_inputs, call in kernels.model_cases(model_cfg, 1, "cpu", torch.bfloat16):
         name = name.split()[0]
-        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd,
-                                                               model_cfg.mlp == "swiglu") is not None
-        mode = modes["rms_norm" if name == "rms_norm_fp32" else name]  # the stream's norms are rms_norm's op
-        if mode == "torch" or (mode == "auto" and declined):
+        op = "rms_norm" if name == "rms_norm_fp32" else name  # the stream's norms are rms_norm's op
+        mode = modes[op]
+        if mode == "torch" or (mode == "auto" and _cost_declines(op, model_cfg, tokens_per_call)):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]

@@ -250,7 +250,10 @@ class KernelOp:
     kernels: its NKI kernel functions (nl/nisa), forward first; each docstring states its layouts, limits
         and SBUF and PSUM plan.
     shape_problem: the shape rule, None where the kernels take the arguments, else why not and the fix.
-    cost_problem: the cost rule kernels=auto heeds (None: the kernels run wherever they take the shapes).
+    cost_problem(config, tokens): the cost rule kernels=auto heeds, at a model's shapes (a GPTConfig) with
+        `tokens` per call: None where the cost model expects the kernels faster, else why not (the op's public
+        function applies it; bench.py's --kernels and step estimate ask it). None: the kernels run wherever
+        they take the shapes.
     check_cases(shapes, dtype, device, generator): [CheckCase], what --check (kit/device_check.py),
         --first_hour, test_kernel_ops and the kill matrix compare NKI with PyTorch on, forward and backward,
         at CheckShapes; inputs drawn from `generator`, in `dtype` on `device`.
@@ -2014,7 +2017,8 @@ def _mlp_plain_ops(c, sequences, elements, plain):
 MLP_OP = _declare(KernelOp(
     name="mlp", call=mlp,
     kernels=(mlp_fwd_kernel, mlp_bwd_kernel),
-    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem,
+    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem,
+    cost_problem=lambda c, tokens: _mlp_cost_problem(tokens, c.n_embd, c.mlp == "swiglu"),
     check_cases=_mlp_check_cases, model_cases=_mlp_model_cases, plain_ops=_mlp_plain_ops,
     kill_matrix=("mlp leaky_relu2", "mlp gelu"),
     tests="test_mlp_norm_kernels.py"))

@@ -152,7 +152,8 @@ def declaration_problems(op):
         if not callable(getattr(op, part)):
             problems.append(f"{part}: not a function")
     if op.cost_problem is not None and not callable(op.cost_problem):
-        problems.append("cost_problem: a function, or None where the kernels run wherever they take the shapes")
+        problems.append("cost_problem: a function (config, tokens), or None where the kernels run wherever they "
+                        "take the shapes")
     if op.name not in kernels.KERNEL_OPS or kernels.parse_kernels(f"{op.name}:nki")[op.name] != "nki":
         problems.append("name: not in KERNEL_OPS (declare it with _declare)")
     cases = op.check_cases(kernels.CheckShapes(), torch.float32, "cpu", torch.Generator())
