@@ -290,7 +290,8 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
-    for name, fwd_flops, train_flops, make_inputs, call in kernels.model_cases(model_cfg, cfg.batch_size, device, dtype):
+    cases = kernels.model_cases(model_cfg, cfg.batch_size, device, dtype)
+    for name, fwd_flops, train_flops, make_inputs, call in cases:
         if name.split()[0] not in ops:
             continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):

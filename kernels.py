@@ -6,9 +6,10 @@ softcap with its cross-entropy, and RoPE with QK-norm.
 Read by op. First the operations model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`,
 `softcap_cross_entropy`, `rope_norm`) and their dispatch; then the hardware constants and the helpers the
 kernels share; then one section per op: its NKI kernels, the PyTorch op around them, its PyTorch fallback,
-its shape and cost rules, the small inputs its checks use, and last its declaration (`KernelOp`), from
-which `KERNEL_OPS`, the per-op record, `bench.py --check` / `--kernels`, the step estimate and the kill
-matrix take their lists. docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
+its shape and cost rules, the small inputs its checks use, the plain ops its fallback is priced as, and
+last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` /
+`--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md,
+"Adding a kernel op", lists the steps for a new one.
 
 Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
@@ -3006,8 +3007,9 @@ def _rope_norm_check_cases(shapes, dtype, device, generator):
             "rope_norm", "rope_norm", _heads_in_words(a),
             lambda a=a: (draw(a.batch, a.seq_len, a.n_head * a.head_dim), draw(a.batch, a.seq_len,
                                                                                a.n_kv_head * a.head_dim)),
-            lambda q, k, mode, a=a, tables=tables: torch.cat((rope_norm(q, *tables, a.n_head, mode=mode).flatten(),
-                                                              rope_norm(k, *tables, a.n_kv_head, mode=mode).flatten()))))
+            lambda q, k, mode, a=a, tables=tables: torch.cat(
+                (rope_norm(q, *tables, a.n_head, mode=mode).flatten(),
+                 rope_norm(k, *tables, a.n_kv_head, mode=mode).flatten()))))
     return cases
 
 

@@ -174,7 +174,8 @@ def declaration_problems(op):
         plain = op.plain_ops(config, 1, None, compiled_cost.PLAIN)
         if set(plain) != {"forward", "backward"} or not all(compiled_cost.compiled_estimate(ops)["estimate_s"] > 0
                                                             for ops in plain.values()):
-            problems.append("plain_ops: no {\"forward\": ops, \"backward\": ops} that kit/compiled_cost.py prices above 0")
+            problems.append("plain_ops: no {\"forward\": ops, \"backward\": ops} that kit/compiled_cost.py prices "
+                            "above 0")
     if not op.kill_matrix or not set(op.kill_matrix) <= set(names):
         problems.append(f"kill_matrix: names none of its check cases {names}, or one that is not among them")
     test_file = ROOT / "tests" / op.tests
