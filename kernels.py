@@ -475,7 +475,7 @@ class KernelBuildError(Exception):
         super().__init__(f"{op}: {self.why}")
 
 
-_built_kernels = set()  # the kernel functions that have run once in this process
+_built_kernels = set()  # _build_key of each kernel variant that has run once in this process
 
 
 def _kernel_op(kernel):
@@ -484,15 +484,22 @@ def _kernel_op(kernel):
     return next(op.name for op in OPS.values() if kernel.__name__ in [k.__name__ for k in op.kernels])
 
 
+def _build_key(kernel, lnc, args):
+    """What a kernel's build is specialised on, so one build per key: the kernel, the LNC, its scalar
+    arguments and its tensors' shapes and dtypes (a sliding window's attention is a build of its own beside
+    the full one's, and a new shape is compiled anew)."""
+    return (kernel, lnc, *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def _run_kernel(kernel, *args):
     """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
     outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
     NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
-    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at a kernel's
-    first call in this process (its build: trace and compile, under the emulator its first run) comes out as
-    KernelBuildError naming the op; at any later call, as it is.
+    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at the first
+    call of a kernel variant (_build_key) in this process (its build: trace and compile, under the emulator
+    its first run) comes out as KernelBuildError naming the op; at any later call, as it is.
 
     A kernel indexes its HBM arguments as dense row-major arrays, so every tensor goes in contiguous: the
     model's v is a transposed view of c_v's output, and the gradient reaching attention's output one of
@@ -501,17 +508,19 @@ def _run_kernel(kernel, *args):
     is already dense is passed as it is."""
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    lnc = _logical_core_degree()
+    variant = _build_key(kernel, lnc, args)
     try:
-        launch = _jitted(kernel, _logical_core_degree())
+        launch = _jitted(kernel, lnc)
         if device.type == "neuron":
             outputs = launch(*args)
         else:
             outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     except Exception as error:
-        if kernel in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
+        if variant in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
             raise
         raise KernelBuildError(_kernel_op(kernel), error) from error
-    _built_kernels.add(kernel)
+    _built_kernels.add(variant)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
     return tuple(out.to(device) for out in outputs)

@@ -7,9 +7,11 @@ import ast
 import builtins
 import dataclasses
 import importlib.util
+import io
 import os
 import re
 import sys
+import tokenize
 
 import torch
 
@@ -220,6 +222,13 @@ KIT_ONLY = {
     "export_submission": "def export_submission(*args):\n    raise ValueError(\"export from the kit's train.py\")\n",
     "KIT_ROOT": "KIT_ROOT = os.path.dirname(os.path.abspath(__file__))  # this file's folder\n",
 }
+# The paths the submission's run never takes, each with why: a stand-in that raises with the fix replaces it.
+SUBMISSION_UNTAKEN = {
+    "run_eval": "its data is the contest's prepare.py, which gives no validation data to the run",
+    "sample": "competition mode (always on in a submission) sets sample_tokens=0",
+    "resume_state": "the contest launches it bare, never with --resume; resume a run with the kit's train.py",
+    "restore": "it restores only what resume_state loads, which this file leaves out",
+}
 ENTRY_POINTS = ("main", "load_for_eval")  # train.py's run and the contest scorer's hook: what the file must reach
 # The files the submission is made of, in the order they are inlined, at train.py's first import of them (after
 # its clock's start): each before its first importer, as a module's names are used at its import only by the
@@ -243,8 +252,10 @@ def referenced_names(node):
     """Every name `node` may use from the one file's namespace: bare names, and attributes, which reach the
     inlined modules' names (`kernels.mlp`, `runtime.say`); an attribute of anything else only keeps a
     definition that happens to share its name."""
+    augmented = {id(n.target) for n in ast.walk(node) if isinstance(n, ast.AugAssign)}  # `x += 1` reads x
     return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
-            if isinstance(n, (ast.Name, ast.Attribute))}
+            if isinstance(n, ast.Attribute) or isinstance(n, ast.Name)
+            and (not isinstance(n.ctx, ast.Store) or id(n) in augmented)}  # a binding uses no definition
 
 
 def reachable_names(trees, replaced):
@@ -281,6 +292,13 @@ def unused_op_stub(op):
             f"never calls it; export again with the flags that do\")\n")
 
 
+def untaken_path_stub(name, why):
+    """The stand-in for a definition the submission's run never reaches (SUBMISSION_UNTAKEN): says why."""
+    return (f"def {name}(*args, **kwargs):  # left out of this submission: {why}\n"
+            f"    raise NotImplementedError(\"{name}: this submission leaves it out ({why}); "
+            f"run the kit's train.py for it\")\n")
+
+
 def bundled_import(node):
     """For a top-level import of bundled modules, the statement that stands for it in the one file: their
     names are already this file's, so `import kernels` or `from kit import contest` makes the module's name
@@ -305,14 +323,16 @@ def is_reexport(node):
         and node.value.value.id in BUNDLED and node.value.attr == node.targets[0].id
 
 
-def bundle_source(root, argv, unused_ops=()):
+def bundle_source(root, argv, unused_ops=(), left_out=None):
     """This kit as one train.py: the BUNDLED modules in order, each module's imports of the others made
-    names for the one file's module (`bundled_import`), the KIT_ONLY definitions and `unused_ops` (kernel
-    ops the run never calls) replaced by stand-ins, only the definitions the run can reach
+    names for the one file's module (`bundled_import`), the KIT_ONLY and SUBMISSION_UNTAKEN definitions and
+    `unused_ops` (kernel ops the run never calls) replaced by stand-ins, only the definitions the run can reach
     (`reachable_names`: so no data preparation, no exporter, no kernels of an op it never calls), and `argv`
-    baked in as SUBMISSION_ARGS. Comments are kept, so it reads as the kit does (section rules and blank lines
-    shortened); the inlined modules' docstrings become their first paragraph as comments and their functions'
-    and classes' are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
+    baked in as SUBMISSION_ARGS; declaration fields no reached code reads become None
+    (`unread_declaration_fields`), each added to `left_out` (a list) as Record.field. Comments are kept, so
+    it reads as the kit does (section rules and blank lines shortened, a tab a level: `tab_indented`); the
+    inlined modules' docstrings become their first paragraph as comments and their functions' and classes'
+    are left out (`without_docstrings`); their whole text stays in the kit's files. Raises
     ValueError where two modules define one name."""
     texts = {name: open(os.path.join(root, path)).read() for name, path in BUNDLED.items()}
     trees = {name: ast.parse(text) for name, text in texts.items()}
@@ -327,16 +347,67 @@ def bundle_source(root, argv, unused_ops=()):
     if missing:
         raise ValueError(f"kernels.py defines no function {missing[0]}, the op's name: the exporter leaves out an op "
                          "by replacing its public function")
-    replaced = {**KIT_ONLY, **{op: unused_op_stub(op) for op in unused_ops}}
+    replaced = {**KIT_ONLY, **{name: untaken_path_stub(name, why) for name, why in SUBMISSION_UNTAKEN.items()},
+                **{op: unused_op_stub(op) for op in unused_ops}}
     keep = reachable_names(trees, replaced)
+    while unread := unread_declaration_fields(trees, keep):  # until what they named is no longer reached
+        for name, fields in unread.items():
+            texts[name] = with_values_none(texts[name], [position for _, position in fields])
+            if left_out is not None:
+                left_out += sorted({field for field, _ in fields} - set(left_out))
+            trees[name] = ast.parse(texts[name])
+        keep = reachable_names(trees, replaced)
     modules = "".join(f"\n# ===== {BUNDLED[name]} =====\n"
                       f"{module_text(without_docstrings(texts[name]), argv, keep, replaced)}"
                       for name in BUNDLED if name != "train")
     source = module_text(texts["train"], argv, keep, replaced, inline=modules + "\n# ===== train.py =====\n")
-    # section rules in 5 characters instead of 78, one blank line between definitions instead of two
-    source = re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub("# ---", source))
+    # section rules (# ---, # ===) in 5 characters instead of 78, one blank line between definitions instead of two
+    source = tab_indented(re.sub(r"\n\n\n+", "\n\n", SECTION_RULE.sub(lambda rule: rule[0][:5], source)))
     check_submission(source)
     return source
+
+
+def unread_declaration_fields(trees, keep):
+    """{module: [(Record.field, its value's (lineno, col_offset, end_lineno, end_col_offset))]} of the keyword
+    arguments in the
+    reached declarations, `NAME = f(Record(field=value, ...))` or `NAME = Record(...)` with Record a bundled
+    dataclass (kernels.py's `ATTENTION_OP = _declare(KernelOp(...))`), whose field no reached code reads as
+    an attribute (KernelOp.check_cases, .model_cases: what --check and bench.py read): their values become
+    None in the one file, so what only they named (each op's check and model cases) drops out."""
+    records = {node.name for tree in trees.values() for node in tree.body if isinstance(node, ast.ClassDef)
+               and any("dataclass" in ast.unparse(d) for d in node.decorator_list)}
+    declarations, read = [], set()
+    for name, tree in trees.items():
+        for node in tree.body:
+            if not defined_names(node) & keep:
+                continue
+            call = getattr(node, "value", None) if isinstance(node, ast.Assign) else None
+            if isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Call):
+                call = call.args[0]  # _declare(KernelOp(...))
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in records:
+                declarations.append((name, call))
+            else:
+                read |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    unread = {}
+    for name, call in declarations:
+        for keyword in call.keywords:
+            value = keyword.value
+            if keyword.arg not in read and not (isinstance(value, ast.Constant) and value.value is None):
+                unread.setdefault(name, []).append((f"{call.func.id}.{keyword.arg}", (
+                    value.lineno, value.col_offset, value.end_lineno, value.end_col_offset)))
+    return unread
+
+
+def with_values_none(text, positions):
+    """`text` with each span of `positions` (ast's 1-based lines, UTF-8 byte columns) replaced by None."""
+    lines = [line.encode() for line in text.splitlines(keepends=True)]
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    data = b"".join(lines)
+    for first, first_col, last, last_col in sorted(positions, reverse=True):
+        data = data[:starts[first - 1] + first_col] + b"None" + data[starts[last - 1] + last_col:]
+    return data.decode()
 
 
 def without_docstrings(text):
@@ -353,6 +424,27 @@ def without_docstrings(text):
     for first, last in sorted(cuts, reverse=True):  # from the bottom: earlier line numbers hold
         del lines[first:last]
     return "".join(lines)
+
+
+def tab_indented(source):
+    """`source` with each four spaces of indentation written as one tab (a quarter of the bytes, the same code
+    and layout in an editor); lines inside a multi-line string keep their spaces, which are its text."""
+    inside_strings, f_string_starts = set(), []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == FSTRING_START:  # Python 3.12+ splits an f-string into tokens: its start to its end
+            f_string_starts.append(token.start[0])
+        first = f_string_starts.pop() if token.type == FSTRING_END else token.start[0]
+        if token.type in (tokenize.STRING, FSTRING_END) and token.end[0] > first:
+            inside_strings.update(range(first + 1, token.end[0] + 1))
+    lines = source.splitlines(keepends=True)
+    for number, line in enumerate(lines, 1):
+        spaces = len(line) - len(line.lstrip(" "))
+        if spaces >= 4 and number not in inside_strings:
+            lines[number - 1] = "\t" * (spaces // 4) + line[spaces - spaces % 4:]
+    return "".join(lines)
+
+
+FSTRING_START, FSTRING_END = getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)
 
 
 def module_text(text, argv, keep, replaced, inline=None):
@@ -385,7 +477,7 @@ def module_text(text, argv, keep, replaced, inline=None):
     return "".join(out)
 
 
-SECTION_RULE = re.compile(r"^# -{20,}$", re.MULTILINE)
+SECTION_RULE = re.compile(r"^# (-{20,}|={20,})$", re.MULTILINE)
 SUBMISSION_LIMIT_BYTES = 262_144  # the contest portal's limit for train.py (FrontierForge, marker2601/trainium-simulator)
 
 
@@ -491,11 +583,14 @@ def export_submission(cfg, model_cfg, argv, vocab_size, prepare, tokenizer):
     unused = [op for op in kernels.KERNEL_OPS if op not in ops_called(model, cfg.batch_size)]
     # the contest's prepare.py sits beside the uploaded file, wherever this machine keeps its copy
     flags = [a for a in argv if not a.startswith(("--export_submission", "--competition_dir"))]
-    source = bundle_source(KIT_ROOT, flags, unused)
+    unread = []
+    source = bundle_source(KIT_ROOT, flags, unused, unread)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(source)
     size = len(source.encode())
     print(f"wrote {path}: {size:,} bytes, {SUBMISSION_LIMIT_BYTES - size:,} left under the portal's "
           f"{SUBMISSION_LIMIT_BYTES:,}; defaults {flags}; kernel ops left out (never called): "
-          f"{', '.join(unused) or 'none'}; causality check passed")
+          f"{', '.join(unused) or 'none'}; paths left out (never taken in a submission): "
+          f"{', '.join(SUBMISSION_UNTAKEN)}; declaration fields it never reads (None): {', '.join(unread) or 'none'}; "
+          "causality check passed")

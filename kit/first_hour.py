@@ -6,13 +6,15 @@ or hang cannot hide the rest: the versions, each kernel op alone (the fused ones
 the run's shapes, 20 compiled steps on PyTorch and on the kernels, sharded ranks with a checkpoint resumed
 on one, load_for_eval. All under the LNC and rank count of the paid run (paid_launch). One table at the end,
 exit code 1 if any step failed, and the paid run's launch string: every kernel op that passed stays on, and
-each one that failed gets `op:torch`.
+each one that failed gets `op:torch`, as does each whose kernel failed to build inside a training step (the
+step then went on on PyTorch and passed: its log says so).
 
 Off Trainium the same steps rehearse on the CPU and the emulator at FIRST_HOUR_TINY shapes, one micro-step
 of 256 tokens per step, so that it passes on any 2-core CPU. A timeout there is the rehearsal's, not a
 kernel's: it is reported, and never turns a kernel off for the device.
 """
 import argparse
+import glob
 import importlib.metadata
 import json
 import os
@@ -257,15 +259,36 @@ def _says_no(row, on_trainium):
     return not row["passed"] and (on_trainium or not row.get("timed_out"))
 
 
-def paid_run_kernels(rows, check_rows, on_trainium):
+def build_failures(work):
+    """{op: reason} for each kernel op whose NKI kernel failed to build in a training run under `work`: the
+    run went on with that op on PyTorch (train.surviving_build_failures) and its step passed, so only the
+    run's log.jsonl tells (its "kernel_fallback" events, written when it happens: the run may end after).
+    A line cut off by a killed run is skipped."""
+    failures = {}
+    for log in sorted(glob.glob(os.path.join(work, "*", "log.jsonl"))):
+        run = os.path.basename(os.path.dirname(log))
+        with open(log) as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "kernel_fallback":
+                    failures.setdefault(event["op"], f"training run '{run}' went on on PyTorch: {event['why']}")
+    return failures
+
+
+def paid_run_kernels(rows, check_rows, on_trainium, fallbacks=None):
     """(the paid run's --kernels value, reasons): "auto" for every kernel op that passed alone and in
     --check, "op:torch" for each that failed; all "torch" where the training steps on the kernels failed
-    though every op passed alone. `check_rows`: --check's rows (each with its op), None where it gave none."""
-    failed = {}
+    though every op passed alone. `check_rows`: --check's rows (each with its op), None where it gave none;
+    `fallbacks`: build_failures(), the ops whose kernel failed to build inside a training step."""
+    failed, fallbacks = {}, fallbacks or {}
     for op in kernels.KERNEL_OPS:
         why = [f"step '{r['step']}' failed: {r['detail']}" for r in rows
                if r["step"] == f"kernels: {op}" and _says_no(r, on_trainium)]
         why += [f"--check {r['check']}: {r['error']}" for r in check_rows or () if r["op"] == op and not r["passed"]]
+        why += [fallbacks[op]] if op in fallbacks else []
         if why:
             failed[op] = f"{op}: {why[0]}"
     reasons = list(failed.values())
@@ -280,9 +303,9 @@ def paid_run_kernels(rows, check_rows, on_trainium):
     return ",".join(["auto"] + [f"{op}:torch" for op in failed]) if failed else "auto", reasons
 
 
-def paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks):
+def paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks, fallbacks=None):
     """The first paid run's launch string, and the reasons for any op it runs on PyTorch."""
-    setting, reasons = paid_run_kernels(rows, check_rows, on_trainium)
+    setting, reasons = paid_run_kernels(rows, check_rows, on_trainium, fallbacks)
     flags = " ".join([a for a in passthrough if not a.startswith("--kernels")] + [f"--kernels={setting}"])
     command = f"NEURON_LOGICAL_NC_CONFIG={lnc} torchrun --standalone --nproc_per_node={ranks} train.py {flags}"
     return command if on_trainium else f"(on a Trn2) {command}", reasons
@@ -315,5 +338,6 @@ def run_first_hour(passthrough, out_dir=None):
                 check_rows = json.load(f)["check"]
         except (OSError, ValueError, KeyError):
             check_rows = None
-    command, reasons = paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks)
+        fallbacks = build_failures(work)
+    command, reasons = paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks, fallbacks)
     return rows, command, reasons, time.perf_counter() - t0

@@ -1,5 +1,6 @@
 """The contest's contract: its clock, competition mode beside prepare.py, and the one-file submission."""
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import torch
 import kernels
 import train
 from kit import checkpoint, contest
+from model import GPT
 from tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -338,3 +340,56 @@ def test_the_log_and_evaluate_info_say_what_each_op_ran(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(SystemExit, match="notes.txt .* is not a PyTorch checkpoint"):
         evaluate.cli(["info", f"--checkpoint={tmp_path / 'notes.txt'}"])
+
+
+def test_tab_indentation_changes_no_code_and_no_string():
+    text = ('def f(x):\n    if x:\n        s = """a\n    kept\n        as is"""\n'
+            '        t = (f"""{x}\n    also kept""", g(1,\n                   2))\n'
+            '        return s + t[0]\n    return ""\n')
+    tabbed = contest.tab_indented(text)
+    assert ast.dump(ast.parse(tabbed)) == ast.dump(ast.parse(text))
+    assert "\n\t\ts = " in tabbed and "\n    kept\n        as is" in tabbed and "\n    also kept" in tabbed
+    assert "\n\t\t\t\t   2))" in tabbed  # a continuation line: its alignment in tabs and the spaces left over
+
+
+def test_the_frontier_export_leaves_room_and_names_every_path_it_leaves_out(capsys, monkeypatch):
+    """At --preset=frontier, the ops the model never calls and the paths a submission never takes
+    (SUBMISSION_UNTAKEN) become stand-ins that raise with the fix; each is named in the summary."""
+    monkeypatch.setattr(contest, "check_causality", lambda *args: None)  # its own tests check it; here: seconds
+    # the ops a frontier model calls do not depend on its depth: two layers instead of ten, seconds less
+    monkeypatch.setattr(contest, "GPT", lambda config: GPT(dataclasses.replace(config, n_layer=2)))
+    cfg, model_cfg = train.parse_args(["--preset=frontier"])
+    cfg.export_submission = os.devnull
+    contest.export_submission(cfg, model_cfg, ["--preset=frontier"], 8192, None, None)
+    printed = capsys.readouterr().out
+    size = int(re.search(r"([\d,]+) bytes", printed)[1].replace(",", ""))
+    left = int(re.search(r"([\d,]+) left under", printed)[1].replace(",", ""))
+    # at least what the exporter leaves today (57,125 bytes); issue 36 asks 80 KB, docs/contest.md says what
+    # is left to cut for it
+    assert left == contest.SUBMISSION_LIMIT_BYTES - size >= 55_000
+    assert "softcap_cross_entropy" in printed
+    for name in [*contest.SUBMISSION_UNTAKEN, "KernelOp.check_cases", "KernelOp.model_cases"]:
+        assert name in printed
+    namespace = {}
+    exec(contest.untaken_path_stub("resume_state", "why"), namespace)
+    with pytest.raises(NotImplementedError, match="resume_state: this submission leaves it out \\(why\\)"):
+        namespace["resume_state"]()
+
+
+def test_a_declaration_field_no_reached_code_reads_becomes_none_and_what_it_named_drops_out():
+    text = ("import dataclasses\n@dataclasses.dataclass\nclass Record:\n    run: object\n    check: object\n"
+            "def kernel(): pass\ndef check_case(): pass\nOP = declare(Record(run=kernel, check=check_case))\n"
+            "def declare(r): return r\ndef main():\n    return OP.run()\n")
+    trees = {"m": ast.parse(text)}
+    assert {"kernel", "check_case"} <= contest.reachable_names(trees, {})
+    unread = contest.unread_declaration_fields(trees, contest.reachable_names(trees, {}))
+    assert [field for field, _ in unread["m"]] == ["Record.check"]  # OP.run is read; nothing reads .check
+    pruned = contest.with_values_none(text, [position for _, position in unread["m"]])
+    assert "OP = declare(Record(run=kernel, check=None))" in pruned
+    reached = contest.reachable_names({"m": ast.parse(pruned)}, {})
+    assert "kernel" in reached and "check_case" not in reached
+    # in the kit: each op's --check and bench cases drop out; the kernels, which the run launches, stay
+    left_out = []
+    source = contest.bundle_source(contest.KIT_ROOT, [], [], left_out)
+    assert "KernelOp.check_cases" in left_out and "KernelOp.kernels" not in left_out
+    assert "def _mlp_check_cases(" not in source and "def mlp_bwd_kernel(" in source

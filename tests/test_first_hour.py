@@ -1,12 +1,16 @@
 """kit/first_hour.py (`bench.py --first_hour`): the step runner, the plan, the paid run's launch and its
-per-op kernels from fabricated rows (the whole session was run by hand: docs/results.md)."""
+per-op kernels from fabricated rows and run folders (the whole session was run by hand: docs/results.md)."""
+import collections
+import json
+import os
 import sys
 
 import pytest
+import torch
 
 import kernels
 import train
-from kit import first_hour
+from kit import first_hour, runtime
 
 
 @pytest.mark.parametrize("version, front_end", [("0.4.0b4+2581.ge7", "parser"), ("0.6.0", "parser"),
@@ -125,6 +129,58 @@ def test_the_paid_run_command_is_the_contests_launch_with_the_users_flags():
                        "--kernels=auto,attention:torch")
     off_device, _ = first_hour.paid_run_command(_rows(), None, ["--preset=baseline"], False, 2, 4)
     assert off_device.startswith("(on a Trn2) NEURON_LOGICAL_NC_CONFIG=2 torchrun --standalone --nproc_per_node=4 ")
+
+
+def fallback_run(run_dir, op, monkeypatch):
+    """A run folder whose log says what train.py's says when `op`'s kernel fails to build in its first step
+    (which then passes on PyTorch), ending in a line cut off by a kill."""
+    monkeypatch.setattr(kernels, "BUILD_FAILURES", {})
+    os.makedirs(run_dir)
+    log = runtime.Logger(run_dir, enabled=True, append=False)
+    log("config", "config line", kernels={op: {"ran": "nki", "why": "kernels=auto"}})
+    tries = []
+
+    def first_step(model):
+        tries.append(model)
+        if len(tries) == 1:
+            raise kernels.KernelBuildError(op, ValueError("no such instruction"))
+
+    trainee = collections.namedtuple("Trainee", "model raw_model sharding rebuild")(
+        "compiled", torch.nn.Linear(1, 1), None, lambda: "rebuilt")
+    train.surviving_build_failures(first_step, trainee, log)
+    with open(os.path.join(run_dir, "log.jsonl"), "a") as f:
+        f.write('{"event": "train", "lo')
+
+
+def test_an_op_whose_kernel_failed_to_build_in_a_training_step_goes_to_pytorch(tmp_path, monkeypatch):
+    """The training step on the kernels passed, on PyTorch for an op whose kernel failed to build: only the
+    run's log tells, and the paid run must not build it again."""
+    fallback_run(str(tmp_path / "steps_auto"), "attention", monkeypatch)
+    for folder in ("steps_torch", "data"):
+        os.makedirs(tmp_path / folder)
+    runtime.Logger(str(tmp_path / "steps_torch"), enabled=True, append=False)("config", "config line")
+    failures = first_hour.build_failures(str(tmp_path))
+    why = "NKI kernel failed to build: ValueError: no such instruction"
+    assert failures == {"attention": f"training run 'steps_auto' went on on PyTorch: {why}"}
+    for on_trainium in (True, False):  # the emulator refused the kernel: that counts in a rehearsal too
+        setting, reasons = first_hour.paid_run_kernels(_rows(), _check_rows(), on_trainium, failures)
+        assert (setting, reasons) == ("auto,attention:torch", [f"attention: {failures['attention']}"])
+    assert first_hour.build_failures(str(tmp_path / "data")) == {}
+
+
+def test_the_session_reads_the_training_runs_logs_before_it_removes_them(tmp_path, monkeypatch):
+    """run_first_hour's wiring: a step (standing in for the training steps) leaves a fallback in its run's
+    log, and the paid run's launch string turns that op off."""
+    fallback = json.dumps({"event": "kernel_fallback", "op": "mlp", "why": "NKI kernel failed to build: E"})
+    writes_log = ("import os, sys; os.makedirs(sys.argv[1]); "
+                  "open(os.path.join(sys.argv[1], 'log.jsonl'), 'w').write(sys.argv[2] + chr(10))")
+    monkeypatch.setattr(first_hour, "plan", lambda passthrough, on_trainium, work, lnc, ranks: [
+        ("20 compiled steps, --kernels=auto", [sys.executable, "-c", writes_log,
+                                               os.path.join(work, "steps_auto"), fallback], 60)])
+    rows, command, reasons, _ = first_hour.run_first_hour(["--preset=baseline"], out_dir=str(tmp_path))
+    assert rows[0]["passed"] and command.endswith("--preset=baseline --kernels=auto,mlp:torch")
+    assert "mlp: training run 'steps_auto' went on on PyTorch: NKI kernel failed to build: E" in reasons
+    assert os.listdir(tmp_path) == []  # the session's folder is gone
 
 
 def test_a_fused_kernel_runs_alone(capsys):

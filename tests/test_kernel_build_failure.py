@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -33,8 +34,8 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     return REAL_BWD(q, k, v, out, d_out, lse, scale, window)
 
 
-def refused_from_batch_2(q, k, v, scale, window):  # no op's name: flash_attention_fwd_kernel's name is given below
-    nl.ndarray((q.shape[0] * 128, 1), dtype=nl.float32, buffer=nl.sbuf)  # fine at batch 1, refused at 2
+def refused_in_a_window(q, k, v, scale, window):  # no op's name: flash_attention_fwd_kernel's name is given below
+    nl.ndarray((128 * (1 + (window < q.shape[2])), 1), dtype=nl.float32, buffer=nl.sbuf)  # a window: 256 partitions
     return REAL_FWD(q, k, v, scale, window)
 
 
@@ -53,9 +54,9 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data"))
 
 
-def attention(batch):
-    q = torch.randn(batch, 1, 128, 32, generator=torch.Generator().manual_seed(batch))
-    return kernels.attention(q, q, q, mode="nki")
+def attention(batch, seq_len=128, window=None):
+    q = torch.randn(batch, 1, seq_len, 32, generator=torch.Generator().manual_seed(batch))
+    return kernels.attention(q, q, q, mode="nki", window=window)
 
 
 def test_a_kernels_first_call_failure_names_its_op_and_a_later_failure_passes_through(monkeypatch):
@@ -63,12 +64,21 @@ def test_a_kernels_first_call_failure_names_its_op_and_a_later_failure_passes_th
     with pytest.raises(kernels.KernelBuildError, match=f"attention: {REFUSAL}") as error:
         attention(1)
     assert error.value.op == "attention" and error.value.why.startswith(REFUSAL)
-    later = functools.wraps(flash_attention_fwd_kernel)(refused_from_batch_2)
-    monkeypatch.setattr(kernels, "flash_attention_fwd_kernel", later)
-    attention(1)  # built and run: a later failure is the kernel's, not its build's
-    with pytest.raises(Exception, match="partition dim 256") as error:
-        attention(2)
-    assert not isinstance(error.value, kernels.KernelBuildError)
+    monkeypatch.setattr(kernels, "flash_attention_fwd_kernel", REAL_FWD)
+    attention(1)  # built and run: a later failure of this variant is the kernel's, not its build's
+    monkeypatch.setattr(kernels, "nki", mock.Mock(wraps=kernels.nki, simulate=mock.Mock(side_effect=MemoryError)))
+    with pytest.raises(MemoryError):
+        attention(1)
+
+
+def test_each_variant_of_a_kernel_is_a_build_of_its_own(monkeypatch):
+    """The compiler specialises a kernel on its scalar arguments and input shapes: the windowed attention of
+    a window_pattern's short layers, or a new batch, is built at its own first call, after the full one."""
+    monkeypatch.setattr(kernels, "flash_attention_fwd_kernel", functools.wraps(REAL_FWD)(refused_in_a_window))
+    attention(1, seq_len=256)
+    attention(2, seq_len=256)  # a new shape: built too
+    with pytest.raises(kernels.KernelBuildError, match=f"attention: {REFUSAL}"):
+        attention(1, seq_len=256, window=128)
 
 
 def test_every_kernel_names_its_op():
