@@ -63,9 +63,9 @@ import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
 from kit import ablation, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
-from kit.compiled_cost import (ADAMW_PASSES, ENGINES, HEAD_PASSES, MUON_PASSES, STEP_ASSUMPTIONS,  # noqa: E402
+from kit.compiled_cost import (ADAMW_PASSES, ENGINES, MUON_PASSES, STEP_ASSUMPTIONS,  # noqa: E402
                                compiled_estimate, compiled_ops, gemm, linear, op_seconds, passes, pricing)
-from model import GPT, rotary_tables
+from model import GPT
 
 PE_FLOPS_PER_CYCLE = 2 * 128 * 128  # one multiply-add per processing element of the systolic array
 TRN2 = nki_emulator.ENGINE_SPECS["trn2"]  # what every estimate here is for: one Trn2 NeuronCore
@@ -250,44 +250,6 @@ def kernel_estimate(counts):
     }
 
 
-def kernel_cases(model_cfg, batch_size, device, dtype):
-    """(name, useful FLOPs of forward, FLOPs of forward+backward, make_inputs, call) at the model's shapes.
-    Attention counts its causal half; RMSNorm has no matmul FLOPs (it is memory-bound)."""
-    B, T, C, H, Hkv, D = batch_size, model_cfg.sequence_len, model_cfg.n_embd, model_cfg.n_head, model_cfg.n_kv_head, model_cfg.head_dim
-    N, hidden = B * T, model_cfg.hidden_dim
-    n_up = 2 if model_cfg.mlp == "swiglu" else 1
-
-    def tensor(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device) * scale).to(dtype).requires_grad_()
-
-    attention_flops = 2 * B * H * T * T * D  # q k^T and p v over the causal half: 2 x (2 B H T^2 D) / 2
-    mlp_flops = 2 * N * C * hidden * (n_up + 1)
-    tables = [t.to(device) for t in rotary_tables(T, D, model_cfg.rope_base)]
-    return [
-        ("attention", attention_flops, 3.5 * attention_flops,  # backward recomputes P: 5 matmuls to forward's 2
-         lambda: (tensor(B, H, T, D), tensor(B, Hkv, T, D), tensor(B, Hkv, T, D)),
-         lambda q, k, v, mode, window=None: kernels.attention(q, k, v, mode=mode, window=window)),
-        (f"mlp ({model_cfg.mlp})", mlp_flops, 3 * mlp_flops,
-         lambda: (tensor(B, T, C), tensor(hidden, C, scale=C ** -0.5), tensor(C, hidden, scale=hidden ** -0.5),
-                  tensor(hidden, C, scale=C ** -0.5) if n_up == 2 else None),
-         lambda x, w_up, w_down, w_gate, mode: kernels.mlp(x, w_up, w_down, model_cfg.mlp, w_gate, mode=mode)),
-        ("rms_norm", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x, mode=mode)),
-        # the residual stream is fp32 under autocast, and so are the norms on it; a branch (a matmul's output)
-        # is in the matmul dtype. add_rms_norm's two outputs are summed so that both get a gradient.
-        ("rms_norm_fp32", 0, 0, lambda: (tensor(B, T, C),), lambda x, mode: kernels.rms_norm(x.float(), mode=mode)),
-        ("add_rms_norm", 0, 0, lambda: (tensor(B, T, C), tensor(B, T, C)),
-         lambda x, branch, mode: sum(o.float() for o in kernels.add_rms_norm(x.float(), branch, mode=mode))),
-        ("softcap_cross_entropy", 0, 0, lambda: (tensor(B, T, model_cfg.padded_vocab_size, scale=8.0),),
-         lambda logits, mode: kernels.softcap_cross_entropy(
-             logits, torch.arange(B * T, device=logits.device).view(B, T) % model_cfg.vocab_size,
-             model_cfg.logit_softcap, model_cfg.vocab_size, "none", mode=mode)),
-        # q and k of one attention layer, as one op: the step prices them together
-        ("rope_norm", 0, 0, lambda: (tensor(B, T, H * D), tensor(B, T, Hkv * D)),
-         lambda q, k, mode: torch.cat((kernels.rope_norm(q, *tables, H, mode=mode).flatten(),
-                                       kernels.rope_norm(k, *tables, Hkv, mode=mode).flatten()))),
-    ]
-
-
 def time_call(call, inputs, backward, device_type, steps=5, windows=3):
     def run():
         out = call(*inputs)
@@ -328,7 +290,8 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
-    for name, fwd_flops, train_flops, make_inputs, call in kernel_cases(model_cfg, cfg.batch_size, device, dtype):
+    cases = kernels.model_cases(model_cfg, cfg.batch_size, device, dtype)
+    for name, fwd_flops, train_flops, make_inputs, call in cases:
         if name.split()[0] not in ops:
             continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
@@ -373,12 +336,16 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     return rows
 
 
+def _cost_declines(op, model_cfg, tokens):
+    """Whether op's cost rule (KernelOp.cost_problem) declines its kernel at `tokens` tokens per call."""
+    rule = kernels.OPS[op].cost_problem
+    return rule is not None and rule(model_cfg, tokens) is not None
+
+
 def auto_choice(row, model_cfg, tokens):
     """What kernels=auto runs on a Trn2 at the row's shapes: the kernel where it takes them, unless its cost
-    rule (kernels._mlp_cost_problem, the only op that has one) declines them."""
-    gated = model_cfg.mlp == "swiglu"
-    declined = row["op"] == "mlp" and kernels._mlp_cost_problem(tokens, model_cfg.n_embd, gated) is not None
-    return "torch" if "nki_unavailable" in row or declined else "nki"
+    rule declines them."""
+    return "torch" if "nki_unavailable" in row or _cost_declines(row["op"], model_cfg, tokens) else "nki"
 
 
 def kernels_choice(rows):
@@ -438,17 +405,16 @@ def kernel_step_costs(model_cfg, tokens_per_call, central=False):
     """Seconds of one call of each NKI kernel, forward + backward, for one sequence (estimate_s; central: its
     calibrated schedule plus its launches' cost shared by the call's sequences), or None where
     the kernel does not run on Trn2: its kernels mode is torch, it refuses the shapes, or (kernels=auto) the
-    cost rule declines it at `tokens_per_call` (kernels._mlp_cost_problem). The kernel part of step_estimate."""
+    cost rule declines it at `tokens_per_call` (KernelOp.cost_problem). The kernel part of step_estimate."""
     if kernels.nki is not nki_emulator:
         raise ValueError("the Trn2 estimates run the kernels under the NKI emulator, which stands in for nki only "
                          "where the Neuron SDK is not installed; run them on a machine without it")
     modes, costs = kernels.parse_kernels(model_cfg.kernels), {}
-    for name, _, _, make_inputs, call in kernel_cases(model_cfg, 1, "cpu", torch.bfloat16):
+    for name, _, _, make_inputs, call in kernels.model_cases(model_cfg, 1, "cpu", torch.bfloat16):
         name = name.split()[0]
-        declined = name == "mlp" and kernels._mlp_cost_problem(tokens_per_call, model_cfg.n_embd,
-                                                               model_cfg.mlp == "swiglu") is not None
-        mode = modes["rms_norm" if name == "rms_norm_fp32" else name]  # the stream's norms are rms_norm's op
-        if mode == "torch" or (mode == "auto" and declined):
+        op = "rms_norm" if name == "rms_norm_fp32" else name  # the stream's norms are rms_norm's op
+        mode = modes[op]
+        if mode == "torch" or (mode == "auto" and _cost_declines(op, model_cfg, tokens_per_call)):
             costs[name] = None
             continue
         inputs = [t.detach().to(torch.bfloat16).requires_grad_() if t is not None else None for t in make_inputs()]
@@ -546,8 +512,9 @@ def step_estimate(cfg, model_cfg, ranks=1, kernel_costs=None, central=False):
     if kernel_costs["softcap_cross_entropy"] is not None and not (c.mtp_extra or c.loss_chunks):  # (levers: their own loss)
         seconds["kernels: softcap_cross_entropy"] = micro_steps * cfg.batch_size * kernel_costs["softcap_cross_entropy"]
     else:
+        head_ops = compiled_ops("softcap_cross_entropy", c, cfg.batch_size)
         seconds["head softcap + cross-entropy"] = micro_steps * sum(
-            op_seconds(passes(N * c.vocab_size, *vector, scalar)) for vector, scalar in HEAD_PASSES.values())
+            op_seconds(op) for op in head_ops["forward"] + head_ops["backward"])
     params = sum(math.prod(s) for s in shapes)
     seconds["embedding lookup"] = micro_steps * 2 * op_seconds(passes(N * c.n_embd, one_input=1))
     muon = {id(p) for p in optim.split_parameters(model)[2]} if cfg.matrix_optimizer == "muon" else set()

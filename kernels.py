@@ -6,9 +6,10 @@ softcap with its cross-entropy, and RoPE with QK-norm.
 Read by op. First the operations model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`,
 `softcap_cross_entropy`, `rope_norm`) and their dispatch; then the hardware constants and the helpers the
 kernels share; then one section per op: its NKI kernels, the PyTorch op around them, its PyTorch fallback,
-its shape and cost rules, the small inputs its checks use, and last its declaration (`KernelOp`), from
-which `KERNEL_OPS`, the per-op record, `bench.py --check` / `--kernels`, the step estimate and the kill
-matrix take their lists. docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
+its shape and cost rules, the small inputs its checks use, the plain ops its fallback is priced as, and
+last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` /
+`--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md,
+"Adding a kernel op", lists the steps for a new one.
 
 Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
@@ -55,12 +56,14 @@ synchronised by the compiler. The instructions used here (nki.isa):
                                                 index) passes cmp_op, else a constant (mask building)
   dma_copy(dst, src)                   DMA      copy between HBM and SBUF (like a bulk async copy)
 """
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import os
 import re
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -200,20 +203,43 @@ def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
 # one declaration per op, and the dispatch between NKI and PyTorch
 
 
+class AttentionShape(typing.NamedTuple):
+    batch: int
+    n_head: int
+    n_kv_head: int
+    seq_len: int
+    head_dim: int
+    window: int | None = None  # earlier keys each query sees (attention), None for all
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckShapes:
-    """The shapes a kernel check runs at (KernelOp.check_cases). The defaults are small and ragged wherever
-    the kernels allow it: an odd batch, T = 3 x 128, grouped heads 4:1, token counts that leave the last
-    128-row tile partial, a vocabulary that is not a multiple of 128."""
+    """The shapes the kernel checks run at (KernelOp.check_cases). attention: one entry per attention shape
+    (RoPE + QK-norm runs at each without a window too); the row kernels (MLP, norms, cross-entropy) take
+    (batch, rows, dim) inputs; mlp_chunk_tiles: hidden tiles per MLP chunk, 0 for the kernels' own choice
+    (_mlp_chunk_tiles). The defaults are small and ragged wherever the kernels allow it: an odd batch,
+    T = 3 x 128, grouped heads 4:1, token counts that leave the last 128-row tile partial, a vocabulary that
+    is not a multiple of 128 (kit/device_check.py's CPU_SHAPES adds the paths the device shapes reach)."""
+    attention: tuple = (AttentionShape(3, 4, 1, 384, 32),)
     batch: int = 3
-    seq_len: int = 384  # attention's T
-    rows: int = 67  # tokens per sequence for the ops that take rows
-    n_head: int = 4
-    n_kv_head: int = 1
-    head_dim: int = 32
-    n_embd: int = 128
+    rows: int = 67
+    dim: int = 128
     hidden: int = 512
-    vocab_size: int = 257
+    activations: tuple = ()  # the MLP's activations to check, () for every one (MLP_ACTIVATIONS)
+    mlp_chunk_tiles: int = 0
+    vocab: int = 257
+    logit_softcap: float = 15.0
+
+
+class CheckCase(typing.NamedTuple):
+    """One input of an op's checks (KernelOp.check_cases): what --check, --first_hour, test_kernel_ops and
+    the kill matrix compare NKI with PyTorch on."""
+    op: str  # the KERNEL_OPS entry the case checks
+    name: str
+    shape: str  # the shapes, in words, for --check's table
+    make_inputs: object  # () -> fresh inputs
+    call: object  # (*inputs, mode) -> output
+    context: object = contextlib.nullcontext  # around the call and its backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,13 +251,20 @@ class KernelOp:
     kernels: its NKI kernel functions (nl/nisa), forward first; each docstring states its layouts, limits
         and SBUF and PSUM plan.
     shape_problem: the shape rule, None where the kernels take the arguments, else why not and the fix.
-    cost_problem: the cost rule kernels=auto heeds (None: the kernels run wherever they take the shapes).
-    check_cases(shapes, dtype, device, generator): [(case name, make_inputs, call(*inputs, mode))], what
-        --check compares NKI with PyTorch on, forward and backward, at CheckShapes; inputs drawn from
-        `generator`, in `dtype` on `device`.
+    cost_problem(config, tokens): the cost rule kernels=auto heeds, at a model's shapes (a GPTConfig) with
+        `tokens` per call: None where the cost model expects the kernels faster, else why not (the op's public
+        function applies it; bench.py's --kernels and step estimate ask it). None: the kernels run wherever
+        they take the shapes.
+    check_cases(shapes, dtype, device, generator): [CheckCase], what --check (kit/device_check.py),
+        --first_hour, test_kernel_ops and the kill matrix compare NKI with PyTorch on, forward and backward,
+        at CheckShapes; inputs drawn from `generator`, in `dtype` on `device`.
     model_cases(config, batch_size, device, dtype): [(case name, useful FLOPs forward, forward + backward,
         make_inputs, call(*inputs, mode))] at a model's shapes (a GPTConfig: what bench.py --kernels, the step
         estimate and --first_hour run), inputs requiring grad; the name starts with the op's.
+    plain_ops(config, sequences, elements, plain): the op compiled as plain ops instead, as the step estimate
+        and --kernels price its fallback (kit/compiled_cost.py, STEP_ASSUMPTIONS): {"forward": ops,
+        "backward": ops} for one layer of `sequences` sequences, each op built with `plain`'s gemm, linear and
+        passes; `elements`: the values a norm runs over where not the residual stream's (None).
     kill_matrix: the check cases the kill matrix (tests/test_kill_matrix.py) runs each wrong kernel against.
     tests: the file in tests/ that compares the op with float64 references; its KILL_MATRIX[name] gives the
         kill matrix one small bf16 case of them.
@@ -244,6 +277,7 @@ class KernelOp:
     cost_problem: object
     check_cases: object
     model_cases: object
+    plain_ops: object
     kill_matrix: tuple
     tests: str
 
@@ -262,12 +296,8 @@ def _declare(op):
 
 
 def check_cases(dtype, device, generator, shapes=CheckShapes()):
-    """(op, case name, make_inputs, call(*inputs, mode)) for every case of every op (KernelOp.check_cases)."""
-    cases = []
-    for op in OPS.values():
-        for name, make_inputs, call in op.check_cases(shapes, dtype, device, generator):
-            cases.append((op.name, name, make_inputs, call))
-    return cases
+    """Every CheckCase of every op (KernelOp.check_cases), in declaration order."""
+    return [case for op in OPS.values() for case in op.check_cases(shapes, dtype, device, generator)]
 
 
 def model_cases(config, batch_size, device, dtype):
@@ -1482,13 +1512,20 @@ def _attention_torch(q, k, v, window):
                                           enable_gqa=k.size(1) != q.size(1))
 
 
+def _heads_in_words(a):
+    return f"{a.n_head}:{a.n_kv_head} heads of {a.head_dim}, T {a.seq_len}, batch {a.batch}"
+
+
 def _attention_check_cases(shapes, dtype, device, generator):
+    """One case per attention shape."""
     draw = _drawing(dtype, device, generator)
-    s = shapes
-    return [("attention",
-             lambda: (draw(s.batch, s.n_head, s.seq_len, s.head_dim), draw(s.batch, s.n_kv_head, s.seq_len, s.head_dim),
-                      draw(s.batch, s.n_kv_head, s.seq_len, s.head_dim)),
-             lambda q, k, v, mode: attention(q, k, v, mode=mode))]
+    return [CheckCase("attention", "attention",
+                      _heads_in_words(a) + (f", window {a.window}" if a.window is not None else ""),
+                      lambda a=a: (draw(a.batch, a.n_head, a.seq_len, a.head_dim),
+                                   draw(a.batch, a.n_kv_head, a.seq_len, a.head_dim),
+                                   draw(a.batch, a.n_kv_head, a.seq_len, a.head_dim)),
+                      lambda q, k, v, mode, a=a: attention(q, k, v, mode=mode, window=a.window))
+            for a in shapes.attention]
 
 
 def _attention_model_cases(c, batch_size, device, dtype):
@@ -1498,14 +1535,25 @@ def _attention_model_cases(c, batch_size, device, dtype):
     flops = 2 * B * c.n_head * T * T * D
     return [("attention", flops, 3.5 * flops,
              lambda: (draw(B, c.n_head, T, D), draw(B, c.n_kv_head, T, D), draw(B, c.n_kv_head, T, D)),
-             lambda q, k, v, mode: attention(q, k, v, mode=mode))]
+             lambda q, k, v, mode, window=None: attention(q, k, v, mode=mode, window=window))]
+
+
+def _attention_plain_ops(c, sequences, elements, plain):
+    """Full T x T scores: q k^T and p v forward, then mask, max, exp, normalise, cast; backward dP (a q k^T),
+    dV, dQ, dK (p v's) and 2 passes over the scores."""
+    T, H, D = c.sequence_len, c.n_head, c.head_dim
+    scores = sequences * H * T * T
+    qk, pv = plain.gemm(T, D, T, sequences * H), plain.gemm(T, T, D, sequences * H)
+    return {"forward": [qk, pv, plain.passes(scores, one_input=3, two_input=1, scalar=1)],
+            "backward": [qk, pv, pv, pv, plain.passes(scores, one_input=1, two_input=1)]}
 
 
 ATTENTION_OP = _declare(KernelOp(
     name="attention", call=attention,
     kernels=(flash_attention_fwd_kernel, flash_attention_bwd_kernel),
     torch_path=_attention_torch, shape_problem=_attention_shape_problem, cost_problem=None,
-    check_cases=_attention_check_cases, model_cases=_attention_model_cases, kill_matrix=("attention",),
+    check_cases=_attention_check_cases, model_cases=_attention_model_cases, plain_ops=_attention_plain_ops,
+    kill_matrix=("attention",),
     tests="test_attention_kernels.py"))
 
 
@@ -2057,19 +2105,43 @@ def _mlp_torch(x, w_up, w_down, activation, w_gate):
     return F.linear(h, w_down)
 
 
-def _mlp_check_cases(shapes, dtype, device, generator):
-    """One case per activation."""
-    draw = _drawing(dtype, device, generator)
-    dim, hidden = shapes.n_embd, shapes.hidden
-    cases = []
-    for activation in MLP_ACTIVATIONS:
-        def make_inputs(activation=activation):
-            gate = draw(hidden, dim, scale=dim ** -0.5) if activation == "swiglu" else None
-            return (draw(shapes.batch, shapes.rows, dim), draw(hidden, dim, scale=dim ** -0.5),
-                    draw(dim, hidden, scale=hidden ** -0.5), gate)
+def mlp_chunks(shapes, gated, dtype, backward):
+    """How many hidden chunks the MLP kernel runs at these CheckShapes."""
+    per_chunk = shapes.mlp_chunk_tiles or _mlp_chunk_tiles(shapes.dim, shapes.hidden, gated, dtype.itemsize, backward)
+    return math.ceil(shapes.hidden // TILE / per_chunk)
 
-        cases.append((f"mlp {activation}", make_inputs, lambda x, w_up, w_down, w_gate, mode, activation=activation:
-                      mlp(x, w_up, w_down, activation, w_gate, mode=mode)))
+
+@contextlib.contextmanager
+def _forced_mlp_chunk_tiles(tiles):
+    """The MLP kernels run `tiles` hidden tiles per chunk, so that the partial sums between chunks run at
+    widths where they would plan one chunk (the checks' small shapes)."""
+    global _mlp_chunk_tiles
+    planned = _mlp_chunk_tiles
+    _mlp_chunk_tiles = lambda *_, **__: tiles  # noqa: E731
+    try:
+        yield
+    finally:
+        _mlp_chunk_tiles = planned
+
+
+def _mlp_check_cases(shapes, dtype, device, generator):
+    """One case per activation, with the hidden chunks it runs in words."""
+    draw = _drawing(dtype, device, generator)
+    B, N, dim, hidden = shapes.batch, shapes.rows, shapes.dim, shapes.hidden
+    context = functools.partial(_forced_mlp_chunk_tiles, shapes.mlp_chunk_tiles) if shapes.mlp_chunk_tiles \
+        else contextlib.nullcontext
+    cases = []
+    for activation in shapes.activations or MLP_ACTIVATIONS:
+        gated = activation == "swiglu"
+        chunks = "/".join(str(mlp_chunks(shapes, gated, dtype, backward)) for backward in (False, True))
+        cases.append(CheckCase(
+            "mlp", f"mlp {activation}", f"{B} x {N} rows of {dim}, hidden {hidden} in {chunks} chunks fwd/bwd",
+            lambda gated=gated: (draw(B, N, dim), draw(hidden, dim, scale=dim ** -0.5),
+                                 draw(dim, hidden, scale=hidden ** -0.5),
+                                 draw(hidden, dim, scale=dim ** -0.5) if gated else None),
+            lambda x, w_up, w_down, w_gate, mode, activation=activation: mlp(x, w_up, w_down, activation, w_gate,
+                                                                             mode=mode),
+            context))
     return cases
 
 
@@ -2084,11 +2156,24 @@ def _mlp_model_cases(c, batch_size, device, dtype):
              lambda x, w_up, w_down, w_gate, mode: mlp(x, w_up, w_down, c.mlp, w_gate, mode=mode))]
 
 
+def _mlp_plain_ops(c, sequences, elements, plain):
+    """Its matmuls (two up for swiglu), and the activation: 2 one-input passes forward (e.g. relu, square),
+    1 one- and 2 two-input backward."""
+    N, C, hidden, n_up = sequences * c.sequence_len, c.n_embd, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
+    up, down = plain.linear(N, C, hidden), plain.linear(N, hidden, C)
+    return {"forward": [up["forward"]] * n_up + [down["forward"], plain.passes(N * hidden, one_input=2,
+                                                                                dtype="bfloat16")],
+            "backward": [up["backward"]] * n_up + [down["backward"], plain.passes(N * hidden, one_input=1,
+                                                                                   two_input=2, dtype="bfloat16")]}
+
+
 MLP_OP = _declare(KernelOp(
     name="mlp", call=mlp,
     kernels=(mlp_fwd_kernel, mlp_bwd_kernel),
-    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem, cost_problem=_mlp_cost_problem,
-    check_cases=_mlp_check_cases, model_cases=_mlp_model_cases, kill_matrix=("mlp leaky_relu2", "mlp gelu"),
+    torch_path=_mlp_torch, shape_problem=_mlp_shape_problem,
+    cost_problem=lambda c, tokens: _mlp_cost_problem(tokens, c.n_embd, c.mlp == "swiglu"),
+    check_cases=_mlp_check_cases, model_cases=_mlp_model_cases, plain_ops=_mlp_plain_ops,
+    kill_matrix=("mlp leaky_relu2", "mlp gelu"),
     tests="test_mlp_norm_kernels.py"))
 
 
@@ -2306,12 +2391,18 @@ def _rms_norm_torch(x, weight, eps):
     return F.rms_norm(x.float(), (x.size(-1),), weight, eps).type_as(x)
 
 
+def _rows_in_words(shapes):
+    return f"{shapes.batch} x {shapes.rows} rows of {shapes.dim}"
+
+
 def _rms_norm_check_cases(shapes, dtype, device, generator):
     draw = _drawing(dtype, device, generator)
-    rows = (shapes.batch, shapes.rows, shapes.n_embd)
-    weight = (1 + 0.5 * torch.randn(shapes.n_embd, generator=generator)).to(device)
-    return [("rms_norm", lambda: (draw(*rows),), lambda x, mode: rms_norm(x, mode=mode)),
-            ("rms_norm weighted", lambda: (draw(*rows), weight), lambda x, w, mode: rms_norm(x, w, mode=mode))]
+    rows = (shapes.batch, shapes.rows, shapes.dim)
+    return [CheckCase("rms_norm", "rms_norm", _rows_in_words(shapes), lambda: (draw(*rows),),
+                      lambda x, mode: rms_norm(x, mode=mode)),
+            CheckCase("rms_norm", "rms_norm weighted", _rows_in_words(shapes),
+                      lambda: (draw(*rows), (1 + 0.5 * torch.randn(shapes.dim, generator=generator)).to(device)),
+                      lambda x, w, mode: rms_norm(x, w, mode=mode))]
 
 
 def _rms_norm_model_cases(c, batch_size, device, dtype):
@@ -2323,11 +2414,20 @@ def _rms_norm_model_cases(c, batch_size, device, dtype):
             ("rms_norm_fp32", 0, 0, lambda: (draw(*shape),), lambda x, mode: rms_norm(x.float(), mode=mode))]
 
 
+def _rms_norm_plain_ops(c, sequences, elements, plain):
+    """Forward: the mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes; over the
+    residual stream unless `elements` says otherwise."""
+    elements = sequences * c.sequence_len * c.n_embd if elements is None else elements
+    return {"forward": [plain.passes(elements, one_input=3)],
+            "backward": [plain.passes(elements, one_input=4, two_input=1)]}
+
+
 RMS_NORM_OP = _declare(KernelOp(
     name="rms_norm", call=rms_norm,
     kernels=(rms_norm_fwd_kernel, rms_norm_bwd_kernel),
     torch_path=_rms_norm_torch, shape_problem=_rms_norm_shape_problem, cost_problem=None,
-    check_cases=_rms_norm_check_cases, model_cases=_rms_norm_model_cases, kill_matrix=("rms_norm weighted",),
+    check_cases=_rms_norm_check_cases, model_cases=_rms_norm_model_cases, plain_ops=_rms_norm_plain_ops,
+    kill_matrix=("rms_norm weighted",),
     tests="test_mlp_norm_kernels.py"))
 
 
@@ -2504,10 +2604,17 @@ def _add_rms_norm_torch(x, branch, eps, mode):
 
 
 def _add_rms_norm_check_cases(shapes, dtype, device, generator):
+    """As the model calls it: the residual stream in fp32 (under autocast too), a branch in the matmuls'
+    dtype; the norm compared as the next matmul takes it, in the branch's dtype (the kernel returns it so)."""
     draw = _drawing(dtype, device, generator)
-    rows = (shapes.batch, shapes.rows, shapes.n_embd)
-    return [("add_rms_norm", lambda: (draw(*rows), draw(*rows)),
-             lambda x, branch, mode: torch.stack(add_rms_norm(x, branch, mode=mode)))]
+    rows = (shapes.batch, shapes.rows, shapes.dim)
+
+    def call(x, branch, mode):
+        total, normed = add_rms_norm(x, branch, mode=mode)
+        return torch.cat((total.flatten(), normed.to(branch.dtype).to(total.dtype).flatten()))
+
+    return [CheckCase("add_rms_norm", "add_rms_norm", _rows_in_words(shapes) + ", an fp32 stream",
+                      lambda: (draw(*rows).float(), draw(*rows)), call)]
 
 
 def _add_rms_norm_model_cases(c, batch_size, device, dtype):
@@ -2519,11 +2626,20 @@ def _add_rms_norm_model_cases(c, batch_size, device, dtype):
              lambda x, branch, mode: sum(o.float() for o in add_rms_norm(x.float(), branch, mode=mode)))]
 
 
+def _add_rms_norm_plain_ops(c, sequences, elements, plain):
+    """The residual add as a two-input pass, then the norm of the sum; backward: the norm's passes and the
+    sum of the two gradients that reach the sum."""
+    norm = _rms_norm_plain_ops(c, sequences, None, plain)
+    return {direction: [plain.passes(sequences * c.sequence_len * c.n_embd, two_input=1)] + norm[direction]
+            for direction in ("forward", "backward")}
+
+
 ADD_RMS_NORM_OP = _declare(KernelOp(
     name="add_rms_norm", call=add_rms_norm,
     kernels=(add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel),
     torch_path=_add_rms_norm_torch, shape_problem=_add_rms_norm_shape_problem, cost_problem=None,
-    check_cases=_add_rms_norm_check_cases, model_cases=_add_rms_norm_model_cases, kill_matrix=("add_rms_norm",),
+    check_cases=_add_rms_norm_check_cases, model_cases=_add_rms_norm_model_cases,
+    plain_ops=_add_rms_norm_plain_ops, kill_matrix=("add_rms_norm",),
     tests="test_mlp_norm_kernels.py"))
 
 
@@ -2768,11 +2884,12 @@ def _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction):
 def _softcap_cross_entropy_check_cases(shapes, dtype, device, generator):
     """Logits padded to a multiple of 128 columns (the kernel skips the padding) and some targets ignored."""
     draw = _drawing(dtype, device, generator)
-    vocab = shapes.vocab_size
-    targets = torch.randint(-1, vocab, (shapes.batch, shapes.rows), generator=generator).to(device)  # -1: ignored
-    return [("softcap_cross_entropy",
-             lambda: (draw(shapes.batch, shapes.rows, math.ceil(vocab / TILE) * TILE, scale=8.0),),
-             lambda logits, mode: softcap_cross_entropy(logits, targets, 15.0, vocab, "none", mode=mode))]
+    B, N, vocab, padded = shapes.batch, shapes.rows, shapes.vocab, math.ceil(shapes.vocab / TILE) * TILE
+    targets = torch.randint(-1, vocab, (B, N), generator=generator).to(device)  # -1: ignored
+    return [CheckCase("softcap_cross_entropy", "softcap_cross_entropy",
+                      f"{B} x {N} rows, vocab {vocab} padded to {padded}", lambda: (draw(B, N, padded, scale=8.0),),
+                      lambda logits, mode: softcap_cross_entropy(logits, targets, shapes.logit_softcap, vocab, "none",
+                                                                 mode=mode))]
 
 
 def _softcap_cross_entropy_model_cases(c, batch_size, device, dtype):
@@ -2784,11 +2901,21 @@ def _softcap_cross_entropy_model_cases(c, batch_size, device, dtype):
                  c.vocab_size, "none", mode=mode))]
 
 
+HEAD_PASSES = {"forward": ((3, 0), 2), "backward": ((3, 1), 1)}  # ((VectorE 1-, 2-input), ScalarE) over the logits
+
+
+def _softcap_cross_entropy_plain_ops(c, sequences, elements, plain):
+    """HEAD_PASSES: the softcap and the cross-entropy as fp32 passes over the logits."""
+    return {direction: [plain.passes(sequences * c.sequence_len * c.vocab_size, *vector, scalar)]
+            for direction, (vector, scalar) in HEAD_PASSES.items()}
+
+
 SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
     name="softcap_cross_entropy", call=softcap_cross_entropy,
     kernels=(softcap_cross_entropy_fwd_kernel, softcap_cross_entropy_bwd_kernel),
     torch_path=_softcap_cross_entropy_torch, shape_problem=_softcap_cross_entropy_shape_problem, cost_problem=None,
     check_cases=_softcap_cross_entropy_check_cases, model_cases=_softcap_cross_entropy_model_cases,
+    plain_ops=_softcap_cross_entropy_plain_ops,
     kill_matrix=("softcap_cross_entropy",),
     tests="test_cross_entropy_kernel.py"))
 
@@ -3021,10 +3148,21 @@ def _rotary_angles(seq_len, head_dim, generator=None):
 
 
 def _rope_norm_check_cases(shapes, dtype, device, generator):
+    """q and k of one layer, as the model calls it, at each attention shape without a window (it takes none)."""
     draw = _drawing(dtype, device, generator)
-    cos, sin = (t.to(device) for t in _rotary_angles(shapes.rows, shapes.head_dim, generator))  # not inputs
-    return [("rope_norm", lambda: (draw(shapes.batch, shapes.rows, shapes.n_head * shapes.head_dim),),
-             lambda x, mode: rope_norm(x, cos, sin, shapes.n_head, mode=mode))]
+    cases = []
+    for a in shapes.attention:
+        if a.window is not None:
+            continue
+        tables = [t.to(device) for t in _rotary_angles(a.seq_len, a.head_dim, generator)]  # not inputs
+        cases.append(CheckCase(
+            "rope_norm", "rope_norm", _heads_in_words(a),
+            lambda a=a: (draw(a.batch, a.seq_len, a.n_head * a.head_dim), draw(a.batch, a.seq_len,
+                                                                               a.n_kv_head * a.head_dim)),
+            lambda q, k, mode, a=a, tables=tables: torch.cat(
+                (rope_norm(q, *tables, a.n_head, mode=mode).flatten(),
+                 rope_norm(k, *tables, a.n_kv_head, mode=mode).flatten()))))
+    return cases
 
 
 def _rope_norm_model_cases(c, batch_size, device, dtype):
@@ -3037,11 +3175,20 @@ def _rope_norm_model_cases(c, batch_size, device, dtype):
                                            rope_norm(k, *tables, c.n_kv_head, mode=mode).flatten())))]
 
 
+def _rope_norm_plain_ops(c, sequences, elements, plain):
+    """q and k: the rotary's bf16 passes each way, then QK-norm's (rms_norm's) over them."""
+    elements = sequences * c.sequence_len * (c.n_head + c.n_kv_head) * c.head_dim
+    norm = _rms_norm_plain_ops(c, sequences, elements, plain)
+    return {direction: [plain.passes(elements, one_input=1, two_input=3, dtype="bfloat16")] + norm[direction]
+            for direction in ("forward", "backward")}
+
+
 ROPE_NORM_OP = _declare(KernelOp(
     name="rope_norm", call=rope_norm,
     kernels=(rope_norm_fwd_kernel, rope_norm_bwd_kernel),
     torch_path=_rope_norm_torch, shape_problem=_rope_norm_shape_problem, cost_problem=None,
-    check_cases=_rope_norm_check_cases, model_cases=_rope_norm_model_cases, kill_matrix=("rope_norm",),
+    check_cases=_rope_norm_check_cases, model_cases=_rope_norm_model_cases, plain_ops=_rope_norm_plain_ops,
+    kill_matrix=("rope_norm",),
     tests="test_rope_norm_kernel.py"))
 
 

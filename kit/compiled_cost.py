@@ -6,7 +6,9 @@ prices the projections, the head, the optimizer and every kernel op's compiled f
 it; the step estimate's assumptions, these prices' included, are STEP_ASSUMPTIONS.
 """
 import math
+import types
 
+import kernels
 import nki_emulator
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
@@ -43,7 +45,6 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
 )
 MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
 ADAMW_PASSES = (3, 5)  # lerp of m, v; sqrt, divide, step (torch's AdamW)
-HEAD_PASSES = {"forward": ((3, 0), 2), "backward": ((3, 1), 1)}  # ((VectorE 1-, 2-input), ScalarE) over the logits
 
 
 def instruction(engine, name, elements, inputs, dtype, ops=("add",)):
@@ -84,6 +85,7 @@ def linear(tokens, fan_in, fan_out):
             "backward": gemm(tokens, fan_out, fan_in) + gemm(fan_out, tokens, fan_in)}
 
 
+PLAIN = types.SimpleNamespace(gemm=gemm, linear=linear, passes=passes)  # what KernelOp.plain_ops builds ops with
 pricing = [nki_emulator.instruction_seconds]  # how compiled ops are priced: the cost model, or (central) calibrated
 
 
@@ -102,38 +104,10 @@ def op_seconds(op):
 
 def compiled_ops(name, c, sequences, norm_elements=None):
     """{"forward": ops, "backward": ops} of kernel op `name` (one of kernels.KERNEL_OPS) compiled as plain
-    ops instead (STEP_ASSUMPTIONS), for one layer and `sequences` sequences; each op a list of (count,
-    instruction). RMSNorm is priced over `norm_elements` values (default: the sequences' residual stream)."""
-    T, C, H, D = c.sequence_len, c.n_embd, c.n_head, c.head_dim
-    N, hidden, n_up = sequences * T, c.hidden_dim, 2 if c.mlp == "swiglu" else 1
-    if name == "attention":  # full T x T scores: q k^T and p v forward; dP (a qk), dV, dQ, dK (pv's) backward
-        scores = sequences * H * T * T
-        qk, pv = gemm(T, D, T, sequences * H), gemm(T, T, D, sequences * H)
-        # forward: mask, max, exp, normalise, cast
-        return {"forward": [qk, pv, passes(scores, one_input=3, two_input=1, scalar=1)],
-                "backward": [qk, pv, pv, pv, passes(scores, one_input=1, two_input=1)]}
-    if name == "mlp":  # the activation: 2 one-input passes forward (e.g. relu, square), 1 one- and 2 two-input backward
-        up, down = linear(N, C, hidden), linear(N, hidden, C)
-        return {"forward": [up["forward"]] * n_up + [down["forward"],
-                                                     passes(N * hidden, one_input=2, dtype="bfloat16")],
-                "backward": [up["backward"]] * n_up + [down["backward"],
-                                                        passes(N * hidden, one_input=1, two_input=2, dtype="bfloat16")]}
-    if name == "rms_norm":  # forward: mean of squares, scale, cast; backward: 4 one-input and 1 two-input passes
-        elements = N * C if norm_elements is None else norm_elements
-        return {"forward": [passes(elements, one_input=3)], "backward": [passes(elements, one_input=4, two_input=1)]}
-    if name == "add_rms_norm":  # the residual add as a two-input pass, then the norm of the sum; backward: the
-        # norm's passes and the sum of the two gradients that reach the sum
-        norm = compiled_ops("rms_norm", c, sequences)
-        return {direction: [passes(N * C, two_input=1)] + norm[direction] for direction in ("forward", "backward")}
-    if name == "softcap_cross_entropy":
-        return {direction: [passes(N * c.vocab_size, *vector, scalar)]
-                for direction, (vector, scalar) in HEAD_PASSES.items()}
-    if name == "rope_norm":  # q and k: the rotary's bf16 passes each way, then QK-norm's
-        elements = N * (H + c.n_kv_head) * D
-        norm = compiled_ops("rms_norm", c, sequences, elements)
-        return {direction: [passes(elements, one_input=1, two_input=3, dtype="bfloat16")] + norm[direction]
-                for direction in ("forward", "backward")}
-    raise ValueError(f"no compiled pricing for kernel op {name!r}")
+    ops instead (STEP_ASSUMPTIONS), for one layer and `sequences` sequences, as its declaration says
+    (KernelOp.plain_ops); each op a list of (count, instruction). RMSNorm is priced over `norm_elements` values
+    (default: the sequences' residual stream)."""
+    return kernels.OPS[name].plain_ops(c, sequences, norm_elements, PLAIN)
 
 
 def compiled_estimate(ops):

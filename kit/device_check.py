@@ -10,12 +10,9 @@ the device shapes do (head_dim 256 with one KV head, two key blocks, two MLP chu
 """
 import contextlib
 import dataclasses
-import math
 import random
 import time
 import traceback
-from typing import Callable, NamedTuple
-from unittest import mock
 
 import torch
 
@@ -39,41 +36,16 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # autocast's matmuls, and the f
 HONEST_FACTOR = 4
 
 
-class AttentionShape(NamedTuple):
-    batch: int
-    n_head: int
-    n_kv_head: int
-    seq_len: int
-    head_dim: int
-    window: int | None = None  # earlier keys each query sees (kernels.attention), None for all
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckShapes:
-    """The shapes the kernel checks run at. attention: one entry per attention shape (RoPE + QK-norm runs at
-    each too); the row kernels (MLP, norms, cross-entropy) take (batch, rows, dim) inputs; mlp_chunk_tiles:
-    hidden tiles per MLP chunk, 0 for the kernels' own choice (kernels._mlp_chunk_tiles)."""
-    attention: tuple
-    batch: int
-    rows: int
-    dim: int
-    hidden: int
-    activations: tuple
-    mlp_chunk_tiles: int
-    vocab: int
-    logit_softcap: float
-
-
 # Ragged wherever the kernels allow it: an odd batch, token counts that leave the last 128-row tile partial,
 # a vocabulary padded to a multiple of 128. Attention: grouped heads 4:1 of 32 over 3 query tiles; and
 # head_dim 256 (two pieces of the head dim) with one KV head over 640 keys (two score blocks of 512, the
 # second partial: the row max alternates VectorE and ScalarE); and a window of 128 over 384 keys (the key
 # blocks wholly outside it skipped). The MLP's 4 hidden tiles in chunks of 2, so the
 # partial sums between chunks run as at the widths people train (kernels._mlp_chunk_tiles).
-CPU_SHAPES = CheckShapes(attention=(AttentionShape(3, 4, 1, 384, 32), AttentionShape(1, 2, 1, 640, 256),
-                                    AttentionShape(1, 2, 1, 384, 64, window=128)),
-                         batch=3, rows=67, dim=128, hidden=512, activations=kernels.MLP_ACTIVATIONS,
-                         mlp_chunk_tiles=2, vocab=257, logit_softcap=15.0)
+CPU_SHAPES = kernels.CheckShapes(attention=(kernels.AttentionShape(3, 4, 1, 384, 32),
+                                            kernels.AttentionShape(1, 2, 1, 640, 256),
+                                            kernels.AttentionShape(1, 2, 1, 384, 64, window=128)),
+                                 mlp_chunk_tiles=2)
 
 
 def check_shapes(model_cfg, batch_size, on_device):
@@ -83,96 +55,16 @@ def check_shapes(model_cfg, batch_size, on_device):
         return CPU_SHAPES
     c = model_cfg
     windows = sorted(set(c.attention_windows()), key=lambda w: -1 if w is None else w)
-    return CheckShapes(attention=tuple(AttentionShape(batch_size, c.n_head, c.n_kv_head, c.sequence_len, c.head_dim, w)
-                                       for w in windows),
-                       batch=batch_size, rows=c.sequence_len, dim=c.n_embd, hidden=c.hidden_dim,
-                       activations=(c.mlp,), mlp_chunk_tiles=0, vocab=c.vocab_size, logit_softcap=c.logit_softcap)
-
-
-def mlp_chunks(shapes, gated, dtype, backward):
-    """How many hidden chunks the MLP kernel runs at these shapes."""
-    tiles = shapes.hidden // kernels.TILE
-    per_chunk = shapes.mlp_chunk_tiles or kernels._mlp_chunk_tiles(shapes.dim, shapes.hidden, gated,
-                                                                   dtype.itemsize, backward)
-    return math.ceil(tiles / per_chunk)
-
-
-class KernelCase(NamedTuple):
-    op: str  # the kernels.KERNEL_OPS entry the case checks
-    name: str
-    shape: str  # the shapes, in words, for the table
-    make_inputs: Callable  # () -> fresh inputs
-    call: Callable  # (*inputs, mode) -> output
-    context: Callable = contextlib.nullcontext  # around the call and its backward
+    return kernels.CheckShapes(
+        attention=tuple(kernels.AttentionShape(batch_size, c.n_head, c.n_kv_head, c.sequence_len, c.head_dim, w)
+                        for w in windows),
+        batch=batch_size, rows=c.sequence_len, dim=c.n_embd, hidden=c.hidden_dim, activations=(c.mlp,),
+        mlp_chunk_tiles=0, vocab=c.vocab_size, logit_softcap=c.logit_softcap)
 
 
 def kernel_cases(shapes, dtype, device, seed):
-    """A KernelCase for each NKI kernel at `shapes` in `dtype`: attention and RoPE + QK-norm at each attention
-    shape, the MLP in each activation, RMSNorm with and without a weight, the residual add + RMSNorm, the
-    softcap cross-entropy; random inputs drawn from `seed`."""
-    generator = torch.Generator().manual_seed(seed)
-    B, N, dim, hidden = shapes.batch, shapes.rows, shapes.dim, shapes.hidden
-
-    def tensor(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(device)
-
-    cases = []
-    for a in shapes.attention:
-        heads = f"{a.n_head}:{a.n_kv_head} heads of {a.head_dim}, T {a.seq_len}, batch {a.batch}"
-        cases.append(KernelCase(
-            "attention", "attention", heads + (f", window {a.window}" if a.window is not None else ""),
-            lambda a=a: (tensor(a.batch, a.n_head, a.seq_len, a.head_dim),
-                         tensor(a.batch, a.n_kv_head, a.seq_len, a.head_dim),
-                         tensor(a.batch, a.n_kv_head, a.seq_len, a.head_dim)),
-            lambda q, k, v, mode, a=a: kernels.attention(q, k, v, mode=mode, window=a.window)))
-        if a.window is not None:  # RoPE + QK-norm takes no window: once per shape is enough
-            continue
-        tables = [t.to(device) for t in rotary_tables(a.seq_len, a.head_dim, 10000.0)]  # not inputs: no gradient
-        cases.append(KernelCase(  # q and k of one layer, as the model calls it
-            "rope_norm", "rope_norm", heads,
-            lambda a=a: (tensor(a.batch, a.seq_len, a.n_head * a.head_dim),
-                         tensor(a.batch, a.seq_len, a.n_kv_head * a.head_dim)),
-            lambda q, k, mode, a=a, tables=tables: torch.cat(
-                (kernels.rope_norm(q, *tables, a.n_head, mode=mode).flatten(),
-                 kernels.rope_norm(k, *tables, a.n_kv_head, mode=mode).flatten()))))
-    rows = f"{B} x {N} rows of {dim}"
-    for activation in shapes.activations:
-        gated = activation == "swiglu"
-        chunks = "/".join(str(mlp_chunks(shapes, gated, dtype, backward)) for backward in (False, True))
-        forced = contextlib.nullcontext
-        if shapes.mlp_chunk_tiles:
-            def forced(tiles=shapes.mlp_chunk_tiles):
-                return mock.patch.object(kernels, "_mlp_chunk_tiles", lambda *_, **__: tiles)
-        cases.append(KernelCase(
-            "mlp", f"mlp {activation}", f"{rows}, hidden {hidden} in {chunks} chunks fwd/bwd",
-            lambda gated=gated: (tensor(B, N, dim), tensor(hidden, dim, scale=dim ** -0.5),
-                                 tensor(dim, hidden, scale=hidden ** -0.5),
-                                 tensor(hidden, dim, scale=dim ** -0.5) if gated else None),
-            lambda x, w_up, w_down, w_gate, mode, activation=activation: kernels.mlp(x, w_up, w_down, activation,
-                                                                                     w_gate, mode=mode),
-            forced))
-    cases.append(KernelCase("rms_norm", "rms_norm", rows, lambda: (tensor(B, N, dim),),
-                            lambda x, mode: kernels.rms_norm(x, mode=mode)))
-    cases.append(KernelCase("rms_norm", "rms_norm weighted", rows,
-                            lambda: (tensor(B, N, dim), (1 + 0.5 * torch.randn(dim, generator=generator)).to(device)),
-                            lambda x, w, mode: kernels.rms_norm(x, w, mode=mode)))
-
-    # as the model calls it: the residual stream in fp32 (under autocast too), a branch in the matmuls' dtype;
-    # the norm compared as the next matmul takes it, in the branch's dtype (the kernel returns it so)
-    def add_rms_norm(x, branch, mode):
-        total, normed = kernels.add_rms_norm(x, branch, mode=mode)
-        return torch.cat((total.flatten(), normed.to(branch.dtype).to(total.dtype).flatten()))
-
-    cases.append(KernelCase("add_rms_norm", "add_rms_norm", f"{rows}, an fp32 stream",
-                            lambda: (tensor(B, N, dim).float(), tensor(B, N, dim)), add_rms_norm))
-    vocab, padded = shapes.vocab, math.ceil(shapes.vocab / 128) * 128  # the kernel skips the padding columns
-    targets = torch.randint(-1, vocab, (B, N), generator=generator).to(device)  # -1: ignored
-    cases.append(KernelCase(
-        "softcap_cross_entropy", "softcap_cross_entropy", f"{B} x {N} rows, vocab {vocab} padded to {padded}",
-        lambda: (tensor(B, N, padded, scale=8.0),),
-        lambda logits, mode: kernels.softcap_cross_entropy(logits, targets, shapes.logit_softcap, vocab, "none",
-                                                           mode=mode)))
-    return cases
+    """Every op's check cases (kernels.check_cases) at `shapes` in `dtype`, random inputs drawn from `seed`."""
+    return kernels.check_cases(dtype, device, torch.Generator().manual_seed(seed), shapes)
 
 
 def _error(got, want):
@@ -214,9 +106,10 @@ def refuse_degenerate(what, got, inputs):
 
 def _run_both(case, inputs, grad, seed):
     """Outputs (and with grad, the gradients of every input for one random output gradient, drawn from
-    `seed`) for mode="nki", mode="torch" and the float64 reference (mode="torch" on the CPU). (A loss like
+    `seed` + 1) for mode="nki", mode="torch" and the float64 reference (mode="torch" on the CPU). (A loss like
     out.square().mean() would not do: its gradient is parallel to the output, which RMSNorm's dx cancels to
-    almost nothing.) Also returns the output gradient, for refuse_degenerate."""
+    almost nothing; and for the same reason not `seed` itself, from which the inputs may come: an input
+    drawn first from it equals the output gradient.) Also returns the output gradient, for refuse_degenerate."""
     results, d_out = [], None
     for mode, cast in (("nki", None), ("torch", None), ("torch", torch.float64)):
         leaves = [t.detach().clone() if t is not None else None for t in inputs]
@@ -226,7 +119,7 @@ def _run_both(case, inputs, grad, seed):
         with torch.set_grad_enabled(grad), case.context():
             out = case.call(*leaves, mode)
             if grad:
-                d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+                d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
                 out.backward(d_out.to(out))
         results.append([out] + ([t.grad for t in leaves if t is not None] if grad else []))
     return results, d_out

@@ -123,9 +123,9 @@ def kernel_alone(model_cfg, batch_size, device_type, device, op):
         return outputs
 
     shapes = device_check.check_shapes(model_cfg, batch_size, device_type == "neuron")
-    cases = [case for case in device_check.kernel_cases(shapes, torch.bfloat16, device, seed=0) if case.op == op]
-    if not cases:
+    if op not in kernels.OPS:
         raise ValueError(f"kernel:{op}: not a kernel op; the ops are {', '.join(kernels.KERNEL_OPS)}")
+    cases = kernels.OPS[op].check_cases(shapes, torch.bfloat16, device, torch.Generator().manual_seed(0))
     try:
         with mock.patch.object(kernels, "_run_kernel", launch):
             for case in cases:

@@ -148,16 +148,19 @@ def declaration_problems(op):
         doc = kernel.__doc__ or ""
         if "SBUF" not in doc or "PSUM" not in doc:
             problems.append(f"kernels: {kernel.__name__}'s docstring states no SBUF and PSUM plan")
-    for part in ("torch_path", "shape_problem", "check_cases", "model_cases"):
+    for part in ("torch_path", "shape_problem", "check_cases", "model_cases", "plain_ops"):
         if not callable(getattr(op, part)):
             problems.append(f"{part}: not a function")
     if op.cost_problem is not None and not callable(op.cost_problem):
-        problems.append("cost_problem: a function, or None where the kernels run wherever they take the shapes")
+        problems.append("cost_problem: a function (config, tokens), or None where the kernels run wherever they "
+                        "take the shapes")
     if op.name not in kernels.KERNEL_OPS or kernels.parse_kernels(f"{op.name}:nki")[op.name] != "nki":
         problems.append("name: not in KERNEL_OPS (declare it with _declare)")
-    names = [case[0] for case in op.check_cases(kernels.CheckShapes(), torch.float32, "cpu", torch.Generator())]
-    if not names or len(set(names)) != len(names):
-        problems.append(f"check_cases: no cases, or two with one name: {names}")
+    cases = op.check_cases(kernels.CheckShapes(), torch.float32, "cpu", torch.Generator())
+    names = [case.name for case in cases]
+    if not cases or not all(isinstance(case, kernels.CheckCase) and case.op == op.name for case in cases) \
+            or len(set(names)) != len(names):
+        problems.append(f"check_cases: no CheckCase(op={op.name!r}, ...), or two with one name: {names}")
     from model import GPTConfig
 
     config = GPTConfig(sequence_len=128, n_layer=1, n_embd=128, n_head=2, n_kv_head=1, vocab_size=257)
@@ -165,6 +168,14 @@ def declaration_problems(op):
     if not model_cases or not all(case[0].startswith(op.name) and len(case) == 5 for case in model_cases):
         problems.append("model_cases: no (name, FLOPs forward, FLOPs forward + backward, make_inputs, call) at a "
                         "model's shapes, or a name that does not start with the op's")
+    if callable(op.plain_ops):
+        from kit import compiled_cost
+
+        plain = op.plain_ops(config, 1, None, compiled_cost.PLAIN)
+        if set(plain) != {"forward", "backward"} or not all(compiled_cost.compiled_estimate(ops)["estimate_s"] > 0
+                                                            for ops in plain.values()):
+            problems.append("plain_ops: no {\"forward\": ops, \"backward\": ops} that kit/compiled_cost.py prices "
+                            "above 0")
     if not op.kill_matrix or not set(op.kill_matrix) <= set(names):
         problems.append(f"kill_matrix: names none of its check cases {names}, or one that is not among them")
     test_file = ROOT / "tests" / op.tests
@@ -172,8 +183,10 @@ def declaration_problems(op):
         problems.append(f"tests: tests/{op.tests}, its float64 reference tests, does not exist")
     elif not importlib.import_module(op.tests.removesuffix(".py")).__dict__.get("KILL_MATRIX", {}).get(op.name):
         problems.append(f"tests: tests/{op.tests} has no KILL_MATRIX[{op.name!r}] (one small bf16 case of its tests)")
-    if f"`{op.name}`" not in (ROOT / "docs" / "kernels.md").read_text():
-        problems.append(f"docs: docs/kernels.md does not name `{op.name}` (the ops list and the kernels table)")
+    ops_list = (ROOT / "docs" / "kernels.md").read_text().split("`kernels.KERNEL_OPS`")[0].rsplit("the ops are", 1)[-1]
+    if f"`{op.name}`" not in ops_list:
+        problems.append(f"docs: docs/kernels.md's ops list (\"the ops are ..., `kernels.KERNEL_OPS`\", under "
+                        f"\"Kernels and the NKI emulator\") does not name `{op.name}`")
     return problems
 
 
@@ -197,9 +210,8 @@ def test_each_check_case_passes_in_fp32(name):
     from kit import device_check
 
     generator = torch.Generator().manual_seed(0)
-    for case, make_inputs, call in kernels.OPS[name].check_cases(kernels.CheckShapes(), torch.float32, "cpu",
-                                                                   generator):
-        device_check.check_kernel(device_check.KernelCase(name, case, "", make_inputs, call), grad=True)
+    for case in kernels.OPS[name].check_cases(kernels.CheckShapes(), torch.float32, "cpu", generator):
+        device_check.check_kernel(case, grad=True)
 
 
 def test_an_undeclared_op_says_how_to_declare_it():

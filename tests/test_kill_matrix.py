@@ -217,10 +217,9 @@ def _check_cases():
     """(name, run) for the kernel checks of bench.py --check (forward+backward, kit/device_check.py) at the
     cases each op's declaration gives the kill matrix (KernelOp.kill_matrix), at its check shapes."""
     generator = torch.Generator().manual_seed(7)
-    return [(f"--check {name}", lambda case=device_check.KernelCase(op, name, "", inputs, call):
-             device_check.check_kernel(case, grad=True))
-            for op, name, inputs, call in kernels.check_cases(torch.bfloat16, "cpu", generator)
-            if name in kernels.OPS[op].kill_matrix]
+    return [(f"--check {case.name}", lambda case=case: device_check.check_kernel(case, grad=True))
+            for case in kernels.check_cases(torch.bfloat16, "cpu", generator)
+            if case.name in kernels.OPS[case.op].kill_matrix]
 
 
 def kill_matrix(fault):
