@@ -5,16 +5,43 @@ stop signals. (cf. nanochat's nanochat/common.py)
 """
 import os
 import sys
+import time
 
-# CPU threads: torch's intra-op pool is an OpenMP team whose threads spin while they wait for work (libgomp's
-# default). On a CPU that another process shares, each parallel region then waits for the thread that process
-# holds up: with one core of a 2-core EPYC kept busy, train.py ran at a third of its quiet tokens/s, and at
-# twice that with OMP_WAIT_POLICY=PASSIVE (waiting threads sleep), which cost nothing measurable on the quiet
-# machine (docs/training.md, "CPU threads"). OpenMP reads the variable once, as torch loads it: train.py and
-# evaluate.py import this module before torch. A user's own setting wins.
-OMP_WAIT_POLICY_BY_KIT = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
+# CPU threads: torch's intra-op pool is an OpenMP team whose threads spin a while before they sleep (libgomp's
+# default). On a CPU another process shares, each parallel region then waits for the thread that process holds
+# up: with one core of a 2-core EPYC kept busy, train.py ran at a third of its quiet tokens/s, and at twice that
+# with OMP_WAIT_POLICY=PASSIVE (waiting threads sleep at once). On a quiet 2-core Xeon (AVX512, AMX) PASSIVE
+# halved fp32 tokens/s (docs/training.md, "CPU threads"), so the kit sets it only where other processes keep a
+# core busy as it starts (from /proc/stat over 50 ms), and then also runs one thread per core left free: beside
+# one busy core of that Xeon, one thread ran fp32 at 12.7k tokens/s, two passive ones at 8.1k, two spinning
+# ones at 6.2k (quiet: 20.7k). OpenMP reads the variables once, as torch loads it: train.py and evaluate.py
+# import this module before torch. A user's own settings win (torchrun sets OMP_NUM_THREADS=1 per rank).
+def busy_cores_elsewhere(seconds=0.05):
+    """How many cores other processes kept busy over `seconds` (this process sleeps meanwhile); None where
+    /proc/stat cannot be read (not Linux)."""
+    def totals():
+        with open("/proc/stat") as stat:
+            fields = [int(n) for n in stat.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all jiffies, idle + iowait
+    try:
+        (total0, idle0), _ = totals(), time.sleep(seconds)
+        total1, idle1 = totals()
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = os.cpu_count() or 1
+    return cores * (1 - (idle1 - idle0) / max(total1 - total0, 1))
+
+
+def chosen_wait_policy(busy_cores):
+    """PASSIVE where at least half a core was busy elsewhere at start-up, else None (libgomp's default)."""
+    return "PASSIVE" if busy_cores is not None and busy_cores >= 0.5 else None
+
+
+OMP_BUSY_CORES = None if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules else busy_cores_elsewhere()
+OMP_WAIT_POLICY_BY_KIT = chosen_wait_policy(OMP_BUSY_CORES) is not None
 if OMP_WAIT_POLICY_BY_KIT:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) - round(OMP_BUSY_CORES))))
 
 # The Neuron compiler's flags, for every entry point (each imports this module before it compiles anything):
 # TorchNeuron reads NEURON_CC_FLAGS each time it compiles a graph or an op, not at import
@@ -36,7 +63,6 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
-import time  # noqa: E402
 from contextlib import nullcontext, suppress  # noqa: E402
 from dataclasses import asdict  # noqa: E402
 
@@ -311,12 +337,17 @@ class Stopped(Exception):
 
 
 def omp_wait_policy():
-    """How OpenMP's threads wait, as the start-up line says it: the kit's default, the user's, or none applied."""
+    """How OpenMP's threads wait, as the start-up line says it: the kit's choice and why, or the user's."""
     if OMP_WAIT_POLICY_BY_KIT:
-        return "OMP_WAIT_POLICY=PASSIVE (the kit's default: waiting CPU threads sleep, fair to other processes)"
+        return (f"OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the kit's: "
+                f"{OMP_BUSY_CORES:.1f} cores busy elsewhere at start-up; threads on the free cores, sleeping "
+                "while they wait)")
     if "OMP_WAIT_POLICY" in os.environ:
         return f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (yours)"
-    return "OMP_WAIT_POLICY not set: torch was imported before kit/runtime.py could set it"
+    if OMP_BUSY_CORES is not None:
+        return (f"OMP_WAIT_POLICY unset (libgomp's spinning default: {OMP_BUSY_CORES:.1f} cores busy elsewhere "
+                "at start-up; the kit sets PASSIVE from 0.5)")
+    return "OMP_WAIT_POLICY unset: torch was imported before kit/runtime.py, or /proc/stat could not be read"
 
 
 def log_config(log, cfg, trainee, ranks, batch, dtype_reason):

@@ -237,6 +237,19 @@ def test_cpu_threads_wait_passively_unless_the_user_says_otherwise(users):
     result = subprocess.run([sys.executable, "-c", spy], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     at_torch_import, said = result.stdout.strip().split(" | ")
-    assert at_torch_import == (users or "PASSIVE")
-    assert said == ("OMP_WAIT_POLICY=ACTIVE (yours)" if users else
-                    "OMP_WAIT_POLICY=PASSIVE (the kit's default: waiting CPU threads sleep, fair to other processes)")
+    if users:
+        assert (at_torch_import, said) == (users, "OMP_WAIT_POLICY=ACTIVE (yours)")
+    else:  # the kit's choice follows the load it saw, which the test cannot fix: what torch saw is what it says
+        assert at_torch_import in ("PASSIVE", "None"), at_torch_import
+        assert said.startswith("OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS=" if at_torch_import == "PASSIVE" else
+                               "OMP_WAIT_POLICY unset (libgomp's spinning default: "), said
+
+
+def test_the_wait_policy_is_passive_only_beside_a_busy_core():
+    """PASSIVE halved quiet fp32 tokens/s on a 2-core Xeon and doubled them beside a busy core (docs/training.md):
+    the kit chooses it from the cores other processes keep busy."""
+    assert runtime.chosen_wait_policy(None) is None  # no /proc/stat: libgomp's default
+    assert runtime.chosen_wait_policy(0.1) is None
+    assert runtime.chosen_wait_policy(0.5) == runtime.chosen_wait_policy(1.0) == "PASSIVE"
+    busy = runtime.busy_cores_elsewhere(0.01)
+    assert busy is None or 0 <= busy <= os.cpu_count()
