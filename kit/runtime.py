@@ -7,15 +7,9 @@ import os
 import sys
 import time
 
-# CPU threads: torch's intra-op pool is an OpenMP team whose threads spin a while before they sleep (libgomp's
-# default). On a CPU another process shares, each parallel region then waits for the thread that process holds
-# up: with one core of a 2-core EPYC kept busy, train.py ran at a third of its quiet tokens/s, and at twice that
-# with OMP_WAIT_POLICY=PASSIVE (waiting threads sleep at once). On a quiet 2-core Xeon (AVX512, AMX) PASSIVE
-# halved fp32 tokens/s (docs/training.md, "CPU threads"), so the kit sets it only where other processes keep a
-# core busy as it starts (from /proc/stat over 50 ms), and then also runs one thread per core left free: beside
-# one busy core of that Xeon, one thread ran fp32 at 12.7k tokens/s, two passive ones at 8.1k, two spinning
-# ones at 6.2k (quiet: 20.7k). OpenMP reads the variables once, as torch loads it: train.py and evaluate.py
-# import this module before torch. A user's own settings win (torchrun sets OMP_NUM_THREADS=1 per rank).
+# CPU threads: beside a busy core libgomp's spinning threads wait for it (fp32 0.30x of quiet on a 2-core Xeon;
+# PASSIVE with threads on the free cores 0.49x, but PASSIVE alone halved quiet speed: docs/training.md). Set
+# only beside a busy core, before torch loads (OpenMP reads them once). Your settings win.
 def busy_cores_elsewhere(seconds=0.05):
     """How many cores other processes kept busy over `seconds` (this process sleeps meanwhile); None where
     /proc/stat cannot be read (not Linux)."""
@@ -24,7 +18,8 @@ def busy_cores_elsewhere(seconds=0.05):
             fields = [int(n) for n in stat.readline().split()[1:]]
         return sum(fields), fields[3] + fields[4]  # all jiffies, idle + iowait
     try:
-        (total0, idle0), _ = totals(), time.sleep(seconds)
+        total0, idle0 = totals()
+        time.sleep(seconds)
         total1, idle1 = totals()
     except (OSError, ValueError, IndexError):
         return None
@@ -340,14 +335,12 @@ def omp_wait_policy():
     """How OpenMP's threads wait, as the start-up line says it: the kit's choice and why, or the user's."""
     if OMP_WAIT_POLICY_BY_KIT:
         return (f"OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the kit's: "
-                f"{OMP_BUSY_CORES:.1f} cores busy elsewhere at start-up; threads on the free cores, sleeping "
-                "while they wait)")
+                f"{OMP_BUSY_CORES:.1f} cores busy elsewhere at start-up)")
     if "OMP_WAIT_POLICY" in os.environ:
         return f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (yours)"
     if OMP_BUSY_CORES is not None:
-        return (f"OMP_WAIT_POLICY unset (libgomp's spinning default: {OMP_BUSY_CORES:.1f} cores busy elsewhere "
-                "at start-up; the kit sets PASSIVE from 0.5)")
-    return "OMP_WAIT_POLICY unset: torch was imported before kit/runtime.py, or /proc/stat could not be read"
+        return f"OMP_WAIT_POLICY unset (libgomp's default: {OMP_BUSY_CORES:.1f} cores busy elsewhere at start-up)"
+    return "OMP_WAIT_POLICY unset (torch loaded first, or no /proc/stat)"
 
 
 def log_config(log, cfg, trainee, ranks, batch, dtype_reason):

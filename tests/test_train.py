@@ -242,7 +242,7 @@ def test_cpu_threads_wait_passively_unless_the_user_says_otherwise(users):
     else:  # the kit's choice follows the load it saw, which the test cannot fix: what torch saw is what it says
         assert at_torch_import in ("PASSIVE", "None"), at_torch_import
         assert said.startswith("OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS=" if at_torch_import == "PASSIVE" else
-                               "OMP_WAIT_POLICY unset (libgomp's spinning default: "), said
+                               "OMP_WAIT_POLICY unset (libgomp's default: "), said
 
 
 def test_the_wait_policy_is_passive_only_beside_a_busy_core():
