@@ -1583,8 +1583,11 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     chunk_tiles: hidden tiles (128 units) per chunk, from _mlp_chunk_tiles.
 
     Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and
-    w_down[:, chunk].T as tiles [128 units, d], transposed on TensorE once per call. Per block of 512
-    tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden
+    w_down[:, chunk].T as tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time
+    as the chunk's first block reaches them (issue order: TensorE starts on the first 512 units while the
+    DMA brings the next, instead of waiting for all the weights; before, 286.7 us scheduled at K82s4's
+    forward, now 263.7, against a 249.2 us overlap bound; at the baseline's, DMA-bound while the weights
+    and the saved pre-activations share the queues, 117.8 -> 118.3). Per block of 512 tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden
     tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank (stationary 128
     x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into SBUF
     in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand
@@ -1628,17 +1631,26 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
         units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
-        w_up_t = _transposed_in_sbuf(w_up, units, slice(0, dim))  # d/128 tiles [128, chunk units]
-        w_gate_t = _transposed_in_sbuf(w_gate, units, slice(0, dim)) if gated else None
-        w_down_t = _transposed_in_sbuf(w_down, slice(0, dim), units)  # chunk tiles [128 units, d]
-        for span in _spans(program_start, program_stop, MLP_BLOCK_TOKENS):
-            block_start, block_tokens = span
+        w_up_t = _sbuf_tiles(dim // TILE, (TILE, tiles * TILE), w_up.dtype)  # d/128 tiles [128, chunk units]
+        w_gate_t = _sbuf_tiles(dim // TILE, (TILE, tiles * TILE), w_up.dtype) if gated else None
+        w_down_t = []  # chunk tiles [128 units, d]
+        blocks = _spans(program_start, program_stop, MLP_BLOCK_TOKENS)
+        for b in range(len(blocks)):
+            block_start, block_tokens = blocks[b]
             block = slice(block_start, block_start + block_tokens)
             x_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
             _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens, slice(0, dim)))
             act_t = []  # the chunk's tiles [128 units, block_tokens] of the block's hidden activation
             for j in range(tiles):
                 start, stop = j * TILE, (j + 1) * TILE
+                if b == 0 and start % BANK_FP32 == 0:  # the weights of the next 512 units, as the first block needs them
+                    group = slice(units.start + start, units.start + min(start + BANK_FP32, tiles * TILE))
+                    _transpose_pieces_into(w_up_t, start, _load_row_pieces(w_up, group.start, group.stop - group.start,
+                                                                           slice(0, dim)))
+                    if gated:
+                        _transpose_pieces_into(w_gate_t, start, _load_row_pieces(
+                            w_gate, group.start, group.stop - group.start, slice(0, dim)))
+                    w_down_t += _transposed_in_sbuf(w_down, slice(0, dim), group)
                 up = _matmul_into_psum(_column_slices(w_up_t, start, stop), x_t)
                 gate = _matmul_into_psum(_column_slices(w_gate_t, start, stop), x_t) if gated else None
                 if save_preactivation:
@@ -1762,10 +1774,11 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     chunks); each chunk's weight gradients leave once, one DMA per 128-unit tile.
 
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
-    (weights and fp32 accumulators); plus dy, dy.T and x of a block (3 B d itemsize / 128), one hidden
-    tile's elementwise and flipped tiles, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk
-    of 20 tiles (planned 182,784 bytes, measured 159 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11,
-    11, 10 (planned 168 KiB, measured 146); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
+    (weights and fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d
+    itemsize / 128: the pipeline crosses blocks), the elementwise and flipped tiles of the three tiles in
+    flight, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk of 20 tiles (planned 190,976 bytes,
+    measured 167 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10 (planned 179 KiB, measured
+    163); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
     5): within SBUF_BUDGET (196,608), under the 212,984 bytes usable on a Trn2 partition.
     PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
     _mlp_shape_problem (d <= 2048, multiples of 128); any N.
@@ -1777,8 +1790,18 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     leaky_relu2: three); ScalarE the flips' evictions and the activation's scaled copies. So VectorE
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
     TensorE sets the pace. The emulator's counts for forward + backward (bench.py --kernels: bf16, 1024
-    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 162, K82s4
-    leaky_relu2 724 / 452 / 225 / 406: TensorE-bound, 89-91% of its time useful matmul.
+    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 166, K82s4
+    leaky_relu2 724 / 452 / 225 / 416: TensorE-bound, 89-91% of its time useful matmul.
+
+    Issue order: per chunk, the (block, hidden tile) steps form one stream whose four stages (daT on
+    TensorE; the activation's derivative on ScalarE/VectorE; the flips and dx matmuls on TensorE, the flips'
+    evictions on ScalarE; the weight-gradient matmuls on TensorE and their accumulation on VectorE) are
+    software-pipelined as the attention kernels are: step t issues daT of tile t and its derivative beside
+    the flips and dx of tile t-1 and the weight gradients of tile t-2, so TensorE never waits on the chain of
+    the tile it just started. A block's dx leaves PSUM once its last tile's dx matmuls are issued, before the
+    next block's are first written; a weight gradient leaves for HBM in the last block as soon as it is
+    complete. Scheduled (nki_emulator/_schedule.py), the backward alone: baseline 401.7 us tile after tile,
+    now 211.5, against a 189.9 us overlap bound; K82s4 795.0 -> 504.7 against 474.5.
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
@@ -1794,7 +1817,6 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     blocks = _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim))
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
-    column_spans = _spans(0, dim, BANK_FP32)
     if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
@@ -1804,61 +1826,128 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         chunks = []
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
-        units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
-        w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+        chunk = {"k": k, "n_chunks": len(chunks), "units": slice(first_tile * TILE, (first_tile + tiles) * TILE),
+                 "tiles": tiles, "n_steps": len(blocks) * tiles, "w_up_rows": [], "w_gate_rows": [],
+                 "accumulators": []}
+        for _ in grads:  # per gradient, the chunk's fp32 tiles [128 units, d]
+            chunk["accumulators"].append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
+        steps = [_mlp_bwd_start_block(dy, x, blocks, 0)]
+        chunk["w_down_cols"] = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
         for c in range(dim // TILE):
-            w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), units))
-        w_up_rows = _load_row_pieces(w_up, units.start, tiles * TILE, slice(0, dim))  # chunk tiles [128 units, d]
-        w_gate_rows = _load_row_pieces(w_gate, units.start, tiles * TILE, slice(0, dim)) if gated else None
-        accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
-        for _ in grads:
-            accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
-
-        for b in range(len(blocks)):
-            block_start, block_tokens = blocks[b]
-            block = slice(block_start, block_start + block_tokens)
-            dy_pieces = _load_row_pieces(dy, block_start, block_tokens, slice(0, dim))
-            x_pieces = _load_row_pieces(x, block_start, block_tokens, slice(0, dim))
-            dy_t = _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype)
-            _transpose_pieces_into(dy_t, 0, dy_pieces)
-            piece_spans = _spans(0, block_tokens, TILE)
-            dx_acc = []  # per 128-token piece, one PSUM tile per bank-wide column span: the chunk's share of dx
-            for piece in piece_spans:
-                _, tokens = piece
-                row_of_banks = []
-                for columns in column_spans:
-                    _, width = columns
-                    row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
-                dx_acc.append(row_of_banks)
-
-            for j in range(tiles):
-                start, stop = j * TILE, (j + 1) * TILE
-                saved = slice(units.start + start, units.start + stop)
-                d_act = _matmul_into_psum(_column_slices(w_down_cols, start, stop), dy_t)
-                up = _load_tile(up_saved, saved, block)
-                gate = _load_tile(gate_saved, saved, block) if gated else None
-                act, act_scale, d_up, d_gate = _mlp_activation_backward(activation, up, gate, d_act, x.dtype)
-
-                _accumulate_dx(dx_acc, d_up, w_up_rows[j], piece_spans, column_spans, accumulate=j > 0)
-                if gated:
-                    _accumulate_dx(dx_acc, d_gate, w_gate_rows[j], piece_spans, column_spans, accumulate=True)
-                _accumulate_weight_grad(accumulators[0][j], d_up, x_pieces, b == 0, 1.0)
-                _accumulate_weight_grad(accumulators[1][j], act, dy_pieces, b == 0, act_scale)
-                if gated:
-                    _accumulate_weight_grad(accumulators[2][j], d_gate, x_pieces, b == 0, 1.0)
-
-            for p in range(len(piece_spans)):
-                offset, tokens = piece_spans[p]
-                rows = slice(block_start + offset, block_start + offset + tokens)
-                _finish_rows(dx, partial, rows, program_start, dx_acc[p], k, len(chunks), p)
-
-        for g in range(len(grads)):
-            for j in range(tiles):
-                rows = slice(units.start + j * TILE, units.start + (j + 1) * TILE)
-                nisa.dma_copy(dst=grads[g][program, rows, :], src=accumulators[g][j])
+            chunk["w_down_cols"].append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), chunk["units"]))
+        # software pipelining, as the attention kernels (docstring: Issue order)
+        for step in range(chunk["n_steps"] + 2):
+            if step < chunk["n_steps"]:
+                if step > 0:
+                    steps.append(_mlp_bwd_next_step(dy, x, blocks, steps[step - 1], tiles))
+                _mlp_bwd_d_act(steps[step], chunk, w_up, w_gate, up_saved, gate_saved)
+                _mlp_bwd_activation(steps[step], activation, x.dtype)
+            if 0 <= step - 1 < chunk["n_steps"]:
+                _mlp_bwd_dx_and_flips(steps[step - 1], chunk)
+                if steps[step - 1]["j"] == tiles - 1:  # the block's dx is complete
+                    _mlp_bwd_finish_block(dx, partial, program_start, steps[step - 1], chunk)
+            if 0 <= step - 2:
+                _mlp_bwd_weight_grads(steps[step - 2], chunk, grads, program, len(blocks))
     if gated:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
+
+
+def _mlp_bwd_start_block(dy, x, blocks, b):
+    """The state (a dict) of the first step of block `b`: the block's dy and x as 128-token row pieces, dy.T
+    (d/128 tiles [128, tokens], TensorE transposes) and its dx accumulators in PSUM, one tile per 128-token
+    piece and bank-wide column span, allocated here and first written by the block's first dx matmuls."""
+    block_start, block_tokens = blocks[b]
+    dim = x.shape[1]
+    block = {"b": b, "start": block_start, "slice": slice(block_start, block_start + block_tokens),
+             "dy_pieces": _load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
+             "x_pieces": _load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
+             "dy_t": _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
+             "piece_spans": _spans(0, block_tokens, TILE), "column_spans": _spans(0, dim, BANK_FP32), "dx_acc": []}
+    _transpose_pieces_into(block["dy_t"], 0, block["dy_pieces"])
+    for piece in block["piece_spans"]:
+        _, tokens = piece
+        row_of_banks = []
+        for columns in block["column_spans"]:
+            _, width = columns
+            row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
+        block["dx_acc"].append(row_of_banks)
+    return {"block": block, "j": 0}
+
+
+def _mlp_bwd_next_step(dy, x, blocks, previous, tiles):
+    """The state of the step after `previous` in a chunk's stream of (block, hidden tile) steps: the next
+    hidden tile of the same block, or the first of the next block."""
+    if previous["j"] == tiles - 1:
+        return _mlp_bwd_start_block(dy, x, blocks, previous["block"]["b"] + 1)
+    return {"block": previous["block"], "j": previous["j"] + 1}
+
+
+def _mlp_bwd_d_act(step, chunk, w_up, w_gate, up_saved, gate_saved):
+    """Stage 1 of a step: daT = w_down[:, tile].T @ dy.T on TensorE (one PSUM bank), the tile's saved
+    pre-activations loaded; in the chunk's first block also the tile's rows of w_up (and w_gate), so that the
+    loads queue in the order the steps need them."""
+    block, j = step["block"], step["j"]
+    start, units = j * TILE, chunk["units"]
+    saved = slice(units.start + start, units.start + start + TILE)
+    if block["b"] == 0:
+        chunk["w_up_rows"].append(_load_tile(w_up, saved, slice(0, w_up.shape[1])))
+        if w_gate is not None:
+            chunk["w_gate_rows"].append(_load_tile(w_gate, saved, slice(0, w_up.shape[1])))
+    step["d_act"] = _matmul_into_psum(_column_slices(chunk["w_down_cols"], start, start + TILE), block["dy_t"])
+    step["up"] = _load_tile(up_saved, saved, block["slice"])
+    step["gate"] = _load_tile(gate_saved, saved, block["slice"]) if w_gate is not None else None
+
+
+def _mlp_bwd_activation(step, activation, dtype):
+    """Stage 2: act and the pre-activations' gradients on ScalarE and VectorE (_mlp_activation_backward)."""
+    act, act_scale, d_up, d_gate = _mlp_activation_backward(activation, step["up"], step["gate"], step["d_act"],
+                                                            dtype)
+    step["act"] = act
+    step["act_scale"] = act_scale
+    step["d_up"] = d_up
+    step["d_gate"] = d_gate
+
+
+def _mlp_bwd_dx_and_flips(step, chunk):
+    """Stage 3: d_up (and d_gate) and act flipped token-major for the weight gradients (TensorE, evicted on
+    ScalarE), then the tile's share of dx into the block's PSUM accumulators (TensorE)."""
+    block, j = step["block"], step["j"]
+    gated = step["d_gate"] is not None
+    step["d_up_t"] = _token_major(step["d_up"], block["x_pieces"], 1.0)
+    step["act_t"] = _token_major(step["act"], block["dy_pieces"], step["act_scale"])
+    step["d_gate_t"] = _token_major(step["d_gate"], block["x_pieces"], 1.0) if gated else None
+    _accumulate_dx(block["dx_acc"], step["d_up"], chunk["w_up_rows"][j], block["piece_spans"],
+                   block["column_spans"], accumulate=j > 0)
+    if gated:
+        _accumulate_dx(block["dx_acc"], step["d_gate"], chunk["w_gate_rows"][j], block["piece_spans"],
+                       block["column_spans"], accumulate=True)
+
+
+def _mlp_bwd_finish_block(dx, partial, program_start, step, chunk):
+    """After the block's last dx matmuls: its rows of dx leave PSUM (_finish_rows)."""
+    block = step["block"]
+    for p in range(len(block["piece_spans"])):
+        offset, tokens = block["piece_spans"][p]
+        rows = slice(block["start"] + offset, block["start"] + offset + tokens)
+        _finish_rows(dx, partial, rows, program_start, block["dx_acc"][p], chunk["k"], chunk["n_chunks"], p)
+
+
+def _mlp_bwd_weight_grads(step, chunk, grads, program, n_blocks):
+    """Stage 4: the tile's weight gradients accumulate over the block's tokens (TensorE into PSUM, then into
+    the chunk's fp32 SBUF tiles); in the last block each leaves for HBM as soon as it is complete."""
+    block, j = step["block"], step["j"]
+    first, last = block["b"] == 0, block["b"] == n_blocks - 1
+    token_majors = [step["d_up_t"], step["act_t"]]
+    pieces = [block["x_pieces"], block["dy_pieces"]]
+    if step["d_gate_t"] is not None:
+        token_majors.append(step["d_gate_t"])
+        pieces.append(block["x_pieces"])
+    for g in range(len(grads)):
+        _accumulate_weight_grad(chunk["accumulators"][g][j], token_majors[g], pieces[g], first)
+        if last:
+            rows = slice(chunk["units"].start + j * TILE, chunk["units"].start + (j + 1) * TILE)
+            nisa.dma_copy(dst=grads[g][program, rows, :], src=chunk["accumulators"][g][j])
 
 
 def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumulate):
@@ -1872,12 +1961,11 @@ def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumu
                            moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
-def _accumulate_weight_grad(acc, hidden_t, pieces, first, scale):
-    """acc [128 hidden, d] (fp32 SBUF) (+)= scale * hidden_t [128 hidden, tokens] @ the stacked token pieces
-    [tokens, d]; `first` (the program's first block) overwrites. TensorE contracts over partitions, so each
-    128-token slice of hidden_t is first flipped to put its tokens there (up to four flips share a PSUM bank
-    and one ScalarE eviction, which applies `scale` for free; only the last piece of all may be short). The
-    pieces' products accumulate in PSUM, then one VectorE add (or, first, a ScalarE copy) per bank."""
+def _token_major(hidden_t, pieces, scale):
+    """scale * hidden_t [128 hidden, tokens] flipped to put its tokens on the partitions, as the weight
+    gradients' stationary operands: one [<=128 tokens, 128 hidden] slice per token piece of `pieces`. Up to
+    four flips share a PSUM bank and one ScalarE eviction, which applies `scale` for free; only the last
+    piece of all may be short."""
     flipped = nl.ndarray((TILE, len(pieces) * TILE), hidden_t.dtype, buffer=nl.psum)
     token_major = nl.ndarray(flipped.shape, hidden_t.dtype, buffer=nl.sbuf)
     stationaries = []
@@ -1895,6 +1983,13 @@ def _accumulate_weight_grad(acc, hidden_t, pieces, first, scale):
     if full < flipped.shape[1]:
         tokens = pieces[-1].shape[0]
         nisa.activation(dst=token_major[:tokens, full:], op=nl.copy, data=flipped[:tokens, full:], scale=scale)
+    return stationaries
+
+
+def _accumulate_weight_grad(acc, stationaries, pieces, first):
+    """acc [128 hidden, d] (fp32 SBUF) (+)= the token-major slices (_token_major) @ the stacked token pieces
+    [tokens, d]; `first` (the program's first block) overwrites. The pieces' products accumulate in PSUM,
+    then one VectorE add (or, first, a ScalarE copy) per bank."""
     for span in _spans(0, acc.shape[1], BANK_FP32):
         col, width = span
         grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
@@ -1981,8 +2076,10 @@ def _mlp_sbuf_plan(dim, gated, itemsize, backward):
     if backward:
         block = _mlp_bwd_block_tokens(dim)
         per_tile = projections * dim * (itemsize + 4)  # the chunk's weight slices, its fp32 gradient accumulators
-        # dy, dy.T and x of a block; one hidden tile's elementwise and flipped tiles; dx's rows and partial sums
-        besides = 3 * dim * block * itemsize // TILE + block * (8 * itemsize + 16) + 8 * dim
+        # dy, dy.T and x of a block, and the next block's dy and x while the pipeline crosses into it; one hidden
+        # tile's elementwise and flipped tiles, and the act, d_up, d_gate and flips of the two steps behind it;
+        # dx's rows and partial sums
+        besides = 5 * dim * block * itemsize // TILE + block * (14 * itemsize + 16) + 8 * dim
     else:
         per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
         # x.T of a block; fp32 activation scratch and the saved pre-activations' staging; y's rows and partial sums

@@ -68,7 +68,7 @@ def check_mlp(x, w_up, w_down, w_gate, activation, dtype):
 # each case takes about 0.3-1 s on the emulator, and runs each kernel's hidden units in one chunk.
 # Then the widths people train, K82s4's d=1024, hidden=4096 and phase2's d=1536, hidden=6144 (a few
 # seconds each), where the hidden units go in chunks (kernels._mlp_chunk_tiles; here forward 1, 4, 3 and 5
-# chunks, backward 3, 7, 6 and 8: first, middle and last partial sums), each activation once, both dtypes
+# chunks, backward 3, 8, 6 and 10: first, middle and last partial sums), each activation once, both dtypes
 # at both widths. 128 tokens leave the second core of kernel[2] without any (it writes zero
 # weight-gradient shares); 130 give it a 2-token tile.
 MLP_CASES = [
