@@ -70,7 +70,9 @@ def check_mlp(x, w_up, w_down, w_gate, activation, dtype):
 # seconds each), where the hidden units go in chunks (kernels._mlp_chunk_tiles; here forward 1, 4, 3 and 5
 # chunks, backward 3, 8, 6 and 10: first, middle and last partial sums), each activation once, both dtypes
 # at both widths. 128 tokens leave the second core of kernel[2] without any (it writes zero
-# weight-gradient shares); 130 give it a 2-token tile.
+# weight-gradient shares); 130 give it a 2-token tile. Last, 1100 tokens at d=640: the backward's software
+# pipeline crosses from block to block of 256 tokens (3 on one core, the last of 128; 2 on the other, the last
+# ragged), in one chunk and, SwiGLU in fp32, in two.
 MLP_CASES = [
     # N, d, hidden, activation, dtype
     (640, 384, 512, "swiglu", torch.bfloat16),
@@ -88,6 +90,8 @@ MLP_CASES = [
     (130, 1024, 4096, "swiglu", torch.float32),
     (128, 1536, 6144, "relu2", torch.bfloat16),
     (130, 1536, 6144, "gelu", torch.float32),
+    (1100, 640, 512, "relu2", torch.bfloat16),
+    (1100, 640, 2048, "swiglu", torch.float32),
 ]
 
 
@@ -242,6 +246,7 @@ ADD_NORM_CASES = [
     ((3, 128, 64), torch.float32, torch.float32, True),
     ((200, 384), torch.bfloat16, torch.bfloat16, True),
     ((5, 25, 128), torch.float32, torch.bfloat16, False),
+    ((2, 400, 128), torch.float32, torch.bfloat16, True),  # 4 and 3 tiles a core: the pipelines' steady state
 ]
 
 
