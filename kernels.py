@@ -3113,11 +3113,18 @@ def _rope_steps(batch, seq_len):
 
 def _head_slots(tile, n_heads):
     """tile[:, j, head h] of a (P, J, H * D) tile, for each head h and slot j, at h * J + j."""
-    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
     slots = []
     for h in range(n_heads):
-        for j in range(per_part):
-            slots.append(tile[:, j, h * dim:(h + 1) * dim])
+        slots += _slots_of_head(tile, n_heads, h)
+    return slots
+
+
+def _slots_of_head(tile, n_heads, h):
+    """tile[:, j, head h] of a (P, J, H * D) tile, for each slot j."""
+    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
+    slots = []
+    for j in range(per_part):
+        slots.append(tile[:, j, h * dim:(h + 1) * dim])
     return slots
 
 
@@ -3126,19 +3133,24 @@ def _rotate(dst, src, n_heads, cos_sin, inverse):
 
     The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
     as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
+    dim = src.shape[2] // n_heads
+    for h in range(n_heads):
+        _rotate_head(dst[:, :, h * dim:(h + 1) * dim], src[:, :, h * dim:(h + 1) * dim], cos_sin, inverse)
+
+
+def _rotate_head(dst, src, cos_sin, inverse):
+    """_rotate of one head: dst and src (P, J, D)."""
     cos_tile, sin_tile = cos_sin
     half = cos_tile.shape[2]
-    for h in range(n_heads):
-        lo, mid, hi = 2 * h * half, (2 * h + 1) * half, (2 * h + 2) * half
-        x1, x2, out1, out2 = src[:, :, lo:mid], src[:, :, mid:hi], dst[:, :, lo:mid], dst[:, :, mid:hi]
-        sin_x2 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
-        sin_x1 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
-        nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
-        nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
-        nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
+    x1, x2, out1, out2 = src[:, :, 0:half], src[:, :, half:2 * half], dst[:, :, 0:half], dst[:, :, half:2 * half]
+    sin_x2 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
+    sin_x1 = nl.ndarray(cos_tile.shape, dst.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sin_x2, data1=x2, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=sin_x1, data1=x1, data2=sin_tile, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=out1, data1=x1, data2=cos_tile, op=nl.multiply)
+    nisa.tensor_tensor(dst=out1, data1=out1, data2=sin_x2, op=nl.add if inverse else nl.subtract)
+    nisa.tensor_tensor(dst=out2, data1=x2, data2=cos_tile, op=nl.multiply)
+    nisa.tensor_tensor(dst=out2, data1=out2, data2=sin_x1, op=nl.subtract if inverse else nl.add)
 
 
 def _load_rope_step(src, cos, sin, b, tokens, parts):
@@ -3156,6 +3168,11 @@ def _slot_rstds(slots, eps, squares):
 
     ScalarE squares and sums each slot (into `squares`, slots of the same shapes, unread); the mean and
     rsqrt are one instruction each for all the slots (VectorE, GpSimd)."""
+    return _slot_rsqrt(_slot_mean_squares(slots, eps, squares))
+
+
+def _slot_mean_squares(slots, eps, squares):
+    """The first part of _slot_rstds: mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile."""
     parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
     sum_sq = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
     for c in range(count):
@@ -3163,7 +3180,12 @@ def _slot_rstds(slots, eps, squares):
                                reduce_res=sum_sq[:, c:c + 1])
     mean_sq = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=mean_sq, data=sum_sq, op0=nl.multiply, operand0=1.0 / dim, op1=nl.add, operand1=eps)
-    rstd = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
+    return mean_sq
+
+
+def _slot_rsqrt(mean_sq):
+    """The second part of _slot_rstds: 1 / sqrt of each value (GpSimd)."""
+    rstd = nl.ndarray(mean_sq.shape, nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
     return rstd
 
@@ -3176,29 +3198,52 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     y = z / sqrt(mean(z^2) + eps).
 
     Per step (_rope_steps: 128 partitions x 4 tokens): one DMA brings every head of the tokens, one each
-    cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate); ScalarE squares and sums each
-    (token, head) and writes z * rstd (its free scale); one DMA per head stores (128, 4, D) into y[b, h]:
-    the layout change is the store's access pattern. HBM traffic: x read once, y written once (apart: the
-    rotary's four bf16 passes and the norm's read and write). SBUF per partition: 3 tiles of 4 H D values.
+    cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate_head) into the head's own tile;
+    ScalarE squares and sums each (token, head), VectorE and GpSimd make rstd, ScalarE writes z * rstd (its
+    free scale); one DMA per head stores (128, 4, D) into y[b, h]: the layout change is the store's access
+    pattern. Issue order: the (step, head) units are software-pipelined in three stages (rotation; squares
+    and mean; rsqrt, scaling and store): unit u's rotation is issued beside unit u-1's squares and unit
+    u-2's store, so no engine waits on one head's chain (scheduled, nki_emulator/_schedule.py, one
+    sequence: baseline q 31.9 -> 22.2 us, K82s4 q 43.4 -> 30.9, against overlap bounds of 13.2 and 17.6,
+    which the per-head rsqrt raised from 11.5 and 17.2). Each head has its own tiles because the schedule
+    orders accesses to one tile by the byte range they span, and a head's slice of a (P, 4, H D) tile
+    spans its neighbours' bytes. HBM traffic: x read once, y written once (apart: the rotary's four bf16
+    passes and the norm's read and write). SBUF per partition: x and two head tiles per unit in flight, at
+    most 4.5 tiles of 4 H D values (one head of 2048 in fp32: the emulator measures 147,456 bytes).
     PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
-    k: 23 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
+    k: 26 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
     """
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    for step in _rope_steps(batch, seq_len):
-        b, start, parts, per_part = step
-        tokens = slice(start, start + parts * per_part)
-        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-        rotated = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        _rotate(rotated, x_tile, n_heads, cos_sin, False)
-        out = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        z_slots, out_slots = _head_slots(rotated, n_heads), _head_slots(out, n_heads)
-        rstd = _slot_rstds(z_slots, eps, out_slots)
-        for c in range(len(z_slots)):
-            nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-        for h in range(n_heads):
-            nisa.dma_copy(dst=y[b, h, tokens, :], src=out[:, :, h * dim:(h + 1) * dim])
+    steps = _rope_steps(batch, seq_len)
+    units = []  # (step, head) in order: the software pipeline's stream (docstring: Issue order)
+    for unit in range(len(steps) * n_heads + 2):
+        if unit < len(steps) * n_heads:  # the head's rotation (GpSimd, VectorE) into its own tile
+            step, h = divmod(unit, n_heads)
+            if h == 0:
+                b, start, parts, per_part = steps[step]
+                tokens = slice(start, start + parts * per_part)
+                x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+                loaded = {"b": b, "tokens": tokens, "x": x_tile, "cos_sin": cos_sin}
+            else:
+                loaded = units[unit - 1]["loaded"]
+            shape = (loaded["x"].shape[0], loaded["x"].shape[1], dim)
+            units.append({"loaded": loaded, "h": h, "z": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),
+                          "out": nl.ndarray(shape, x.dtype, buffer=nl.sbuf)})
+            _rotate_head(units[unit]["z"], loaded["x"][:, :, h * dim:(h + 1) * dim], loaded["cos_sin"], False)
+        if 0 <= unit - 1 < len(units):  # its squares, summed (ScalarE), and their mean (VectorE)
+            behind = units[unit - 1]
+            behind["mean_sq"] = _slot_mean_squares(_slots_of_head(behind["z"], 1, 0), eps,
+                                                   _slots_of_head(behind["out"], 1, 0))
+        if 0 <= unit - 2:  # its rsqrt (GpSimd), z * rstd (ScalarE), its store
+            behind = units[unit - 2]
+            rstd = _slot_rsqrt(behind["mean_sq"])
+            z_slots, out_slots = _slots_of_head(behind["z"], 1, 0), _slots_of_head(behind["out"], 1, 0)
+            for c in range(len(z_slots)):
+                nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
+            loaded = behind["loaded"]
+            nisa.dma_copy(dst=y[loaded["b"], behind["h"], loaded["tokens"], :], src=behind["out"])
     return y
 
 
@@ -3210,7 +3255,9 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     Per step: x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate dy back; r from x (ScalarE
     squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
     by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
-    r * that; one DMA stores dx. HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
+    r * that; one DMA stores dx. Each head's dy lands in its own tile (the forward's docstring says why:
+    one tile's slices would load one after another; scheduled, baseline q 57.1 -> 49.7 us, K82s4 q 76.3 ->
+    69.8, against overlap bounds of 20.2 and 30.0). HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
     tiles of 4 H D values, at most 192 KiB at H D = 2048 in fp32 (the emulator measures 131,584 bytes live),
     within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time (the
     emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
@@ -3221,11 +3268,11 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
         b, start, parts, per_part = step
         tokens = slice(start, start + parts * per_part)
         x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-        dy_tile = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        for h in range(n_heads):
-            nisa.dma_copy(dst=dy_tile[:, :, h * dim:(h + 1) * dim], src=dy[b, h, tokens, :])
         g = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        _rotate(g, dy_tile, n_heads, cos_sin, True)
+        for h in range(n_heads):  # each head's dy its own tile: its DMA and rotation wait for no other head's
+            dy_head = nl.ndarray((x_tile.shape[0], x_tile.shape[1], dim), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dy_head, src=dy[b, h, tokens, :])
+            _rotate_head(g[:, :, h * dim:(h + 1) * dim], dy_head, cos_sin, True)
         scratch = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
         out = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
         x_slots, scratch_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads)
