@@ -3085,18 +3085,22 @@ SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
 # =============================================================================
 # rope_norm: RoPE + QK-norm from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
 
-ROPE_NORM_MAX_WIDTH = 2048  # H * D: six (128, 4, H * D) fp32 tiles in SBUF
+ROPE_NORM_MAX_WIDTH = 2048  # H * D: three steps' (128, 4, H * D) fp32 x tiles in SBUF, beside the heads' tiles
+ROPE_WIDE_HEAD = 256  # widest head dim taken 4 tokens a partition (_rope_steps)
 
 
-def _rope_steps(batch, seq_len):
+def _rope_steps(batch, seq_len, head_dim):
     """This program's (b, start, partitions, tokens per partition) steps.
 
-    512 tokens go as (128, 4), 4 consecutive tokens per partition (one contiguous run in x, in each head of
-    y and in the tables), where they make whole 128-token tiles; else 128-token tiles, one token per
-    partition. The steps of all sequences are split evenly between the programs of an LNC launch."""
+    At head_dim <= ROPE_WIDE_HEAD, 512 tokens go as (128, 4), 4 consecutive tokens per partition (one
+    contiguous run in x, in each head of y and in the tables), where they make whole 128-token tiles; else
+    (and for wider heads, whose tiles in flight in the kernels' pipelines would not fit SBUF at 4 tokens a
+    partition) 128-token tiles, one token per partition. The steps of all sequences are split evenly
+    between the programs of an LNC launch."""
+    per_part = 4 if head_dim <= ROPE_WIDE_HEAD else 1
     steps = []
     for b in range(batch):
-        for span in _spans(0, seq_len, 4 * TILE):
+        for span in _spans(0, seq_len, per_part * TILE):
             start, width = span
             if width % TILE == 0:
                 steps.append((b, start, TILE, width // TILE))
@@ -3211,12 +3215,12 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     passes and the norm's read and write). SBUF per partition: x and two head tiles per unit in flight, at
     most 4.5 tiles of 4 H D values (one head of 2048 in fp32: the emulator measures 147,456 bytes).
     PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
-    k: 26 / 22 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
+    k: 26 / 23 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
     """
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    steps = _rope_steps(batch, seq_len)
+    steps = _rope_steps(batch, seq_len, dim)
     units = []  # (step, head) in order: the software pipeline's stream (docstring: Issue order)
     for unit in range(len(steps) * n_heads + 2):
         if unit < len(steps) * n_heads:  # the head's rotation (GpSimd, VectorE) into its own tile
@@ -3252,46 +3256,70 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
 
     The rotation R is orthogonal, so rms(R x) = rms(x) = 1/r and y = r R x: with g = R^T dy (rope with -sin),
     dx = r (g + c x), c = -r^2 mean(x g), RMSNorm's backward of x applied to g.
-    Per step: x, cos and sin once, dy one DMA per head; GpSimd and VectorE rotate dy back; r from x (ScalarE
-    squares and sums); GpSimd's x g over all heads, summed per (token, head) by ScalarE's accumulator scaled
-    by -1/D; c in two tiny instructions; VectorE's x c per (token, head) and + g over all heads; ScalarE's
-    r * that; one DMA stores dx. Each head's dy lands in its own tile (the forward's docstring says why:
-    one tile's slices would load one after another; scheduled, baseline q 57.1 -> 49.7 us, K82s4 q 76.3 ->
-    69.8, against overlap bounds of 20.2 and 30.0). HBM traffic: x and dy read, dx written, once each. SBUF per partition: 6
-    tiles of 4 H D values, at most 192 KiB at H D = 2048 in fp32 (the emulator measures 131,584 bytes live),
-    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time (the
-    emulator, baseline q and k: 40 / 38 / 29 us). Limits as for the forward.
+    Per step: x, cos and sin once; per head of the step (a unit), in the head's own tiles: dy (one DMA),
+    rotated back by GpSimd and VectorE; r from x (ScalarE squares and sums, VectorE's mean, GpSimd's
+    rsqrt); GpSimd's x g, summed per token by ScalarE's accumulator scaled by -1/D; c in two tiny
+    instructions; VectorE's x c and + g; ScalarE's r * that; one DMA stores the head's columns of dx.
+    Issue order: the units are software-pipelined in four stages (dy and its rotation; squares and x g;
+    c and x c + g; the last scale and the store), unit u's first beside unit u-3's last, as the forward
+    (scheduled, one sequence: baseline q 57.1 -> 37.2 us, K82s4 q 76.3 -> 47.8, against overlap bounds
+    of 23.0 and 32.0, which the per-head instructions and stores raised from 20.2 and 30.0). HBM traffic:
+    x and dy read, dx written, once each. SBUF per partition: three steps' x and up to nine head tiles in
+    flight (heads wider than ROPE_WIDE_HEAD go one token a partition for this: 4 tokens of one 2048-wide
+    fp32 head would need 229,424 bytes); the emulator measures 102,464 bytes at 8 heads of 256 in fp32,
+    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time
+    (the emulator, baseline q and k: 46 / 41 / 32 us). Limits as for the forward.
     """
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    for step in _rope_steps(batch, seq_len):
-        b, start, parts, per_part = step
-        tokens = slice(start, start + parts * per_part)
-        x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-        g = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        for h in range(n_heads):  # each head's dy its own tile: its DMA and rotation wait for no other head's
-            dy_head = nl.ndarray((x_tile.shape[0], x_tile.shape[1], dim), x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=dy_head, src=dy[b, h, tokens, :])
-            _rotate_head(g[:, :, h * dim:(h + 1) * dim], dy_head, cos_sin, True)
-        scratch = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
-        out = nl.ndarray(x_tile.shape, x.dtype, buffer=nl.sbuf)
-        x_slots, scratch_slots = _head_slots(x_tile, n_heads), _head_slots(scratch, n_heads)
-        out_slots = _head_slots(out, n_heads)
-        rstd = _slot_rstds(x_slots, eps, scratch_slots)
-        nisa.tensor_tensor(dst=scratch, data1=x_tile, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
-        neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
-        for c in range(len(x_slots)):
-            nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
-                                   reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-        x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
-        nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
-        nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
-        for c in range(len(x_slots)):
-            nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-        nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
-        for c in range(len(x_slots)):
-            nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
-        nisa.dma_copy(dst=dx[b, tokens, :], src=out)
+    steps = _rope_steps(batch, seq_len, dim)
+    units = []  # (step, head) in order: the software pipeline's stream (docstring: Issue order)
+    for unit in range(len(steps) * n_heads + 3):
+        if unit < len(steps) * n_heads:  # the head's dy loaded and rotated back: g = R^T dy (GpSimd, VectorE)
+            step, h = divmod(unit, n_heads)
+            if h == 0:
+                b, start, parts, per_part = steps[step]
+                tokens = slice(start, start + parts * per_part)
+                x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+                loaded = {"b": b, "tokens": tokens, "x": x_tile, "cos_sin": cos_sin}
+            else:
+                loaded = units[unit - 1]["loaded"]
+            shape = (loaded["x"].shape[0], loaded["x"].shape[1], dim)
+            dy_head = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dy_head, src=dy[loaded["b"], h, loaded["tokens"], :])
+            units.append({"loaded": loaded, "h": h, "x": loaded["x"][:, :, h * dim:(h + 1) * dim],
+                          "g": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),
+                          "scratch": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),  # the squares, x g, then x c + g
+                          "out": nl.ndarray(shape, x.dtype, buffer=nl.sbuf)})
+            _rotate_head(units[unit]["g"], dy_head, loaded["cos_sin"], True)
+        if 0 <= unit - 1 < len(units):  # mean(x^2) + eps (ScalarE, VectorE) and x g (GpSimd)
+            behind = units[unit - 1]
+            behind["mean_sq"] = _slot_mean_squares(_slots_of_head(behind["x"], 1, 0), eps,
+                                                   _slots_of_head(behind["scratch"], 1, 0))
+            nisa.tensor_tensor(dst=behind["scratch"], data1=behind["x"], data2=behind["g"], op=nl.multiply,
+                               engine=nisa.gpsimd_engine)
+        if 0 <= unit - 2 < len(units):  # r (GpSimd), -mean(x g) (ScalarE's accumulator), c and x c + g (VectorE)
+            behind = units[unit - 2]
+            behind["rstd"] = _slot_rsqrt(behind["mean_sq"])
+            x_slots, scratch_slots = _slots_of_head(behind["x"], 1, 0), _slots_of_head(behind["scratch"], 1, 0)
+            out_slots = _slots_of_head(behind["out"], 1, 0)
+            neg_mean = nl.ndarray(behind["rstd"].shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+            for c in range(len(x_slots)):
+                nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
+                                       reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+            x_coef = nl.ndarray(behind["rstd"].shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+            nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=behind["rstd"], op=nl.multiply)
+            nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=behind["rstd"], op=nl.multiply)
+            for c in range(len(x_slots)):
+                nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+            nisa.tensor_tensor(dst=behind["scratch"], data1=behind["out"], data2=behind["g"], op=nl.add)
+        if 0 <= unit - 3:  # r (x c + g) (ScalarE's free scale) and the head's columns of dx
+            behind = units[unit - 3]
+            scratch_slots, out_slots = _slots_of_head(behind["scratch"], 1, 0), _slots_of_head(behind["out"], 1, 0)
+            for c in range(len(scratch_slots)):
+                nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=behind["rstd"][:, c:c + 1])
+            loaded, h = behind["loaded"], behind["h"]
+            nisa.dma_copy(dst=dx[loaded["b"], loaded["tokens"], h * dim:(h + 1) * dim], src=behind["out"])
     return dx
 
 

@@ -26,7 +26,7 @@ def reference(x, cos, sin, n_heads, eps=1e-6):
 
 
 # T 200 = 128 + 72 (a partial tile, one token per partition) and 640 = 512 + 128 (a (128, 4) block, then a
-# tile); head_dim 64, 128, 256; a GQA model's k (one head) beside its q (four).
+# tile); head_dim 64, 128, 256 and 2048 (kernels.ROPE_WIDE_HEAD); a GQA model's k (one head) beside its q (four).
 CASES = [
     # batch, T, heads, head_dim, dtype
     (2, 200, 2, 64, torch.bfloat16),
@@ -34,6 +34,7 @@ CASES = [
     (1, 512, 4, 64, torch.float32),
     (1, 512, 1, 64, torch.float32),
     (1, 130, 1, 128, torch.float32),
+    (1, 1536, 1, 2048, torch.float32),  # the widest head: one token a partition, else the pipelines overflow SBUF
 ]
 
 
