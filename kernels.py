@@ -3115,35 +3115,19 @@ def _rope_steps(batch, seq_len, head_dim):
     return mine
 
 
-def _head_slots(tile, n_heads):
-    """tile[:, j, head h] of a (P, J, H * D) tile, for each head h and slot j, at h * J + j."""
+def _slots(tile):
+    """tile[:, j, :] of a (P, J, D) tile, for each slot j: one (token, head) per partition each."""
     slots = []
-    for h in range(n_heads):
-        slots += _slots_of_head(tile, n_heads, h)
+    for j in range(tile.shape[1]):
+        slots.append(tile[:, j, :])
     return slots
-
-
-def _slots_of_head(tile, n_heads, h):
-    """tile[:, j, head h] of a (P, J, H * D) tile, for each slot j."""
-    per_part, dim = tile.shape[1], tile.shape[2] // n_heads
-    slots = []
-    for j in range(per_part):
-        slots.append(tile[:, j, h * dim:(h + 1) * dim])
-    return slots
-
-
-def _rotate(dst, src, n_heads, cos_sin, inverse):
-    """dst = rope of each of src's n_heads heads (sin negated if `inverse`), each step rounded.
-
-    The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
-    as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
-    dim = src.shape[2] // n_heads
-    for h in range(n_heads):
-        _rotate_head(dst[:, :, h * dim:(h + 1) * dim], src[:, :, h * dim:(h + 1) * dim], cos_sin, inverse)
 
 
 def _rotate_head(dst, src, cos_sin, inverse):
-    """_rotate of one head: dst and src (P, J, D)."""
+    """dst = rope of the head src (both (P, J, D)), sin negated if `inverse`, each step rounded.
+
+    The half split: (x1 cos - x2 sin, x2 cos + x1 sin), rounded to dst's dtype after each product and sum
+    as the model's PyTorch rotary rounds. GpSimd makes the sin products, VectorE the rest."""
     cos_tile, sin_tile = cos_sin
     half = cos_tile.shape[2]
     x1, x2, out1, out2 = src[:, :, 0:half], src[:, :, half:2 * half], dst[:, :, 0:half], dst[:, :, half:2 * half]
@@ -3167,16 +3151,9 @@ def _load_rope_step(src, cos, sin, b, tokens, parts):
     return tiles[0], (tiles[1], tiles[2])
 
 
-def _slot_rstds(slots, eps, squares):
-    """1 / sqrt(mean(x^2) + eps) of each slot, a fp32 (P, len(slots)) tile.
-
-    ScalarE squares and sums each slot (into `squares`, slots of the same shapes, unread); the mean and
-    rsqrt are one instruction each for all the slots (VectorE, GpSimd)."""
-    return _slot_rsqrt(_slot_mean_squares(slots, eps, squares))
-
-
 def _slot_mean_squares(slots, eps, squares):
-    """The first part of _slot_rstds: mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile."""
+    """mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile: ScalarE squares and sums each slot (into
+    `squares`, slots of the same shapes, unread), the mean is one VectorE instruction for all the slots."""
     parts, dim, count = slots[0].shape[0], slots[0].shape[1], len(slots)
     sum_sq = nl.ndarray((parts, count), nl.float32, buffer=nl.sbuf)
     for c in range(count):
@@ -3188,7 +3165,7 @@ def _slot_mean_squares(slots, eps, squares):
 
 
 def _slot_rsqrt(mean_sq):
-    """The second part of _slot_rstds: 1 / sqrt of each value (GpSimd)."""
+    """1 / sqrt of each value of a (P, n) tile: one GpSimd instruction (nl.rsqrt's engine)."""
     rstd = nl.ndarray(mean_sq.shape, nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd, data=mean_sq, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
     return rstd
@@ -3238,12 +3215,12 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
             _rotate_head(units[unit]["z"], loaded["x"][:, :, h * dim:(h + 1) * dim], loaded["cos_sin"], False)
         if 0 <= unit - 1 < len(units):  # its squares, summed (ScalarE), and their mean (VectorE)
             behind = units[unit - 1]
-            behind["mean_sq"] = _slot_mean_squares(_slots_of_head(behind["z"], 1, 0), eps,
-                                                   _slots_of_head(behind["out"], 1, 0))
+            behind["mean_sq"] = _slot_mean_squares(_slots(behind["z"]), eps,
+                                                   _slots(behind["out"]))
         if 0 <= unit - 2:  # its rsqrt (GpSimd), z * rstd (ScalarE), its store
             behind = units[unit - 2]
             rstd = _slot_rsqrt(behind["mean_sq"])
-            z_slots, out_slots = _slots_of_head(behind["z"], 1, 0), _slots_of_head(behind["out"], 1, 0)
+            z_slots, out_slots = _slots(behind["z"]), _slots(behind["out"])
             for c in range(len(z_slots)):
                 nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
             loaded = behind["loaded"]
@@ -3294,15 +3271,15 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
             _rotate_head(units[unit]["g"], dy_head, loaded["cos_sin"], True)
         if 0 <= unit - 1 < len(units):  # mean(x^2) + eps (ScalarE, VectorE) and x g (GpSimd)
             behind = units[unit - 1]
-            behind["mean_sq"] = _slot_mean_squares(_slots_of_head(behind["x"], 1, 0), eps,
-                                                   _slots_of_head(behind["scratch"], 1, 0))
+            behind["mean_sq"] = _slot_mean_squares(_slots(behind["x"]), eps,
+                                                   _slots(behind["scratch"]))
             nisa.tensor_tensor(dst=behind["scratch"], data1=behind["x"], data2=behind["g"], op=nl.multiply,
                                engine=nisa.gpsimd_engine)
         if 0 <= unit - 2 < len(units):  # r (GpSimd), -mean(x g) (ScalarE's accumulator), c and x c + g (VectorE)
             behind = units[unit - 2]
             behind["rstd"] = _slot_rsqrt(behind["mean_sq"])
-            x_slots, scratch_slots = _slots_of_head(behind["x"], 1, 0), _slots_of_head(behind["scratch"], 1, 0)
-            out_slots = _slots_of_head(behind["out"], 1, 0)
+            x_slots, scratch_slots = _slots(behind["x"]), _slots(behind["scratch"])
+            out_slots = _slots(behind["out"])
             neg_mean = nl.ndarray(behind["rstd"].shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
             for c in range(len(x_slots)):
                 nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
@@ -3315,7 +3292,7 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
             nisa.tensor_tensor(dst=behind["scratch"], data1=behind["out"], data2=behind["g"], op=nl.add)
         if 0 <= unit - 3:  # r (x c + g) (ScalarE's free scale) and the head's columns of dx
             behind = units[unit - 3]
-            scratch_slots, out_slots = _slots_of_head(behind["scratch"], 1, 0), _slots_of_head(behind["out"], 1, 0)
+            scratch_slots, out_slots = _slots(behind["scratch"]), _slots(behind["out"])
             for c in range(len(scratch_slots)):
                 nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=behind["rstd"][:, c:c + 1])
             loaded, h = behind["loaded"], behind["h"]
