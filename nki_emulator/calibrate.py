@@ -3,10 +3,13 @@
 Run by hand, not in CI (it needs checkouts, and takes minutes: the kernels run at their measured shapes):
 
     git clone https://github.com/aws-neuron/aws-neuron-sdk   # or any checkout / bare git dir of it
-    OPENBLAS_NUM_THREADS=1 python -m nki_emulator.calibrate --sdk=aws-neuron-sdk --cache=traces [--only=mamba]
+    git clone https://github.com/zhang677/AccelOpt              # NKIBench: 14 kernels timed on trn1
+    OPENBLAS_NUM_THREADS=1 python -m nki_emulator.calibrate --sdk=aws-neuron-sdk --accelopt=AccelOpt --cache=traces \
+        [--only=mamba]
 
 (one BLAS thread: the kernels issue many small matmuls, which threads only slow down; about 15 minutes of one
-core for the 13 points; with --cache a second run prices the kept traces again in a minute)
+core for the 13 SDK points, under two minutes for AccelOpt's 14, which are only traced; with --cache a second run
+prices the kept traces again in a minute)
 
 For each point it reads the kernel's source from the checkout (never copied into this repository: it goes to a
 temporary folder and is imported from there), runs it under the emulator on the point's target and dtype at the
@@ -18,11 +21,15 @@ The points: the tutorials' timings of kernels AWS publishes in the NKI 0.6 diale
 Where a timing was measured with the legacy-dialect kernel (nl.load / nl.store / nl.matmul; the SDK 2.23
 matrix-multiplication tutorial), the script runs the same algorithm as the SDK ports it to the 0.6 dialect at HEAD
 (nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py: same loops, tiles and blocks); the only
-adapter is that: a port by AWS, not a rewrite here. Kernels available only in generated legacy code (AccelOpt's
-NKIBench: nl.arange advanced indexing, nl.load with masks) are not run; docs/results.md says so.
+adapter is that: a port by AWS, not a rewrite here. AccelOpt's NKIBench kernels (zhang677/AccelOpt, profiled on
+trn1.32xlarge in fp32; their latencies, engine active times and HBM bytes in
+experiments/full_complete_local/profile_results.csv) are in the legacy dialect, mostly compiler-generated: they are
+traced by nki_emulator.legacy_trace, which records their instructions without computing them, each point's inputs
+shaped by its NKIBench reference module.
 """
 
 import argparse
+import csv
 import importlib.util
 import inspect
 import json
@@ -37,7 +44,8 @@ import time
 import numpy as np
 
 import nki_emulator
-from nki_emulator._cost import estimate
+from nki_emulator import legacy_trace
+from nki_emulator._cost import _itemsize, estimate
 from nki_emulator._schedule import central_estimate, schedule
 
 SDK_TUTORIAL = "nki/guides/tutorials/kernel-optimization.rst"
@@ -76,10 +84,36 @@ POINTS = [
 ]
 
 
-def _git_show(repo, revision_path):
+ACCELOPT_PROFILE = "experiments/full_complete_local/profile_results.csv"
+
+
+def accelopt_points(repo):
+    """One point per row of AccelOpt's profile table: the kernel it names, timed on trn1 (fp32), with the profile's
+    engine active times and HBM bytes for the second table."""
+    references = _git(repo, "ls-tree", "--name-only", "HEAD", "NKIBench/reference/").split()
+    points = []
+    for row in csv.DictReader(_git_show(repo, f"HEAD:{ACCELOPT_PROFILE}").splitlines()):
+        profile, kernel = json.loads(row["profile"]), "NKIBench/" + row["kernel"].split("NKIBench/./")[1]
+        stem = kernel.rsplit("/", 1)[1].rsplit("_0.py", 1)[0]
+        reference = next(r for r in references if r.rsplit("/", 1)[1].startswith(f"{stem}_numpy_"))
+        latency = profile["latency"] * 1e-3
+        points.append(dict(kernel=row["problem"], source=f"[AO] {row['case_name']}", hardware="trn1",
+                           code=("accelopt", kernel, reference), shape=json.loads(row["values"]), dtype="float32",
+                           measured_s=latency,
+                           measured_engines_s={e: profile[f"{name}_engine_active_time_percent"] * latency
+                                               for e, name in (("vector", "vector"), ("scalar", "scalar"))},
+                           measured_hbm_bytes=profile["hbm_read_bytes"] + profile["hbm_write_bytes"],
+                           measured_spill_bytes=profile["spill_save_bytes"] + profile["spill_reload_bytes"]))
+    return points
+
+
+def _git(repo, *args):
     git_dir = os.path.join(repo, ".git") if os.path.isdir(os.path.join(repo, ".git")) else repo
-    return subprocess.run(["git", "--git-dir", git_dir, "show", revision_path], check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(["git", "--git-dir", git_dir, *args], check=True, capture_output=True, text=True).stdout
+
+
+def _git_show(repo, revision_path):
+    return _git(repo, "show", revision_path)
 
 
 def _import(source, name, folder):
@@ -126,14 +160,32 @@ def inputs(point):
             rng.random((b, n, t), np.float32), rng.random((b, n, t), np.float32)]
 
 
-def trace_of(point, sdk, folder, cache):
+def accelopt_trace(point, repo, folder):
+    """An NKIBench kernel's legacy-dialect trace, on inputs its reference module makes (numpy only)."""
+    _, kernel, reference = point["code"]
+    module = _import(_git_show(repo, f"HEAD:{reference}"), "nkibench_reference", folder)
+    arrays = module.get_inputs()
+    if hasattr(module, "transform_to_nki_inputs"):
+        arrays = module.transform_to_nki_inputs(arrays)
+    return legacy_trace.run(_git_show(repo, f"HEAD:{kernel}"), arrays, point["hardware"]), ""
+
+
+def trace_of(point, sources, folder, cache):
     """The point's trace and a note on what the emulator refused once it was whole; kept in `cache` (a folder) when
-    given, so that the table can be priced again (other factors) without running the kernels again."""
+    given, so that the table can be priced again (other factors) without running the kernels again. ``sources``:
+    {"sdk": checkout, "accelopt": checkout}."""
     path = cache and os.path.join(cache, re.sub(r"\W+", "_", f"{point['kernel']}_{point['shape']}") + ".pkl")
     if path and os.path.exists(path):
         with open(path, "rb") as f:
             return pickle.load(f)
-    kernel = load_kernel(point["code"], sdk, folder)
+    if point["code"][0] == "accelopt":
+        traced = accelopt_trace(point, sources["accelopt"], folder)
+        if path:
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "wb") as f:
+                pickle.dump(traced, f)
+        return traced
+    kernel = load_kernel(point["code"], sources["sdk"], folder)
     fn = getattr(kernel, "fn", kernel)
     defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
     previous = nki_emulator.set_target(point["hardware"])
@@ -163,7 +215,8 @@ def price(point, trace, note):
     return {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
             "engines_s": bounds["engines"], "scheduled_s": schedule(trace, point["hardware"])["scheduled_s"],
             "central_s": central_estimate(trace, point["hardware"])["central_s"], "instructions": len(trace),
-            "note": note}
+            "source_hbm_bytes": sum(i.partitions * i.free * _itemsize(i.dtypes[0]) for i in trace
+                                    if i.engine == "dma"), "note": note}
 
 
 def table(rows):
@@ -177,25 +230,38 @@ def table(rows):
                      f"{r['central_s'] / r['measured_s']:.2f} |")
     within = sum(abs(r["central_s"] / r["measured_s"] - 1) <= 0.25 for r in rows)
     lines.append(f"\n{within} of {len(rows)} central estimates within 25% of the measured time (times in ms)")
+    profiled = [r for r in rows if "measured_engines_s" in r]
+    if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
+        lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
+                  "profile (spilled) |", "|---|---|---|---|"]
+        for r in profiled:
+            engines = " | ".join(f"{1e3 * r['engines_s'][e]:.3f} / {1e3 * r['measured_engines_s'][e]:.3f}"
+                                 for e in ("vector", "scalar"))
+            lines.append(f"| {r['kernel']} | {engines} | {r['source_hbm_bytes'] / 1e6:.0f} / "
+                         f"{r['measured_hbm_bytes'] / 1e6:.0f} ({r['measured_spill_bytes'] / 1e6:.0f}) |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sdk", required=True, help="a checkout (or bare git dir) of aws-neuron/aws-neuron-sdk")
+    parser.add_argument("--sdk", default="", help="a checkout (or bare git dir) of aws-neuron/aws-neuron-sdk")
+    parser.add_argument("--accelopt", default="", help="a checkout (or bare git dir) of zhang677/AccelOpt")
     parser.add_argument("--only", default="", help="run only the points whose kernel name contains this")
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--cache", default="", help="a folder to keep each point's trace in (pickle), so that a "
                         "second run prices them again without running the kernels")
     args = parser.parse_args(argv)
+    if not (args.sdk or args.accelopt):
+        parser.error("give --sdk=<aws-neuron-sdk checkout>, --accelopt=<AccelOpt checkout>, or both")
     nki_emulator.install()
+    points = (POINTS if args.sdk else []) + (accelopt_points(args.accelopt) if args.accelopt else [])
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for point in POINTS:
+        for point in points:
             if args.only not in point["kernel"]:
                 continue
             started = time.time()
-            rows.append({**point, **price(point, *trace_of(point, args.sdk, folder, args.cache))})
+            rows.append({**point, **price(point, *trace_of(point, vars(args), folder, args.cache))})
             print(f"{point['kernel']} {point['shape']}: {time.time() - started:.0f} s to emulate", file=sys.stderr)
             if args.json:  # after each point: a long run keeps what it has
                 with open(args.json, "w") as f:
