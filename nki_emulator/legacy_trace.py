@@ -36,8 +36,7 @@ ASSUMPTIONS = (
     "PSUM is one memset per block, PSUM zeros (lazy_initialization) none",
     "a DMA's rows are the SBUF side's partitions (masked-off partitions dropped), as the emulator prices dma_copy",
 )
-_ALU = {"add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "divide", "maximum": "maximum",
-        "minimum": "minimum", "max": "maximum", "min": "minimum", "amax": "maximum", "amin": "minimum"}
+_ALU = {"max": "maximum", "min": "minimum", "amax": "maximum", "amin": "minimum"}  # numpy's names for the ALU's
 
 
 def _op_name(op):
@@ -83,11 +82,9 @@ class Tensor:
         return self
 
     def reshape(self, shape):  # an HBM tensor seen with another shape: the same bytes
-        return Tensor(shape, self.dtype, self.buffer, self.par)._sharing(self)
-
-    def _sharing(self, other):
-        self.blocks = other.blocks
-        return self
+        reshaped = Tensor(shape, self.dtype, self.buffer, self.par)
+        reshaped.blocks = self.blocks
+        return reshaped
 
 
 def _components(tensor, key):
