@@ -17,15 +17,16 @@ measured shape, and prints one row of the table in docs/results.md: measured, th
 the schedule (nki_emulator._schedule) with the cost model as it is, the central estimate (the schedule with the
 calibrated factors, _cost.CALIBRATED, plus its launches), the serial bound, and the central estimate's error.
 
-The points: the tutorials' timings of kernels AWS publishes in the NKI 0.6 dialect the emulator runs.
-Where a timing was measured with the legacy-dialect kernel (nl.load / nl.store / nl.matmul; the SDK 2.23
-matrix-multiplication tutorial), the script runs the same algorithm as the SDK ports it to the 0.6 dialect at HEAD
-(nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py: same loops, tiles and blocks); the only
-adapter is that: a port by AWS, not a rewrite here. AccelOpt's NKIBench kernels (zhang677/AccelOpt, profiled on
-trn1.32xlarge in fp32; their latencies, engine active times and HBM bytes in
-experiments/full_complete_local/profile_results.csv) are in the legacy dialect, mostly compiler-generated: they are
-traced by nki_emulator.legacy_trace, which records their instructions without computing them, each point's inputs
-shaped by its NKIBench reference module.
+The points: the tutorials' timings of kernels AWS publishes. The kernel-optimization tutorial's are in the NKI 0.6
+dialect the emulator runs. The SDK 2.23 matrix-multiplication tutorial timed legacy-dialect kernels (nl.load /
+nl.store / nl.matmul): the script runs the same algorithm as the SDK ports it to the 0.6 dialect at HEAD
+(nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py: same loops, tiles and blocks), a port by
+AWS, not a rewrite here. The fused-mamba tutorial's kernels are traced as they were timed, in the legacy dialect at
+tag v2.23.0 (HEAD's 0.6 port broadcasts B and C with extra matmuls and copies the timed kernels did not issue), by
+nki_emulator.legacy_trace, which records their instructions without computing them. So are AccelOpt's NKIBench
+kernels (zhang677/AccelOpt, profiled on trn1.32xlarge in fp32; their latencies, engine active times and HBM bytes in
+experiments/full_complete_local/profile_results.csv; legacy dialect, mostly compiler-generated), each point's
+inputs shaped by its NKIBench reference module.
 """
 
 import argparse
@@ -50,7 +51,7 @@ from nki_emulator._schedule import central_estimate, schedule
 
 SDK_TUTORIAL = "nki/guides/tutorials/kernel-optimization.rst"
 SDK_MATMUL = "nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py"
-SDK_MAMBA = "nki/examples/fused_mamba/mamba_nki_kernels.py"
+SDK_MAMBA = "v2.23.0:general/nki/examples/fused_mamba/mamba_nki_kernels.py"  # the legacy kernels the tutorial timed
 KOPT = ("aws-neuron-sdk nki/guides/tutorials/kernel-optimization.rst, profile of version {} "
         "(nki/img/how-to/v{}-full.png, trn2, fp32)")
 MM223 = ("aws-neuron-sdk v2.23.0 general/nki/tutorials/matrix_multiplication.rst, latency table ({}; trn1.32xlarge, "
@@ -69,18 +70,14 @@ POINTS = [
                             ("nki_matmul_hoist_load_", "Optimization 1", 42.96),
                             ("nki_matmul_block_free_dimension_", "Optimization 2", 22.07),
                             ("nki_matmul_fully_optimized_", "Optimization 3", 6.97))],
-    dict(kernel="mamba_v1", source=MAMBA.format("toy example: 172.93 usec"), hardware="trn1",
-         code=("mamba", "mamba_v1"),
-         shape=dict(batch=1, channels=256, seq_len=512, state=16), dtype="float32", measured_s=172.93e-6),
-    dict(kernel="mamba_v1", source=MAMBA.format("4K channels: 2.34 ms"), hardware="trn1",
-         code=("mamba", "mamba_v1"), shape=dict(batch=1, channels=4096, seq_len=512, state=16), dtype="float32",
-         measured_s=2.34e-3),
-    dict(kernel="mamba_v2", source=MAMBA.format("loop reordering, 4K channels: 1.61 ms"), hardware="trn1",
-         code=("mamba", "mamba_v2"), shape=dict(batch=1, channels=4096, seq_len=512, state=16), dtype="float32",
-         measured_s=1.61e-3),
-    *[dict(kernel="mamba_v3", source=MAMBA.format(f"scaling table, seq_len {s}: {ms} ms"), hardware="trn1",
-           code=("mamba", "mamba_v3"), shape=dict(batch=1, channels=4096, seq_len=s, state=16), dtype="float32",
-           measured_s=ms * 1e-3) for s, ms in ((2048, 6.6), (4096, 13.3))],
+    *[dict(kernel=kernel, source=MAMBA.format(what), hardware="trn1", code=("legacy", SDK_MAMBA, kernel),
+           shape=dict(batch=1, channels=channels, seq_len=seq_len, state=16), dtype="float32", measured_s=seconds)
+      for kernel, what, channels, seq_len, seconds in (
+          ("mamba_v1", "toy example: 172.93 usec", 256, 512, 172.93e-6),
+          ("mamba_v1", "4K channels: 2.34 ms", 4096, 512, 2.34e-3),
+          ("mamba_v2", "loop reordering, 4K channels: 1.61 ms", 4096, 512, 1.61e-3),
+          ("mamba_v3", "scaling table, seq_len 2048: 6.6 ms", 4096, 2048, 6.6e-3),
+          ("mamba_v3", "scaling table, seq_len 4096: 13.3 ms", 4096, 4096, 13.3e-3))],
 ]
 
 
@@ -144,8 +141,7 @@ def load_kernel(code, sdk, folder):
     if kind == "rst":
         return _import(_rst_kernels(_git_show(sdk, f"HEAD:{SDK_TUTORIAL}"))[which], f"kopt_{which}", folder) \
             .matrix_multiply_kernel
-    return getattr(_import(_git_show(sdk, f"HEAD:{SDK_MATMUL if kind == 'matmul' else SDK_MAMBA}"), kind, folder),
-                   which)
+    return getattr(_import(_git_show(sdk, f"HEAD:{SDK_MATMUL}"), kind, folder), which)
 
 
 def inputs(point):
@@ -160,31 +156,39 @@ def inputs(point):
             rng.random((b, n, t), np.float32), rng.random((b, n, t), np.float32)]
 
 
-def accelopt_trace(point, repo, folder):
-    """An NKIBench kernel's legacy-dialect trace, on inputs its reference module makes (numpy only)."""
-    _, kernel, reference = point["code"]
-    module = _import(_git_show(repo, f"HEAD:{reference}"), "nkibench_reference", folder)
+def legacy_trace_of(point, sources, folder):
+    """The trace of a legacy-dialect kernel (nki_emulator.legacy_trace): the SDK tutorial's own (on the point's
+    inputs) or an NKIBench kernel (on inputs its reference module makes, numpy only)."""
+    kind, *where = point["code"]
+    if kind == "legacy":
+        revision_path, function = where
+        return legacy_trace.run(_git_show(sources["sdk"], revision_path), inputs(point), point["hardware"],
+                                function=function), ""
+    kernel, reference = where
+    module = _import(_git_show(sources["accelopt"], f"HEAD:{reference}"), "nkibench_reference", folder)
     arrays = module.get_inputs()
     if hasattr(module, "transform_to_nki_inputs"):
         arrays = module.transform_to_nki_inputs(arrays)
-    return legacy_trace.run(_git_show(repo, f"HEAD:{kernel}"), arrays, point["hardware"]), ""
+    return legacy_trace.run(_git_show(sources["accelopt"], f"HEAD:{kernel}"), arrays, point["hardware"]), ""
 
 
 def trace_of(point, sources, folder, cache):
     """The point's trace and a note on what the emulator refused once it was whole; kept in `cache` (a folder) when
     given, so that the table can be priced again (other factors) without running the kernels again. ``sources``:
     {"sdk": checkout, "accelopt": checkout}."""
-    path = cache and os.path.join(cache, re.sub(r"\W+", "_", f"{point['kernel']}_{point['shape']}") + ".pkl")
+    traced = point["code"][0] in ("legacy", "accelopt")  # by legacy_trace, not run
+    name = f"{'legacy_' if traced else ''}{point['kernel']}_{point['shape']}"
+    path = cache and os.path.join(cache, re.sub(r"\W+", "_", name) + ".pkl")
     if path and os.path.exists(path):
         with open(path, "rb") as f:
             return pickle.load(f)
-    if point["code"][0] == "accelopt":
-        traced = accelopt_trace(point, sources["accelopt"], folder)
+    if traced:
+        result = legacy_trace_of(point, sources, folder)
         if path:
             os.makedirs(cache, exist_ok=True)
             with open(path, "wb") as f:
-                pickle.dump(traced, f)
-        return traced
+                pickle.dump(result, f)
+        return result
     kernel = load_kernel(point["code"], sources["sdk"], folder)
     fn = getattr(kernel, "fn", kernel)
     defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
