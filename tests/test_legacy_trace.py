@@ -2,10 +2,14 @@
 prices AccelOpt's NKIBench kernels with them. The kernels here are written for these tests in the two styles
 NKIBench has: compiler-generated (nl.arange indices, blocks before par_dim) and hand-written (slices, fresh tiles)."""
 
+import csv
+import json
+import subprocess
+
 import numpy as np
 import pytest
 
-from nki_emulator import legacy_trace
+from nki_emulator import calibrate, legacy_trace
 from nki_emulator._cost import instruction_seconds
 from nki_emulator._schedule import schedule
 
@@ -111,3 +115,35 @@ def test_an_unsupported_index_is_refused_by_name():
     source = HAND_WRITTEN.replace("a[0:128, 0:512]", "a[0:128, nl.arange(512)[None, :]]")
     with pytest.raises(NotImplementedError, match="slices mixed with nl.arange"):
         trace_of(source, (128, 512), (512,))
+
+
+def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(tmp_path, capsys):
+    """calibrate.py --accelopt on a tiny repository shaped like zhang677/AccelOpt: the profile row's measured time,
+    the traced kernel's estimates, and the engines / HBM table."""
+    (tmp_path / "NKIBench" / "kernels").mkdir(parents=True)
+    (tmp_path / "NKIBench" / "reference").mkdir()
+    (tmp_path / "experiments" / "full_complete_local").mkdir(parents=True)
+    (tmp_path / "NKIBench" / "kernels" / "scale_M256_0.py").write_text(GENERATED.replace("ROWS", "128"))
+    (tmp_path / "NKIBench" / "reference" / "scale_M256_numpy_1.py").write_text(
+        "import numpy as np\ndef get_inputs():\n    return [np.zeros((128, 256), np.float32), "
+        "np.zeros((128, 512), np.float32)]\n")
+    profile = {"latency": 0.05, "vector_engine_active_time_percent": 0.5, "scalar_engine_active_time_percent": 0.25,
+               "hbm_read_bytes": 393216, "hbm_write_bytes": 524288, "spill_save_bytes": 0, "spill_reload_bytes": 0}
+    row = ["scale", json.dumps({"M": 256}), "0", "", "/home/x/NKIBench/./kernels/scale_M256_0.py", "scale_M256",
+           "scale_M256_ID0", json.dumps(profile)]
+    with open(tmp_path / calibrate.ACCELOPT_PROFILE, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["problem", "values", "case_id", "task", "kernel", "case_name", "service_name", "profile"])
+        writer.writerow(row)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "fixture"], check=True)
+
+    calibrate.main(["--accelopt", str(tmp_path)])
+    out = capsys.readouterr().out
+    priced = next(line for line in out.splitlines() if line.startswith("| scale | [AO] scale_M256"))
+    assert "| trn1 | 256 | float32 | 0.050 |" in priced
+    engines = next(line for line in out.splitlines() if line.startswith("| scale |") and "/" in line)
+    assert engines.endswith("| 1 / 1 (0) |")  # the trace moves the profile's 917,504 bytes: 1 MB either way
+    assert engines.split("|")[2].strip().endswith("/ 0.025")  # VectorE active: 50% of 0.05 ms
