@@ -271,6 +271,9 @@ def main(argv=None):
                 with open(args.json, "w") as f:
                     json.dump([{k: v for k, v in r.items() if k != "code"} for r in rows], f, indent=1)
     print(table(rows))
+    if any(point["code"][0] in ("legacy", "accelopt") for point in rows):
+        print("\nThe legacy-dialect kernels were traced, not run (nki_emulator/legacy_trace.py), assuming:")
+        print("\n".join(f"- {assumption}" for assumption in legacy_trace.ASSUMPTIONS))
 
 
 if __name__ == "__main__":

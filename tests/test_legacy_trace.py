@@ -147,3 +147,4 @@ def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(
     engines = next(line for line in out.splitlines() if line.startswith("| scale |") and "/" in line)
     assert engines.endswith("| 1 / 1 (0) |")  # the trace moves the profile's 917,504 bytes: 1 MB either way
     assert engines.split("|")[2].strip().endswith("/ 0.025")  # VectorE active: 50% of 0.05 ms
+    assert all(assumption in out for assumption in legacy_trace.ASSUMPTIONS)  # what the tracer assumed, printed
