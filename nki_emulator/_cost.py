@@ -76,8 +76,12 @@ DMA_TRANSPOSE_EFFICIENCY = {"hbm": 0.9, "sbuf": 0.5}  # [TRN2] DMA Transpose: up
 BF16_TENSOR_FACTOR = 1 / 0.8524  # SDK 2.23 matmul tutorial: the fully optimised bf16 matmul at 85.24% HFU on trn1
 CALIBRATED = {  # (generation, engine, "16-bit" or "32-bit" inputs, or None for any) -> factor on the time
     **{(generation, "tensor", "16-bit"): BF16_TENSOR_FACTOR for generation in ENGINE_SPECS},
-    ("trn1", "dma", None): 51.80 / 35.9,  # SDK 2.23 tiled bf16 matmul: measured / the cost model's DMA time
+    # SDK 2.23 tiled bf16 matmul (rows of 256 B and 1 KiB): measured / the cost model's DMA time. Rows of 2 KiB and
+    # more get none: AccelOpt's bmm (4 KiB rows) moved its bytes faster than the model, and [DMA] says such rows
+    # approach peak
+    ("trn1", "dma", "rows < 2 KiB"): 51.80 / 35.9,
 }
+SHORT_DMA_ROW_BYTES = 2048
 LAUNCH_S = 18e-6  # fused_mamba.rst, mamba_v1's profile: ~13 us before its first input DMA, ~5 us after its last
 CALIBRATION_ASSUMPTIONS = (
     "calibrated: 16-bit TensorE instructions take 1.17x the [ISA] cycles: AWS's fully optimised bf16 matmul, "
@@ -85,10 +89,12 @@ CALIBRATION_ASSUMPTIONS = (
     "latency table: 6.97 ms at 4096x8192x8192); applied on trn2 and trn3 too, where no public bf16 TensorE-bound "
     "timing exists. fp32 matmuls ran within 1% of the [ISA] cycles on trn2 (kernel-optimization tutorial, "
     "versions 3-5: 28.20-28.41 ms against 27.96), so fp32 gets no factor",
-    "calibrated: trn1 DMA transfers take 1.44x the cost model's time: the SDK 2.23 tiled bf16 matmul, DMA-bound "
-    "(rows of 256 B and 1 KiB), ran 51.80 ms where the model's DMA time is 35.9 ms (~103 GB/s for its 5.3 GB, "
-    "against 272 GB/s peak). On trn2 the model's DMA time matched the DMA-bound tiled fp32 matmul (rows of 512 B "
-    "and 2 KiB; kernel-optimization version 2: 39.89 ms measured, 41.3 modelled): no trn2 factor",
+    "calibrated: trn1 DMA transfers with rows under 2 KiB take 1.44x the cost model's time: the SDK 2.23 tiled "
+    "bf16 matmul, DMA-bound (rows of 256 B and 1 KiB), ran 51.80 ms where the model's DMA time is 35.9 ms (~103 "
+    "GB/s for its 5.3 GB, against 272 GB/s peak); rows of 2 KiB and more get no factor: AccelOpt's NKIBench bmm "
+    "(trn1, rows of 4 KiB) moved 1.15 GB in 4.61 ms, faster than the model's 5.25 ms. On trn2 the model's DMA time "
+    "matched the DMA-bound tiled fp32 matmul (rows of 512 B and 2 KiB; kernel-optimization version 2: 39.89 ms "
+    "measured, 41.3 modelled): no trn2 factor",
     "calibrated: a kernel launch costs 18 us: in fused_mamba.rst's profile of mamba_v1 (172.93 us; "
     "nki/img/mamba_v1_profile.png) the first input DMA starts ~13 us in and the last output DMA ends ~5 us before "
     "the end, the NEFF start-up and tear-down the tutorial names; inside a compiled graph a kernel likely pays "
@@ -112,7 +118,11 @@ _FP16 = ("bfloat16", "float16")
 
 
 def calibration_factor(instruction, generation):
-    """The CALIBRATED factor for an instruction on ``generation``: by engine and the width of its inputs."""
+    """The CALIBRATED factor for an instruction on ``generation``: by engine and the width of its inputs (a DMA
+    transfer: by the bytes of its rows)."""
+    if instruction.engine == "dma":
+        short = instruction.free * _itemsize(instruction.dtypes[0]) < SHORT_DMA_ROW_BYTES
+        return CALIBRATED.get((generation, "dma", "rows < 2 KiB" if short else "rows >= 2 KiB"), 1.0)
     width = "16-bit" if all(d in _FP16 for d in instruction.dtypes[1:] or instruction.dtypes) else "32-bit"
     by_engine = CALIBRATED.get((generation, instruction.engine, None), 1.0)
     return CALIBRATED.get((generation, instruction.engine, width), by_engine)

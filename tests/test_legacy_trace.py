@@ -1,0 +1,150 @@
+"""nki_emulator.legacy_trace: the instructions a legacy-dialect kernel (neuronxcc.nki) stands for, as calibrate.py
+prices AccelOpt's NKIBench kernels with them. The kernels here are written for these tests in the two styles
+NKIBench has: compiler-generated (nl.arange indices, blocks before par_dim) and hand-written (slices, fresh tiles)."""
+
+import csv
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from nki_emulator import calibrate, legacy_trace
+from nki_emulator._cost import instruction_seconds
+from nki_emulator._schedule import schedule
+
+GENERATED = '''
+import numpy as np
+import neuronxcc.nki as nki
+import neuronxcc.nki.language as nl
+import neuronxcc.nki.isa as nisa
+
+@nki.jit
+def kernel(x, w):
+    out = nl.ndarray((256, 512), dtype=np.float32, buffer=nl.shared_hbm)
+    acc = nl.zeros((2, nl.par_dim(128), 512), dtype=np.float32, buffer=nl.psum, lazy_initialization=True)
+    w_tile = nl.ndarray((nl.par_dim(128), 512), dtype=np.float32, buffer=nl.sbuf)
+    ip, jf, kf = nl.arange(128)[:, None], nl.arange(512)[None, :], nl.arange(128)[None, :]
+    w_tile[ip, jf] = nl.load(w[ip, jf])
+    for i in nl.affine_range(2):
+        x_tile = nl.load(x[ip, 128 * i + kf], mask=ip < ROWS)
+        acc[i, ip, jf] += nisa.nc_matmul(x_tile, w_tile[ip, jf])
+        y = nl.copy(acc[i, ip, jf])
+        z = nisa.tensor_scalar(data=y, op0=nl.multiply, operand0=2.0, engine=nki.isa.unknown_engine)
+        nl.store(out[128 * i + ip, jf], value=z)
+    return out
+'''
+
+HAND_WRITTEN = '''
+import neuronxcc.nki as nki
+import neuronxcc.nki.language as nl
+import neuronxcc.nki.isa as nisa
+
+@nki.jit
+def kernel(a, g):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    g_row = nl.load(g.reshape((1, 512))[0:1, 0:512])
+    a_tile = nl.load(a[0:128, 0:512])
+    total = nl.multiply(a_tile, g_row.broadcast_to((128, 512)))
+    total[...] = nl.add(total, 1.0)
+    acc = nl.zeros((128, 512), nl.float32, buffer=nl.psum)
+    acc += nl.matmul(total[:, 0:128], a_tile)
+    nl.store(out[0:128, 0:512], value=acc)
+    return out
+'''
+
+
+def trace_of(source, *shapes, rows=128):
+    return legacy_trace.run(source.replace("ROWS", str(rows)), [np.zeros(s, np.float32) for s in shapes], "trn1")
+
+
+def test_generated_kernel_records_each_instruction_with_its_engine_shape_and_bytes():
+    trace = trace_of(GENERATED, (128, 256), (128, 512))
+    assert [(i.name, i.engine) for i in trace[:2]] == [("dma_copy", "dma")] * 2
+    per_tile = [i.name for i in trace[1:6]]
+    assert per_tile == ["dma_copy", "nc_matmul", per_tile[2], "tensor_scalar", "dma_copy"]
+    matmul = trace[2]
+    assert (matmul.partitions, matmul.stationary, matmul.free) == (128, 128, 512)  # K, M, N
+    dma_bytes = sum(i.partitions * i.free * 4 for i in trace if i.engine == "dma")
+    assert dma_bytes == 4 * (128 * 256 + 128 * 512 + 256 * 512)  # x, w and out, each once
+    assert len(trace) == 11
+
+
+def test_psum_blocks_are_separate_tiles_and_the_copy_reads_what_the_matmul_wrote():
+    trace = trace_of(GENERATED, (128, 256), (128, 512))
+    matmuls = [i for i in trace if i.name == "nc_matmul"]
+    assert matmuls[0].writes[0][0] != matmuls[1].writes[0][0]  # acc[0] and acc[1]: two blocks
+    copy = trace[trace.index(matmuls[0]) + 1]
+    assert copy.reads == matmuls[0].writes
+    assert schedule(trace, "trn1")["slots"][trace.index(copy)].start >= \
+        schedule(trace, "trn1")["slots"][trace.index(matmuls[0])].end
+
+
+def test_engines_left_to_the_compiler_go_to_the_less_busy_of_vector_and_scalar():
+    trace = trace_of(GENERATED, (128, 256), (128, 512))
+    copy, scale = trace[3], trace[4]
+    # both engines idle: the copy goes where it is cheaper (ScalarE's faster clock on trn1), as an activation
+    # (trn1 has no ScalarE tensor_copy); the next instruction then finds VectorE the less busy
+    assert (copy.engine, copy.name, copy.ops) == ("scalar", "activation", ("copy",))
+    assert scale.engine == "vector"
+    busy = {e: sum(instruction_seconds(i, "trn1") for i in trace if i.engine == e) for e in ("vector", "scalar")}
+    assert busy["vector"] > 0 and busy["scalar"] > 0
+
+
+def test_a_mask_drops_the_rows_a_dma_moves():
+    full = trace_of(GENERATED, (128, 256), (128, 512))
+    masked = trace_of(GENERATED, (128, 256), (128, 512), rows=100)
+    assert (full[1].partitions, masked[1].partitions) == (128, 100)
+
+
+def test_hand_written_kernel_slices_fresh_tiles_and_names_that_accumulate():
+    trace = trace_of(HAND_WRITTEN, (128, 512), (512,))
+    assert [(i.name, i.engine) for i in trace[:5] + trace[6:]] == [
+        ("dma_copy", "dma"), ("dma_copy", "dma"), ("tensor_tensor", "vector"), ("tensor_scalar", trace[3].engine),
+        ("nc_matmul", "tensor"), ("nc_matmul", "tensor"), ("dma_copy", "dma")]
+    load_g, _, product, plus_one, transpose, evict, matmul, store = trace
+    assert evict.reads == transpose.writes and evict.writes[0] in matmul.reads  # x.T goes through SBUF
+    assert (load_g.partitions, load_g.free) == (1, 512)
+    assert load_g.writes[0] in product.reads  # the broadcast row is read where it was loaded
+    assert plus_one.writes == product.writes  # `total[...] = ...` writes total, not a fresh tile
+    assert (transpose.partitions, transpose.stationary) == (128, 128)  # nl.matmul transposes its x on TensorE
+    assert store.reads == matmul.writes  # `acc += matmul` accumulates into acc
+
+
+def test_an_unsupported_index_is_refused_by_name():
+    source = HAND_WRITTEN.replace("a[0:128, 0:512]", "a[0:128, nl.arange(512)[None, :]]")
+    with pytest.raises(NotImplementedError, match="slices mixed with nl.arange"):
+        trace_of(source, (128, 512), (512,))
+
+
+def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(tmp_path, capsys):
+    """calibrate.py --accelopt on a tiny repository shaped like zhang677/AccelOpt: the profile row's measured time,
+    the traced kernel's estimates, and the engines / HBM table."""
+    (tmp_path / "NKIBench" / "kernels").mkdir(parents=True)
+    (tmp_path / "NKIBench" / "reference").mkdir()
+    (tmp_path / "experiments" / "full_complete_local").mkdir(parents=True)
+    (tmp_path / "NKIBench" / "kernels" / "scale_M256_0.py").write_text(GENERATED.replace("ROWS", "128"))
+    (tmp_path / "NKIBench" / "reference" / "scale_M256_numpy_1.py").write_text(
+        "import numpy as np\ndef get_inputs():\n    return [np.zeros((128, 256), np.float32), "
+        "np.zeros((128, 512), np.float32)]\n")
+    profile = {"latency": 0.05, "vector_engine_active_time_percent": 0.5, "scalar_engine_active_time_percent": 0.25,
+               "hbm_read_bytes": 393216, "hbm_write_bytes": 524288, "spill_save_bytes": 0, "spill_reload_bytes": 0}
+    row = ["scale", json.dumps({"M": 256}), "0", "", "/home/x/NKIBench/./kernels/scale_M256_0.py", "scale_M256",
+           "scale_M256_ID0", json.dumps(profile)]
+    with open(tmp_path / calibrate.ACCELOPT_PROFILE, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["problem", "values", "case_id", "task", "kernel", "case_name", "service_name", "profile"])
+        writer.writerow(row)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "fixture"], check=True)
+
+    calibrate.main(["--accelopt", str(tmp_path)])
+    out = capsys.readouterr().out
+    priced = next(line for line in out.splitlines() if line.startswith("| scale | [AO] scale_M256"))
+    assert "| trn1 | 256 | float32 | 0.050 |" in priced
+    engines = next(line for line in out.splitlines() if line.startswith("| scale |") and "/" in line)
+    assert engines.endswith("| 1 / 1 (0) |")  # the trace moves the profile's 917,504 bytes: 1 MB either way
+    assert engines.split("|")[2].strip().endswith("/ 0.025")  # VectorE active: 50% of 0.05 ms
+    assert all(assumption in out for assumption in legacy_trace.ASSUMPTIONS)  # what the tracer assumed, printed
