@@ -1817,6 +1817,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     blocks = _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim))
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
+    weights = [w_up, w_gate] if gated else [w_up]
     if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
@@ -1826,138 +1827,86 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         chunks = []
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
-        chunk = {"k": k, "n_chunks": len(chunks), "units": slice(first_tile * TILE, (first_tile + tiles) * TILE),
-                 "tiles": tiles, "n_steps": len(blocks) * tiles, "w_up_rows": [], "w_gate_rows": [],
-                 "accumulators": []}
-        for _ in grads:  # per gradient, the chunk's fp32 tiles [128 units, d]
-            chunk["accumulators"].append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
-        steps = [_mlp_bwd_start_block(dy, x, blocks, 0)]
-        chunk["w_down_cols"] = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+        units = first_tile * TILE
+        accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
+        for _ in grads:
+            accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
+        weight_rows = [[], []]  # the chunk's rows of w_up (and w_gate), tiles [128 units, d]
+        steps = []
+        block = _mlp_bwd_block(dy, x, blocks[0])
+        w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
         for c in range(dim // TILE):
-            chunk["w_down_cols"].append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), chunk["units"]))
-        # software pipelining, as the attention kernels (docstring: Issue order)
-        for step in range(chunk["n_steps"] + 2):
-            if step < chunk["n_steps"]:
-                if step > 0:
-                    steps.append(_mlp_bwd_next_step(dy, x, blocks, steps[step - 1], tiles))
-                _mlp_bwd_d_act(steps[step], chunk, w_up, w_gate, up_saved, gate_saved)
-                _mlp_bwd_activation(steps[step], activation, x.dtype)
-            if 0 <= step - 1 < chunk["n_steps"]:
-                _mlp_bwd_dx_and_flips(steps[step - 1], chunk)
-                if steps[step - 1]["j"] == tiles - 1:  # the block's dx is complete
-                    _mlp_bwd_finish_block(dx, partial, program_start, steps[step - 1], chunk)
-            if 0 <= step - 2:
-                _mlp_bwd_weight_grads(steps[step - 2], chunk, grads, program, len(blocks))
+            w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), slice(units, units + tiles * TILE)))
+        n_steps = len(blocks) * tiles
+        for s in range(n_steps + 2):  # software-pipelined (docstring: Issue order)
+            if s < n_steps:
+                b, j = divmod(s, tiles)
+                if j == 0 and b > 0:
+                    block = _mlp_bwd_block(dy, x, blocks[b])
+                saved = slice(units + j * TILE, units + (j + 1) * TILE)
+                if b == 0:  # loaded as the steps need them
+                    for w in range(len(weights)):
+                        weight_rows[w].append(_load_tile(weights[w], saved, slice(0, dim)))
+                d_act = _matmul_into_psum(_column_slices(w_down_cols, j * TILE, (j + 1) * TILE), block["dy_t"])
+                gate = _load_tile(gate_saved, saved, block["rows"]) if gated else None
+                act, scale, d_up, d_gate = _mlp_activation_backward(
+                    activation, _load_tile(up_saved, saved, block["rows"]), gate, d_act, x.dtype)
+                steps.append({"block": block, "act": act, "scale": scale, "d_pre": [d_up, d_gate]})
+            if 0 <= s - 1 < n_steps:
+                b, j = divmod(s - 1, tiles)
+                step, done = steps[s - 1], steps[s - 1]["block"]
+                step["flips"] = [_token_major(step["d_pre"][0], done["x"], 1.0),
+                                 _token_major(step["act"], done["dy"], step["scale"])]
+                for w in range(len(weights)):
+                    if w:
+                        step["flips"].append(_token_major(step["d_pre"][w], done["x"], 1.0))
+                    _accumulate_dx(done, step["d_pre"][w], weight_rows[w][j], accumulate=j > 0 or w > 0)
+                for p in range(len(done["pieces"]) if j == tiles - 1 else 0):  # the block's dx is complete
+                    offset, tokens = done["pieces"][p]
+                    rows = slice(done["rows"].start + offset, done["rows"].start + offset + tokens)
+                    _finish_rows(dx, partial, rows, program_start, done["dx_acc"][p], k, len(chunks), p)
+            if s >= 2:
+                b, j = divmod(s - 2, tiles)
+                step = steps[s - 2]
+                pieces = [step["block"]["x"], step["block"]["dy"], step["block"]["x"]]
+                for g in range(len(grads)):
+                    _accumulate_weight_grad(accumulators[g][j], step["flips"][g], pieces[g], b == 0)
+                    if b == len(blocks) - 1:  # complete
+                        nisa.dma_copy(dst=grads[g][program, units + j * TILE:units + (j + 1) * TILE, :],
+                                      src=accumulators[g][j])
     if gated:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
 
 
-def _mlp_bwd_start_block(dy, x, blocks, b):
-    """The state (a dict) of the first step of block `b`: the block's dy and x as 128-token row pieces, dy.T
-    (d/128 tiles [128, tokens], TensorE transposes) and its dx accumulators in PSUM, one tile per 128-token
-    piece and bank-wide column span, allocated here and first written by the block's first dx matmuls."""
-    block_start, block_tokens = blocks[b]
+def _mlp_bwd_block(dy, x, span):
+    """A backward block (a dict): its dy and x as 128-token row pieces, dy.T (d/128 tiles [128, tokens],
+    TensorE transposes) and its dx accumulators in PSUM, one tile per 128-token piece and bank-wide column
+    span (allocated here, first written by the block's first dx matmuls)."""
+    block_start, block_tokens = span
     dim = x.shape[1]
-    block = {"b": b, "start": block_start, "slice": slice(block_start, block_start + block_tokens),
-             "dy_pieces": _load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
-             "x_pieces": _load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
+    block = {"rows": slice(block_start, block_start + block_tokens),
+             "dy": _load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
+             "x": _load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
              "dy_t": _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
-             "piece_spans": _spans(0, block_tokens, TILE), "column_spans": _spans(0, dim, BANK_FP32), "dx_acc": []}
-    _transpose_pieces_into(block["dy_t"], 0, block["dy_pieces"])
-    for piece in block["piece_spans"]:
-        _, tokens = piece
+             "pieces": _spans(0, block_tokens, TILE), "columns": _spans(0, dim, BANK_FP32), "dx_acc": []}
+    _transpose_pieces_into(block["dy_t"], 0, block["dy"])
+    for piece in block["pieces"]:
         row_of_banks = []
-        for columns in block["column_spans"]:
-            _, width = columns
-            row_of_banks.append(nl.ndarray((tokens, width), nl.float32, buffer=nl.psum))
+        for columns in block["columns"]:
+            row_of_banks.append(nl.ndarray((piece[1], columns[1]), nl.float32, buffer=nl.psum))
         block["dx_acc"].append(row_of_banks)
-    return {"block": block, "j": 0}
+    return block
 
 
-def _mlp_bwd_next_step(dy, x, blocks, previous, tiles):
-    """The state of the step after `previous` in a chunk's stream of (block, hidden tile) steps: the next
-    hidden tile of the same block, or the first of the next block."""
-    if previous["j"] == tiles - 1:
-        return _mlp_bwd_start_block(dy, x, blocks, previous["block"]["b"] + 1)
-    return {"block": previous["block"], "j": previous["j"] + 1}
-
-
-def _mlp_bwd_d_act(step, chunk, w_up, w_gate, up_saved, gate_saved):
-    """Stage 1 of a step: daT = w_down[:, tile].T @ dy.T on TensorE (one PSUM bank), the tile's saved
-    pre-activations loaded; in the chunk's first block also the tile's rows of w_up (and w_gate), so that the
-    loads queue in the order the steps need them."""
-    block, j = step["block"], step["j"]
-    start, units = j * TILE, chunk["units"]
-    saved = slice(units.start + start, units.start + start + TILE)
-    if block["b"] == 0:
-        chunk["w_up_rows"].append(_load_tile(w_up, saved, slice(0, w_up.shape[1])))
-        if w_gate is not None:
-            chunk["w_gate_rows"].append(_load_tile(w_gate, saved, slice(0, w_up.shape[1])))
-    step["d_act"] = _matmul_into_psum(_column_slices(chunk["w_down_cols"], start, start + TILE), block["dy_t"])
-    step["up"] = _load_tile(up_saved, saved, block["slice"])
-    step["gate"] = _load_tile(gate_saved, saved, block["slice"]) if w_gate is not None else None
-
-
-def _mlp_bwd_activation(step, activation, dtype):
-    """Stage 2: act and the pre-activations' gradients on ScalarE and VectorE (_mlp_activation_backward)."""
-    act, act_scale, d_up, d_gate = _mlp_activation_backward(activation, step["up"], step["gate"], step["d_act"],
-                                                            dtype)
-    step["act"] = act
-    step["act_scale"] = act_scale
-    step["d_up"] = d_up
-    step["d_gate"] = d_gate
-
-
-def _mlp_bwd_dx_and_flips(step, chunk):
-    """Stage 3: d_up (and d_gate) and act flipped token-major for the weight gradients (TensorE, evicted on
-    ScalarE), then the tile's share of dx into the block's PSUM accumulators (TensorE)."""
-    block, j = step["block"], step["j"]
-    gated = step["d_gate"] is not None
-    step["d_up_t"] = _token_major(step["d_up"], block["x_pieces"], 1.0)
-    step["act_t"] = _token_major(step["act"], block["dy_pieces"], step["act_scale"])
-    step["d_gate_t"] = _token_major(step["d_gate"], block["x_pieces"], 1.0) if gated else None
-    _accumulate_dx(block["dx_acc"], step["d_up"], chunk["w_up_rows"][j], block["piece_spans"],
-                   block["column_spans"], accumulate=j > 0)
-    if gated:
-        _accumulate_dx(block["dx_acc"], step["d_gate"], chunk["w_gate_rows"][j], block["piece_spans"],
-                       block["column_spans"], accumulate=True)
-
-
-def _mlp_bwd_finish_block(dx, partial, program_start, step, chunk):
-    """After the block's last dx matmuls: its rows of dx leave PSUM (_finish_rows)."""
-    block = step["block"]
-    for p in range(len(block["piece_spans"])):
-        offset, tokens = block["piece_spans"][p]
-        rows = slice(block["start"] + offset, block["start"] + offset + tokens)
-        _finish_rows(dx, partial, rows, program_start, block["dx_acc"][p], chunk["k"], chunk["n_chunks"], p)
-
-
-def _mlp_bwd_weight_grads(step, chunk, grads, program, n_blocks):
-    """Stage 4: the tile's weight gradients accumulate over the block's tokens (TensorE into PSUM, then into
-    the chunk's fp32 SBUF tiles); in the last block each leaves for HBM as soon as it is complete."""
-    block, j = step["block"], step["j"]
-    first, last = block["b"] == 0, block["b"] == n_blocks - 1
-    token_majors = [step["d_up_t"], step["act_t"]]
-    pieces = [block["x_pieces"], block["dy_pieces"]]
-    if step["d_gate_t"] is not None:
-        token_majors.append(step["d_gate_t"])
-        pieces.append(block["x_pieces"])
-    for g in range(len(grads)):
-        _accumulate_weight_grad(chunk["accumulators"][g][j], token_majors[g], pieces[g], first)
-        if last:
-            rows = slice(chunk["units"].start + j * TILE, chunk["units"].start + (j + 1) * TILE)
-            nisa.dma_copy(dst=grads[g][program, rows, :], src=chunk["accumulators"][g][j])
-
-
-def _accumulate_dx(dx_acc, d_pre, weight_rows, piece_spans, column_spans, accumulate):
-    """dx_acc[p][c] (PSUM) (+)= d_pre[128 hidden, piece p's tokens].T @ weight_rows[128 hidden, column span c]:
-    one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the chunk's first share."""
-    for p in range(len(piece_spans)):
-        offset, tokens = piece_spans[p]
-        for c in range(len(column_spans)):
-            col, width = column_spans[c]
-            nisa.nc_matmul(dst=dx_acc[p][c], stationary=d_pre[:, offset:offset + tokens],
+def _accumulate_dx(block, d_pre, weight_rows, accumulate):
+    """The block's dx accumulators (PSUM) (+)= d_pre[128 hidden, piece's tokens].T @ weight_rows[128 hidden,
+    column span]: one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the chunk's first."""
+    for p in range(len(block["pieces"])):
+        offset, tokens = block["pieces"][p]
+        for c in range(len(block["columns"])):
+            col, width = block["columns"][c]
+            nisa.nc_matmul(dst=block["dx_acc"][p][c], stationary=d_pre[:, offset:offset + tokens],
                            moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
@@ -2076,9 +2025,7 @@ def _mlp_sbuf_plan(dim, gated, itemsize, backward):
     if backward:
         block = _mlp_bwd_block_tokens(dim)
         per_tile = projections * dim * (itemsize + 4)  # the chunk's weight slices, its fp32 gradient accumulators
-        # dy, dy.T and x of a block, and the next block's dy and x while the pipeline crosses into it; one hidden
-        # tile's elementwise and flipped tiles, and the act, d_up, d_gate and flips of the two steps behind it;
-        # dx's rows and partial sums
+        # dy, dy.T, x of two blocks; three hidden tiles' elementwise and flipped tiles; dx's rows, partial sums
         besides = 5 * dim * block * itemsize // TILE + block * (14 * itemsize + 16) + 8 * dim
     else:
         per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
@@ -2362,8 +2309,6 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     program_start, program_stop = _program_rows(n_rows)
     spans = _spans(program_start, program_stop, TILE)
     tiles = []
-    # software-pipelined, as the attention kernels: step s issues tile s's statistics beside tile s-1's
-    # coefficient and tile s-2's last pass and store, so ScalarE and VectorE never wait on one tile's chain
     for step in range(len(spans) + 2):
         if step < len(spans):
             tiles.append(_rms_norm_bwd_statistics(dy, x, spans[step], eps, weight_rows if weighted else None))
@@ -2582,36 +2527,28 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
 
     HBM traffic: read x and branch, write s and y, once each (fp32 stream, bf16 branch: 12 bytes a value;
     apart: 18, the norm's output fp32, and 6 more where autocast casts it for the next matmul). SBUF per
-    partition: x, branch, s, y tiles (at most 4 * 4d bytes), two tiles in flight: the emulator measures
-    40,964 bytes at d = 2048 in fp32. PSUM: none. Limits: d <= 2048; any N (the last tile may be
+    partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the compiler: under 64 KiB
+    at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
     pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
     at the baseline shape, 1024 x 640, fp32 stream and bf16 branch: DMA 27 us, VectorE 11, ScalarE 9).
-    Issue order: software-pipelined, tile s's sum and rstd issued before tile s-1's scaling and store
-    (scheduled, nki_emulator/_schedule.py, one bf16 sequence: K82s4's 53.2 -> 49.6 us against a 39.9 us
-    overlap bound; the baseline's 33.9 -> 34.4 against 27.1: DMA-bound, what is left is the first loads
-    and the last stores).
     """
     n_rows, dim = x.shape
     total = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     normed = nl.ndarray((n_rows, dim), branch.dtype, buffer=nl.shared_hbm)
     program_start, program_stop = _program_rows(n_rows)
-    spans = _spans(program_start, program_stop, TILE)
-    tiles = []
-    for step in range(len(spans) + 1):  # software-pipelined (docstring): tile s's sum and rstd, tile s-1's y
-        if step < len(spans):
-            row, rows = spans[step]
-            tile = {"rows": slice(row, row + rows), "sum": nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf),
-                    "out": nl.ndarray((rows, dim), branch.dtype, buffer=nl.sbuf)}
-            nisa.tensor_tensor(dst=tile["sum"], data1=_load_tile(x, tile["rows"], slice(0, dim)),
-                               data2=_load_tile(branch, tile["rows"], slice(0, dim)), op=nl.add)
-            nisa.dma_copy(dst=total[tile["rows"], :], src=tile["sum"])
-            tile["rstd"] = _reciprocal_rms(tile["sum"], eps, squares=tile["out"])
-            tiles.append(tile)
-        if step > 0:
-            tile = tiles[step - 1]
-            nisa.activation(dst=tile["out"], op=nl.copy, data=tile["sum"], scale=tile["rstd"])
-            nisa.dma_copy(dst=normed[tile["rows"], :], src=tile["out"])
+    for span in _spans(program_start, program_stop, TILE):
+        row, rows = span
+        tile_rows = slice(row, row + rows)
+        x_tile = _load_tile(x, tile_rows, slice(0, dim))
+        branch_tile = _load_tile(branch, tile_rows, slice(0, dim))
+        sum_tile = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sum_tile, data1=x_tile, data2=branch_tile, op=nl.add)
+        nisa.dma_copy(dst=total[tile_rows, :], src=sum_tile)
+        out = nl.ndarray((rows, dim), branch.dtype, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(sum_tile, eps, squares=out)
+        nisa.activation(dst=out, op=nl.copy, data=sum_tile, scale=rstd)
+        nisa.dma_copy(dst=normed[tile_rows, :], src=out)
     return total, normed
 
 
@@ -3151,6 +3088,23 @@ def _load_rope_step(src, cos, sin, b, tokens, parts):
     return tiles[0], (tiles[1], tiles[2])
 
 
+def _rope_unit(x, cos, sin, steps, units, n_heads):
+    """Appends the next (step, head) unit of the rope_norm kernels' pipelines to `units` and returns it (a
+    dict: b, tokens, the tables, the head's slice of x); a step's first head loads x (all heads) and the
+    tables for the step."""
+    step, h = divmod(len(units), n_heads)
+    if h == 0:
+        b, start, parts, per_part = steps[step]
+        tokens = slice(start, start + parts * per_part)
+        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+    else:
+        b, tokens, x_all, cos_sin = units[-1]["b"], units[-1]["tokens"], units[-1]["x_all"], units[-1]["cos_sin"]
+    dim = x.shape[2] // n_heads
+    units.append({"b": b, "tokens": tokens, "x_all": x_all, "cos_sin": cos_sin, "h": h,
+                  "x": x_all[:, :, h * dim:(h + 1) * dim]})
+    return units[-1]
+
+
 def _slot_mean_squares(slots, eps, squares):
     """mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile: ScalarE squares and sums each slot (into
     `squares`, slots of the same shapes, unread), the mean is one VectorE instruction for all the slots."""
@@ -3197,34 +3151,22 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    steps = _rope_steps(batch, seq_len, dim)
-    units = []  # (step, head) in order: the software pipeline's stream (docstring: Issue order)
-    for unit in range(len(steps) * n_heads + 2):
-        if unit < len(steps) * n_heads:  # the head's rotation (GpSimd, VectorE) into its own tile
-            step, h = divmod(unit, n_heads)
-            if h == 0:
-                b, start, parts, per_part = steps[step]
-                tokens = slice(start, start + parts * per_part)
-                x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-                loaded = {"b": b, "tokens": tokens, "x": x_tile, "cos_sin": cos_sin}
-            else:
-                loaded = units[unit - 1]["loaded"]
-            shape = (loaded["x"].shape[0], loaded["x"].shape[1], dim)
-            units.append({"loaded": loaded, "h": h, "z": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),
-                          "out": nl.ndarray(shape, x.dtype, buffer=nl.sbuf)})
-            _rotate_head(units[unit]["z"], loaded["x"][:, :, h * dim:(h + 1) * dim], loaded["cos_sin"], False)
-        if 0 <= unit - 1 < len(units):  # its squares, summed (ScalarE), and their mean (VectorE)
-            behind = units[unit - 1]
-            behind["mean_sq"] = _slot_mean_squares(_slots(behind["z"]), eps,
-                                                   _slots(behind["out"]))
-        if 0 <= unit - 2:  # its rsqrt (GpSimd), z * rstd (ScalarE), its store
-            behind = units[unit - 2]
-            rstd = _slot_rsqrt(behind["mean_sq"])
-            z_slots, out_slots = _slots(behind["z"]), _slots(behind["out"])
+    steps, units = _rope_steps(batch, seq_len, dim), []
+    for u in range(len(steps) * n_heads + 2):  # software-pipelined (docstring: Issue order)
+        if u < len(steps) * n_heads:
+            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
+            unit["z"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
+            unit["out"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
+            _rotate_head(unit["z"], unit["x"], unit["cos_sin"], False)
+        if 0 <= u - 1 < len(units):
+            unit = units[u - 1]
+            unit["mean_sq"] = _slot_mean_squares(_slots(unit["z"]), eps, _slots(unit["out"]))
+        if u >= 2:
+            unit = units[u - 2]
+            rstd, z_slots, out_slots = _slot_rsqrt(unit["mean_sq"]), _slots(unit["z"]), _slots(unit["out"])
             for c in range(len(z_slots)):
                 nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-            loaded = behind["loaded"]
-            nisa.dma_copy(dst=y[loaded["b"], behind["h"], loaded["tokens"], :], src=behind["out"])
+            nisa.dma_copy(dst=y[unit["b"], unit["h"], unit["tokens"], :], src=unit["out"])
     return y
 
 
@@ -3249,54 +3191,41 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     """
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    steps = _rope_steps(batch, seq_len, dim)
-    units = []  # (step, head) in order: the software pipeline's stream (docstring: Issue order)
-    for unit in range(len(steps) * n_heads + 3):
-        if unit < len(steps) * n_heads:  # the head's dy loaded and rotated back: g = R^T dy (GpSimd, VectorE)
-            step, h = divmod(unit, n_heads)
-            if h == 0:
-                b, start, parts, per_part = steps[step]
-                tokens = slice(start, start + parts * per_part)
-                x_tile, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-                loaded = {"b": b, "tokens": tokens, "x": x_tile, "cos_sin": cos_sin}
-            else:
-                loaded = units[unit - 1]["loaded"]
-            shape = (loaded["x"].shape[0], loaded["x"].shape[1], dim)
-            dy_head = nl.ndarray(shape, x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=dy_head, src=dy[loaded["b"], h, loaded["tokens"], :])
-            units.append({"loaded": loaded, "h": h, "x": loaded["x"][:, :, h * dim:(h + 1) * dim],
-                          "g": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),
-                          "scratch": nl.ndarray(shape, x.dtype, buffer=nl.sbuf),  # the squares, x g, then x c + g
-                          "out": nl.ndarray(shape, x.dtype, buffer=nl.sbuf)})
-            _rotate_head(units[unit]["g"], dy_head, loaded["cos_sin"], True)
-        if 0 <= unit - 1 < len(units):  # mean(x^2) + eps (ScalarE, VectorE) and x g (GpSimd)
-            behind = units[unit - 1]
-            behind["mean_sq"] = _slot_mean_squares(_slots(behind["x"]), eps,
-                                                   _slots(behind["scratch"]))
-            nisa.tensor_tensor(dst=behind["scratch"], data1=behind["x"], data2=behind["g"], op=nl.multiply,
+    steps, units = _rope_steps(batch, seq_len, dim), []
+    for u in range(len(steps) * n_heads + 3):  # software-pipelined (docstring: Issue order)
+        if u < len(steps) * n_heads:
+            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
+            dy_head = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dy_head, src=dy[unit["b"], unit["h"], unit["tokens"], :])
+            for name in ("g", "scratch", "out"):  # scratch: the squares, x g, then x c + g
+                unit[name] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
+            _rotate_head(unit["g"], dy_head, unit["cos_sin"], True)
+        if 0 <= u - 1 < len(units):
+            unit = units[u - 1]
+            unit["mean_sq"] = _slot_mean_squares(_slots(unit["x"]), eps, _slots(unit["scratch"]))
+            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["x"], data2=unit["g"], op=nl.multiply,
                                engine=nisa.gpsimd_engine)
-        if 0 <= unit - 2 < len(units):  # r (GpSimd), -mean(x g) (ScalarE's accumulator), c and x c + g (VectorE)
-            behind = units[unit - 2]
-            behind["rstd"] = _slot_rsqrt(behind["mean_sq"])
-            x_slots, scratch_slots = _slots(behind["x"]), _slots(behind["scratch"])
-            out_slots = _slots(behind["out"])
-            neg_mean = nl.ndarray(behind["rstd"].shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+        if 0 <= u - 2 < len(units):
+            unit = units[u - 2]
+            unit["rstd"] = _slot_rsqrt(unit["mean_sq"])
+            rstd = unit["rstd"]
+            x_slots, scratch_slots, out_slots = _slots(unit["x"]), _slots(unit["scratch"]), _slots(unit["out"])
+            neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
             for c in range(len(x_slots)):
                 nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
                                        reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-            x_coef = nl.ndarray(behind["rstd"].shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
-            nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=behind["rstd"], op=nl.multiply)
-            nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=behind["rstd"], op=nl.multiply)
+            x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+            nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
+            nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
             for c in range(len(x_slots)):
                 nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-            nisa.tensor_tensor(dst=behind["scratch"], data1=behind["out"], data2=behind["g"], op=nl.add)
-        if 0 <= unit - 3:  # r (x c + g) (ScalarE's free scale) and the head's columns of dx
-            behind = units[unit - 3]
-            scratch_slots, out_slots = _slots(behind["scratch"]), _slots(behind["out"])
+            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["out"], data2=unit["g"], op=nl.add)
+        if u >= 3:
+            unit = units[u - 3]
+            scratch_slots, out_slots = _slots(unit["scratch"]), _slots(unit["out"])
             for c in range(len(scratch_slots)):
-                nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=behind["rstd"][:, c:c + 1])
-            loaded, h = behind["loaded"], behind["h"]
-            nisa.dma_copy(dst=dx[loaded["b"], loaded["tokens"], h * dim:(h + 1) * dim], src=behind["out"])
+                nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=unit["rstd"][:, c:c + 1])
+            nisa.dma_copy(dst=dx[unit["b"], unit["tokens"], unit["h"] * dim:(unit["h"] + 1) * dim], src=unit["out"])
     return dx
 
 
