@@ -3143,8 +3143,9 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     which the per-head rsqrt raised from 11.5 and 17.2). Each head has its own tiles because the schedule
     orders accesses to one tile by the byte range they span, and a head's slice of a (P, 4, H D) tile
     spans its neighbours' bytes. HBM traffic: x read once, y written once (apart: the rotary's four bf16
-    passes and the norm's read and write). SBUF per partition: x and two head tiles per unit in flight, at
-    most 4.5 tiles of 4 H D values (one head of 2048 in fp32: the emulator measures 147,456 bytes).
+    passes and the norm's read and write). SBUF per partition: x of up to three steps and two head tiles per
+    unit in flight: the emulator measures 57,392 bytes at 8 heads of 256 in fp32 (53,252 at one head of 2048,
+    one token a partition: ROPE_WIDE_HEAD).
     PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
     k: 26 / 23 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
     """
