@@ -1626,13 +1626,15 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
     partial = _partial_sums(program_start, program_stop, dim, len(chunks))
     save_up_on_scalar = activation in ("relu2", "swiglu")  # the engine with the lighter activation work
+    weights = [w_up, w_gate] if gated else [w_up]
     if program_start == program_stop:  # this program got no tokens (N <= 128 on two cores)
         chunks = []
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
         units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
-        w_up_t = _sbuf_tiles(dim // TILE, (TILE, tiles * TILE), w_up.dtype)  # d/128 tiles [128, chunk units]
-        w_gate_t = _sbuf_tiles(dim // TILE, (TILE, tiles * TILE), w_up.dtype) if gated else None
+        weights_t = []  # w_up's (and w_gate's) d/128 tiles [128, chunk units]
+        for _ in weights:
+            weights_t.append(_sbuf_tiles(dim // TILE, (TILE, tiles * TILE), w_up.dtype))
         w_down_t = []  # chunk tiles [128 units, d]
         blocks = _spans(program_start, program_stop, MLP_BLOCK_TOKENS)
         for b in range(len(blocks)):
@@ -1643,16 +1645,14 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
             act_t = []  # the chunk's tiles [128 units, block_tokens] of the block's hidden activation
             for j in range(tiles):
                 start, stop = j * TILE, (j + 1) * TILE
-                if b == 0 and start % BANK_FP32 == 0:  # the weights of the next 512 units, as the first block needs them
+                if b == 0 and start % BANK_FP32 == 0:  # the next 512 units' weights, as the first block needs them
                     group = slice(units.start + start, units.start + min(start + BANK_FP32, tiles * TILE))
-                    _transpose_pieces_into(w_up_t, start, _load_row_pieces(w_up, group.start, group.stop - group.start,
-                                                                           slice(0, dim)))
-                    if gated:
-                        _transpose_pieces_into(w_gate_t, start, _load_row_pieces(
-                            w_gate, group.start, group.stop - group.start, slice(0, dim)))
+                    for w in range(len(weights)):
+                        _transpose_pieces_into(weights_t[w], start, _load_row_pieces(
+                            weights[w], group.start, group.stop - group.start, slice(0, dim)))
                     w_down_t += _transposed_in_sbuf(w_down, slice(0, dim), group)
-                up = _matmul_into_psum(_column_slices(w_up_t, start, stop), x_t)
-                gate = _matmul_into_psum(_column_slices(w_gate_t, start, stop), x_t) if gated else None
+                up = _matmul_into_psum(_column_slices(weights_t[0], start, stop), x_t)
+                gate = _matmul_into_psum(_column_slices(weights_t[1], start, stop), x_t) if gated else None
                 if save_preactivation:
                     saved = slice(units.start + start, units.start + stop)
                     _store_from_psum(up_saved[saved, block], up, save_up_on_scalar)
