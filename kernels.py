@@ -1582,18 +1582,17 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     backward: x @ w_up.T (and x @ w_gate.T) as (hidden, N) arrays, the layout the kernel computes them in.
     chunk_tiles: hidden tiles (128 units) per chunk, from _mlp_chunk_tiles.
 
-    Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and
-    w_down[:, chunk].T as tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time
-    as the chunk's first block reaches them (issue order: TensorE starts on the first 512 units while the
-    DMA brings the next, instead of waiting for all the weights; before, 286.7 us scheduled at K82s4's
-    forward, now 263.7, against a 249.2 us overlap bound; at the baseline's, DMA-bound while the weights
-    and the saved pre-activations share the queues, 117.8 -> 118.3). Per block of 512 tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden
-    tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank (stationary 128
-    x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into SBUF
-    in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand
-    the down projection wants, y[128 tokens, <=512 of d] += act.T[128 units, 128 tokens].T @
-    w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless saved for the
-    backward) and needs no transpose.
+    Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and w_down[:, chunk].T as
+    tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time as the chunk's first block
+    reaches them (issue order: TensorE starts on the first 512 units while the DMA brings the next, instead of
+    waiting for all the weights; before, 286.7 us scheduled at K82s4's forward, now 263.7, against a 249.2 us
+    overlap bound; at the baseline's, DMA-bound while the weights and the saved pre-activations share the queues,
+    117.8 -> 118.3). Per block of 512 tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank);
+    then for each hidden tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank
+    (stationary 128 x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into
+    SBUF in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand the down
+    projection wants, y[128 tokens, <=512 of d] += act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so
+    the hidden activation never goes to HBM (unless saved for the backward) and needs no transpose.
 
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
     of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
@@ -2570,12 +2569,12 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     rms_norm_bwd_kernel's (scheduled, one bf16 sequence: K82s4's 86.3 -> 66.0 us against a 52.8 us overlap
     bound, the baseline's 58.4 -> 44.6 against 35.6).
 
-    HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy,
-    d_total, dx, d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight: the
-    emulator measures 73,748 bytes at d = 2048 in fp32. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and ScalarE three
-    (two with one dtype throughout), TensorE none; DMA, at 16 bytes a value for an fp32 stream and bf16
-    branch, is the bottleneck, VectorE close behind (the emulator at 1024 x 640: DMA 36 us, VectorE 33,
-    ScalarE 14).
+    HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy, d_total, dx,
+    d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight: the emulator measures 73,748
+    bytes at d = 2048 in fp32. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and
+    ScalarE three (two with one dtype throughout), TensorE none; DMA, at 16 bytes a value for an fp32 stream and
+    bf16 branch, is the bottleneck, VectorE close behind (the emulator at 1024 x 640: DMA 36 us, VectorE 33, ScalarE
+    14).
     """
     n_rows, dim = total.shape
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
