@@ -1165,23 +1165,28 @@ def _attention_bwd_kv_grads(unit, head, dk_block, dv_block, start):
     unit["dscores_t"] = _transposed_chunks(unit["dscores"])
 
 
-def _attention_bwd_dq(unit, dq_acc, kv):
-    """Stage 4: dS^T out of PSUM (VectorE), dQ of the tile from this block (TensorE), added into the SBUF
-    accumulator dq_acc[:, i, :]."""
-    k_rows = kv[1]
-    dtype, head_dim = k_rows.dtype, k_rows.shape[2]
-    query_tile, first = unit["query_tile"], unit["first"]
-    n_chunks = unit["width"] // TILE
-    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
-    _evict(dscores_t, unit["dscores_t"], False)
-    dq_block = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-    for c in range(n_chunks):
-        nisa.nc_matmul(dst=dq_block, stationary=dscores_t[:, c, :], moving=k_rows[:, first // TILE + c, :],
-                       accumulate=c > 0)
+def _attention_bwd_dscores_t(unit):
+    """Stage 3: dS^T out of PSUM (VectorE)."""
+    unit["dscores_t_sbuf"] = nl.ndarray(unit["dscores_t"].shape, dtype=unit["dscores"].dtype, buffer=nl.sbuf)
+    _evict(unit["dscores_t_sbuf"], unit["dscores_t"], False)
+
+
+def _attention_bwd_dq(unit, kv):
+    """Stage 4: dQ of the tile from this block (TensorE), into PSUM."""
+    k_rows, first = kv[1], unit["first"]
+    unit["dq_block"] = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(unit["width"] // TILE):
+        nisa.nc_matmul(dst=unit["dq_block"], stationary=unit["dscores_t_sbuf"][:, c, :],
+                       moving=k_rows[:, first // TILE + c, :], accumulate=c > 0)
+
+
+def _attention_bwd_add_dq(unit, dq_acc):
+    """Stage 5: the block's dQ added into the SBUF accumulator dq_acc[:, i, :] (VectorE)."""
+    row = dq_acc[:, unit["query_tile"], :]
     if unit["opens_row"]:
-        nisa.tensor_copy(dst=dq_acc[:, query_tile, :], src=dq_block)
+        nisa.tensor_copy(dst=row, src=unit["dq_block"])
     else:
-        nisa.tensor_tensor(dst=dq_acc[:, query_tile, :], data1=dq_acc[:, query_tile, :], data2=dq_block, op=nl.add)
+        nisa.tensor_tensor(dst=row, data1=row, data2=unit["dq_block"], op=nl.add)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1313,29 +1318,34 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                     units.append(_attention_bwd_unit(i, start, mask))
                     block_starts.append(start)
                     block_ends.append(i == min(n_tiles, chunks_stop + window // TILE) - 1)
-            # software-pipelined (docstring: Issue order)
-            dk_block, dv_block = None, None
-            for step in range(len(units) + 1):
-                if 0 <= step - 1:
-                    _attention_bwd_dq(units[step - 1], dq_acc, kv)
-                if step == 0:
-                    _attention_bwd_scores(units[0], head, kv, mask)
-                if step < len(units):
-                    _attention_bwd_softmax(units[step], head, dtype, scale)
-                if step + 1 < len(units):
-                    _attention_bwd_scores(units[step + 1], head, kv, mask)
-                if step < len(units):
-                    start = block_starts[step]
-                    chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                    if step == 0 or block_starts[step - 1] != start:
-                        dk_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
-                        dv_block = _banked_chunks(chunks.stop - chunks.start, head_dim)
-                    _attention_bwd_kv_grads(units[step], head, dk_block, dv_block, start)
-                    if block_ends[step]:
+            # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last
+            # stage first, so each stage reads what the step before made and each PSUM tile is read before
+            # the next unit's is written
+            dk_block, dv_block, n = None, None, len(units)
+            for step in range(n + 5):
+                if 0 <= step - 5:
+                    _attention_bwd_add_dq(units[step - 5], dq_acc)
+                if 0 <= step - 4 < n:
+                    _attention_bwd_dq(units[step - 4], kv)
+                if 0 <= step - 3 < n:
+                    _attention_bwd_dscores_t(units[step - 3])
+                    if block_ends[step - 3]:
+                        start = block_starts[step - 3]
+                        chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
                         _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
                                      scale, first, last)
                         _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
                                      1.0, first, last)
+                if 0 <= step - 2 < n:
+                    start = block_starts[step - 2]
+                    if step == 2 or block_starts[step - 3] != start:
+                        n_chunks = (min(start + KEY_BLOCK, seq_len) - start) // TILE
+                        dk_block, dv_block = _banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim)
+                    _attention_bwd_kv_grads(units[step - 2], head, dk_block, dv_block, start)
+                if 0 <= step - 1 < n:
+                    _attention_bwd_softmax(units[step - 1], head, dtype, scale)
+                if step < n:
+                    _attention_bwd_scores(units[step], head, kv, mask)
             dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
             nisa.activation(dst=dq_rows, op=nl.copy, data=dq_acc, scale=scale)
             _store_rows(dq, b, h, dq_rows)
