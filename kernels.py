@@ -1228,14 +1228,17 @@ def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
 
 def _add_kv_grad(dst, acc, block, scale, first, last):
     """One query head's dK or dV of a key block (PSUM chunks) onto the group's: dst (the output rows,
-    input dtype) on the last head of the group, else acc (fp32 SBUF); both (128, chunks, d), scaled."""
+    input dtype) on the last head of the group, else acc (fp32 SBUF); both (128, chunks, d), scaled. A
+    ScalarE copy out of PSUM, then the add on GpSimd (which cannot read PSUM): VectorE makes dS."""
     target = dst if last else acc
     for c in range(len(block)):
         if first:
             nisa.activation(dst=target[:, c, :], op=nl.copy, data=block[c], scale=scale)
         else:
-            nisa.scalar_tensor_tensor(dst=target[:, c, :], data=block[c], op0=nl.multiply, operand0=scale,
-                                      op1=nl.add, operand1=acc[:, c, :])
+            scaled = nl.ndarray(block[c].shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=scaled, op=nl.copy, data=block[c], scale=scale)
+            nisa.tensor_tensor(dst=target[:, c, :], data1=scaled, data2=acc[:, c, :], op=nl.add,
+                               engine=nisa.engine.gpsimd)
 
 
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
@@ -1306,49 +1309,58 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
         dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
         dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
 
+        # (key block, query tile) units of the pair's heads: a block's tiles from its first chunk to the window
+        # past its last; the head's state and dQ accumulator are made by its first unit
+        units = []
         for h in range(kv_head * group, (kv_head + 1) * group):
-            first, last = h == kv_head * group, h == (kv_head + 1) * group - 1
-            head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
-            dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-            # (key block, query tile) units: the tiles from the block's first chunk to the window past its last
-            units, block_starts, block_ends = [], [], []
             for start in range(0, seq_len, KEY_BLOCK):
-                chunks_stop = min(start + KEY_BLOCK, seq_len) // TILE
-                for i in range(start // TILE, min(n_tiles, chunks_stop + window // TILE)):
-                    units.append(_attention_bwd_unit(i, start, mask))
-                    block_starts.append(start)
-                    block_ends.append(i == min(n_tiles, chunks_stop + window // TILE) - 1)
-            # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last
-            # stage first, so each stage reads what the step before made and each PSUM tile is read before
-            # the next unit's is written
-            dk_block, dv_block, n = None, None, len(units)
-            for step in range(n + 5):
-                if 0 <= step - 5:
-                    _attention_bwd_add_dq(units[step - 5], dq_acc)
-                if 0 <= step - 4 < n:
-                    _attention_bwd_dq(units[step - 4], kv)
-                if 0 <= step - 3 < n:
-                    _attention_bwd_dscores_t(units[step - 3])
-                    if block_ends[step - 3]:
-                        start = block_starts[step - 3]
-                        chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                        _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, dk_block,
-                                     scale, first, last)
-                        _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, dv_block,
-                                     1.0, first, last)
-                if 0 <= step - 2 < n:
-                    start = block_starts[step - 2]
-                    if step == 2 or block_starts[step - 3] != start:
-                        n_chunks = (min(start + KEY_BLOCK, seq_len) - start) // TILE
-                        dk_block, dv_block = _banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim)
-                    _attention_bwd_kv_grads(units[step - 2], head, dk_block, dv_block, start)
-                if 0 <= step - 1 < n:
-                    _attention_bwd_softmax(units[step - 1], head, dtype, scale)
-                if step < n:
-                    _attention_bwd_scores(units[step], head, kv, mask)
-            dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
-            nisa.activation(dst=dq_rows, op=nl.copy, data=dq_acc, scale=scale)
-            _store_rows(dq, b, h, dq_rows)
+                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                tiles_stop = min(n_tiles, chunks.stop + window // TILE)
+                for i in range(chunks.start, tiles_stop):
+                    unit = _attention_bwd_unit(i, start, mask)
+                    unit.update(h=h, start=start, chunks=chunks, block_first=i == chunks.start,
+                                block_last=i == tiles_stop - 1, head_first=start == 0 and i == 0,
+                                head_last=chunks.stop == n_tiles and i == tiles_stop - 1)
+                    units.append(unit)
+        # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage
+        # first, so each stage reads what the step before made and each PSUM tile is read before the next
+        # unit's is written
+        n = len(units)
+        for step in range(n + 5):
+            if 0 <= step - 5:
+                unit = units[step - 5]
+                _attention_bwd_add_dq(unit, unit["dq_acc"])
+                if unit["head_last"]:
+                    dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
+                    nisa.activation(dst=dq_rows, op=nl.copy, data=unit["dq_acc"], scale=scale)
+                    _store_rows(dq, b, unit["h"], dq_rows)
+            if 0 <= step - 4 < n:
+                _attention_bwd_dq(units[step - 4], kv)
+            if 0 <= step - 3 < n:
+                unit = units[step - 3]
+                _attention_bwd_dscores_t(unit)
+                if unit["block_last"]:
+                    first, last, chunks = unit["h"] % group == 0, unit["h"] % group == group - 1, unit["chunks"]
+                    _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None,
+                                 unit["dk_block"], scale, first, last)
+                    _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None,
+                                 unit["dv_block"], 1.0, first, last)
+            if 0 <= step - 2 < n:
+                unit = units[step - 2]
+                if unit["block_first"]:
+                    n_chunks = unit["chunks"].stop - unit["chunks"].start
+                    dk_block, dv_block = _banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim)
+                unit.update(dk_block=dk_block, dv_block=dv_block)
+                _attention_bwd_kv_grads(unit, unit["head"], dk_block, dv_block, unit["start"])
+            if 0 <= step - 1 < n:
+                _attention_bwd_softmax(units[step - 1], units[step - 1]["head"], dtype, scale)
+            if step < n:
+                unit = units[step]
+                if unit["head_first"]:
+                    head = _load_head_for_bwd(q, out, d_out, lse, b, unit["h"], dtype)
+                    dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+                unit.update(head=head, dq_acc=dq_acc)
+                _attention_bwd_scores(unit, head, kv, mask)
         _store_rows(dk, b, kv_head, dk_rows)
         _store_rows(dv, b, kv_head, dv_rows)
     return dq, dk, dv
