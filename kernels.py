@@ -768,11 +768,6 @@ def _load_rows(src, b, h, dtype):
     return rows
 
 
-def _store_rows(dst, b, h, rows):
-    for t in range(rows.shape[1]):
-        nisa.dma_copy(dst=dst[b, h, t * TILE:(t + 1) * TILE, :], src=rows[:, t, :])
-
-
 def _rows_to_cols(rows, on_scalar):
     """rows (128, n, d) -> one (d_piece, n*128) cols tile per head-dim piece: TensorE transposes 4 tiles
     into a PSUM bank, one copy takes them out."""
@@ -1319,8 +1314,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                 for i in range(chunks.start, tiles_stop):
                     unit = _attention_bwd_unit(i, start, mask)
                     unit.update(h=h, start=start, chunks=chunks, block_first=i == chunks.start,
-                                block_last=i == tiles_stop - 1, head_first=start == 0 and i == 0,
-                                head_last=chunks.stop == n_tiles and i == tiles_stop - 1)
+                                block_last=i == tiles_stop - 1, head_first=start == 0 and i == 0)
                     units.append(unit)
         # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage
         # first, so each stage reads what the step before made and each PSUM tile is read before the next
@@ -1330,10 +1324,11 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
             if 0 <= step - 5:
                 unit = units[step - 5]
                 _attention_bwd_add_dq(unit, unit["dq_acc"])
-                if unit["head_last"]:
-                    dq_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
-                    nisa.activation(dst=dq_rows, op=nl.copy, data=unit["dq_acc"], scale=scale)
-                    _store_rows(dq, b, unit["h"], dq_rows)
+                i = unit["query_tile"]
+                if unit["chunks"].start <= i < unit["chunks"].stop:  # the tile's diagonal block: its last
+                    dq_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=dq_tile, data=unit["dq_acc"][:, i, :], op0=nl.multiply, operand0=scale)
+                    nisa.dma_copy(dst=dq[b, unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
             if 0 <= step - 4 < n:
                 _attention_bwd_dq(units[step - 4], kv)
             if 0 <= step - 3 < n:
@@ -1345,6 +1340,10 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                                  unit["dk_block"], scale, first, last)
                     _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None,
                                  unit["dv_block"], 1.0, first, last)
+                    for c in range(chunks.start, chunks.stop):  # the block's dK and dV are final: out
+                        if last:
+                            nisa.dma_copy(dst=dk[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dk_rows[:, c, :])
+                            nisa.dma_copy(dst=dv[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dv_rows[:, c, :])
             if 0 <= step - 2 < n:
                 unit = units[step - 2]
                 if unit["block_first"]:
@@ -1361,8 +1360,6 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                     dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
                 unit.update(head=head, dq_acc=dq_acc)
                 _attention_bwd_scores(unit, head, kv, mask)
-        _store_rows(dk, b, kv_head, dk_rows)
-        _store_rows(dv, b, kv_head, dv_rows)
     return dq, dk, dv
 
 
@@ -1374,7 +1371,7 @@ def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
     V cols, Q rows + cols, dO rows + cols, O rows in the input dtype, dK, dV, dQ in fp32, each S*d/128
     elements, and the fp32 dO * O products while D is made, plus the per-block tiles. The forward needs
     less."""
-    return seq_len * head_dim // TILE * (8 * itemsize + 16) + 6 * 1024
+    return seq_len * head_dim // TILE * (10 * itemsize + 20) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v, window=None):
