@@ -1201,8 +1201,7 @@ def _banked_chunks(n_chunks, head_dim):
 def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
     """What the backward needs of one query head, in SBUF: (Q cols, Q rows, dO cols, dO rows, -lse,
     -D), D = rowsum(dO * O); the last two (128, S/128) fp32."""
-    seq_len = q.shape[2]
-    n_tiles = seq_len // TILE
+    n_tiles, head_dim = q.shape[2] // TILE, q.shape[3]
     q_rows = _load_rows(q, b, h, dtype)
     q_cols = _rows_to_cols(q_rows, True)
     do_rows = _load_rows(d_out, b, h, dtype)
@@ -1212,12 +1211,18 @@ def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
     nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
     neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    # the product on GpSimd (idle otherwise), its sum over d on VectorE
-    products = nl.ndarray(do_rows.shape, dtype=nl.float32, buffer=nl.sbuf)
-    out_rows = _load_rows(out, b, h, dtype)
-    nisa.tensor_tensor(dst=products, data1=do_rows, data2=out_rows, op=nl.multiply, engine=nisa.engine.gpsimd)
+    # two tiles at a time, so that the first units wait for fewer loads: O's rows, their product with dO's on
+    # GpSimd (idle otherwise), its sum over d on VectorE
     neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=neg_delta, op=nl.add, data=products, axis=2, negate=True)
+    for first in range(0, n_tiles, 2):
+        count = min(2, n_tiles - first)
+        out_rows = nl.ndarray((TILE, count, head_dim), dtype=dtype, buffer=nl.sbuf)
+        for t in range(count):
+            nisa.dma_copy(dst=out_rows[:, t, :], src=out[b, h, (first + t) * TILE:(first + t + 1) * TILE, :])
+        products = nl.ndarray((TILE, count, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=do_rows[:, first:first + count, :], data2=out_rows, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_reduce(dst=neg_delta[:, first:first + count], op=nl.add, data=products, axis=2, negate=True)
     return q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta
 
 
@@ -1234,6 +1239,47 @@ def _add_kv_grad(dst, acc, block, scale, first, last):
             nisa.activation(dst=scaled, op=nl.copy, data=block[c], scale=scale)
             nisa.tensor_tensor(dst=target[:, c, :], data1=scaled, data2=acc[:, c, :], op=nl.add,
                                engine=nisa.engine.gpsimd)
+
+
+def _attention_bwd_prepare(units, j, q, k, v, out, d_out, lse, group):
+    """The state of unit j's head (its first unit) for all its units: `_load_head_for_bwd`'s tiles, an fp32
+    dQ accumulator; on the pair's first head also the pair's K rows and cols, V cols and dK, dV rows (input
+    dtype) and, with G > 1, fp32 accumulators; later heads take the pair's from the unit before."""
+    b, kv_head, h, dtype = units[j]["b"], units[j]["kv_head"], units[j]["h"], q.dtype
+    n_tiles, head_dim = q.shape[2] // TILE, q.shape[3]
+    rows = (TILE, n_tiles, head_dim)
+    if h % group == 0:
+        k_rows = _load_rows(k, b, kv_head, dtype)
+        kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
+        grads = (nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf), nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf),
+                 nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None,
+                 nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None)
+    else:
+        kv, grads = units[j - 1]["kv"], units[j - 1]["grads"]
+    head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
+    dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
+    for u in range(j, len(units)):
+        if units[u]["h"] == h and units[u]["b"] == b:
+            units[u].update(kv=kv, grads=grads, head=head, dq_acc=dq_acc)
+
+
+def _attention_bwd_kv_out(unit, dk, dv, scale, group):
+    """A head's dK and dV of the unit's key block, final with its last unit, onto the pair's (`_add_kv_grad`);
+    on the group's last head stored."""
+    dk_rows, dv_rows, dk_acc, dv_acc = unit["grads"]
+    b, kv_head, chunks = unit["b"], unit["kv_head"], unit["chunks"]
+    first, last = unit["h"] % group == 0, unit["h"] % group == group - 1
+    _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, unit["dk_block"], scale,
+                 first, last)
+    _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, unit["dv_block"], 1.0,
+                 first, last)
+    for c in range(chunks.start, chunks.stop):
+        if last:
+            nisa.dma_copy(dst=dk[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dk_rows[:, c, :])
+            nisa.dma_copy(dst=dv[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dv_rows[:, c, :])
+
+
+PREFETCH = 3
 
 
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
@@ -1295,30 +1341,29 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
+    itemsize = 4 if dtype == nl.float32 else 2
+    # (key block, query tile) units of the program's pairs' heads: a block's tiles from its first chunk to the
+    # window past its last. One software-pipelined stream per pair, or one for all where SBUF holds two pairs
+    streams, units = [], []
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        b, kv_head = divmod(pair, n_kv_heads)
-        k_rows = _load_rows(k, b, kv_head, dtype)
-        kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
-        dk_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
-        dv_rows = nl.ndarray((TILE, n_tiles, head_dim), dtype=dtype, buffer=nl.sbuf)
-        dk_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
-        dv_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None
-
-        # (key block, query tile) units of the pair's heads: a block's tiles from its first chunk to the window
-        # past its last; the head's state and dQ accumulator are made by its first unit
-        units = []
-        for h in range(kv_head * group, (kv_head + 1) * group):
+        if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=2) > SBUF_BUDGET:
+            streams.append(units)
+            units = []
+        for h in range(pair % n_kv_heads * group, (pair % n_kv_heads + 1) * group):
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
                 tiles_stop = min(n_tiles, chunks.stop + window // TILE)
                 for i in range(chunks.start, tiles_stop):
                     unit = _attention_bwd_unit(i, start, mask)
-                    unit.update(h=h, start=start, chunks=chunks, block_first=i == chunks.start,
-                                block_last=i == tiles_stop - 1, head_first=start == 0 and i == 0)
+                    unit.update(b=pair // n_kv_heads, kv_head=pair % n_kv_heads, h=h, start=start, chunks=chunks,
+                                block_first=i == chunks.start, block_last=i == tiles_stop - 1,
+                                head_first=start == 0 and i == 0)
                     units.append(unit)
-        # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage
-        # first, so each stage reads what the step before made and each PSUM tile is read before the next
-        # unit's is written
+    streams.append(units)
+    # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage first,
+    # so each stage reads what the step before made and each PSUM tile is read before the next unit's is
+    # written; a head's state is made PREFETCH steps before its first unit
+    for units in streams:
         n = len(units)
         for step in range(n + 5):
             if 0 <= step - 5:
@@ -1328,22 +1373,17 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                 if unit["chunks"].start <= i < unit["chunks"].stop:  # the tile's diagonal block: its last
                     dq_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=dq_tile, data=unit["dq_acc"][:, i, :], op0=nl.multiply, operand0=scale)
-                    nisa.dma_copy(dst=dq[b, unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
+                    nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
+            for j in range(step + PREFETCH if step > 0 else 0, min(n, step + PREFETCH + 1)):
+                if units[j]["head_first"]:
+                    _attention_bwd_prepare(units, j, q, k, v, out, d_out, lse, group)
             if 0 <= step - 4 < n:
-                _attention_bwd_dq(units[step - 4], kv)
+                _attention_bwd_dq(units[step - 4], units[step - 4]["kv"])
             if 0 <= step - 3 < n:
                 unit = units[step - 3]
                 _attention_bwd_dscores_t(unit)
                 if unit["block_last"]:
-                    first, last, chunks = unit["h"] % group == 0, unit["h"] % group == group - 1, unit["chunks"]
-                    _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None,
-                                 unit["dk_block"], scale, first, last)
-                    _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None,
-                                 unit["dv_block"], 1.0, first, last)
-                    for c in range(chunks.start, chunks.stop):  # the block's dK and dV are final: out
-                        if last:
-                            nisa.dma_copy(dst=dk[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dk_rows[:, c, :])
-                            nisa.dma_copy(dst=dv[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dv_rows[:, c, :])
+                    _attention_bwd_kv_out(unit, dk, dv, scale, group)
             if 0 <= step - 2 < n:
                 unit = units[step - 2]
                 if unit["block_first"]:
@@ -1354,24 +1394,19 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
             if 0 <= step - 1 < n:
                 _attention_bwd_softmax(units[step - 1], units[step - 1]["head"], dtype, scale)
             if step < n:
-                unit = units[step]
-                if unit["head_first"]:
-                    head = _load_head_for_bwd(q, out, d_out, lse, b, unit["h"], dtype)
-                    dq_acc = nl.ndarray((TILE, n_tiles, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-                unit.update(head=head, dq_acc=dq_acc)
-                _attention_bwd_scores(unit, head, kv, mask)
+                _attention_bwd_scores(units[step], units[step]["head"], units[step]["kv"], mask)
     return dq, dk, dv
 
 
 # attention: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
-def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
-    """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan): K rows + cols,
-    V cols, Q rows + cols, dO rows + cols, O rows in the input dtype, dK, dV, dQ in fp32, each S*d/128
-    elements, and the fp32 dO * O products while D is made, plus the per-block tiles. The forward needs
-    less."""
-    return seq_len * head_dim // TILE * (10 * itemsize + 20) + 6 * 1024
+def _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=1):
+    """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan), per S*d/128 elements: two
+    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), as the next head is made while the last
+    units of one finish; per (batch, kv head) pair K rows and cols, V cols, dK and dV rows (input dtype) and
+    their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
+    return seq_len * head_dim // TILE * (8 * itemsize + 8 + pairs * (5 * itemsize + 8)) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v, window=None):
