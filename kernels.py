@@ -715,6 +715,7 @@ def _reciprocal_rms(x_tile, eps, squares):
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
+HEAD_AHEAD = (2, 3)  # steps before a head's first tile (forward) or unit (backward) its Q is made: off the chain
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
@@ -859,7 +860,8 @@ def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
     else:
         kv = earlier[-1]["kv"]
     if query_tile == 0:
-        q_cols = _load_cols(q, b, h, dtype, True)
+        q_cols = earlier[-1]["next_q_cols"] if step > 0 and "next_q_cols" in earlier[-1] else \
+            _load_cols(q, b, h, dtype, True)
         stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf),
                  nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf))
     else:
@@ -868,8 +870,16 @@ def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
     groups = []
     for group_start in range(key_start, n_keys, KEY_GROUP):
         groups.append(group_start)
-    return {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
+    tile = {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
             "q_cols": q_cols, "stats": stats, "n_keys": n_keys, "groups": groups, "single_group": len(groups) == 1}
+    next_head = step + n_tiles - query_tile
+    if query_tile == max(0, n_tiles - HEAD_AHEAD[0]) and next_head < len(pairs) * group * n_tiles:
+        next_pair, next_rest = divmod(next_head, group * n_tiles)
+        next_b, next_kv = divmod(pairs[next_pair], n_kv_heads)
+        tile["next_q_cols"] = _load_cols(q, next_b, next_kv * group + next_rest // n_tiles, dtype, True)
+    elif query_tile > 0 and "next_q_cols" in earlier[-1]:
+        tile["next_q_cols"] = earlier[-1]["next_q_cols"]
+    return tile
 
 
 def _attention_fwd_scores(tile, group, mask):
@@ -943,20 +953,25 @@ def _attention_fwd_transposes(tile):
     tile["transposed"] = transposed
 
 
+def _attention_fwd_probs_t(tile):
+    """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns)."""
+    tile["probs_t"] = []
+    for j in range(len(tile["transposed"])):
+        tile["probs_t"].append(nl.ndarray(tile["transposed"][j].shape, dtype=tile["q_cols"][0].dtype, buffer=nl.sbuf))
+        _evict(tile["probs_t"][j], tile["transposed"][j], (tile["query_tile"] + j) % 2 == 1)
+
+
 def _attention_fwd_values(tile, group):
-    """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns), P @ V accumulated in one
-    PSUM tile over the group; past the first group, what the earlier groups summed rescaled to the new max."""
-    query_tile, starts, transposed = tile["query_tile"], tile["starts"], tile["transposed"]
+    """Stage 5 of a group: P @ V accumulated in one PSUM tile over the group; past the first group, what the
+    earlier groups summed rescaled to the new max."""
+    query_tile, starts, probs_t = tile["query_tile"], tile["starts"], tile["probs_t"]
     v_rows = tile["kv"][1]
-    head_dim, dtype = v_rows.shape[2], v_rows.dtype
+    head_dim = v_rows.shape[2]
     last_group, group_sum = group == len(tile["groups"]) - 1, tile["group_sum"]
     group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-    for j in range(len(transposed)):
-        n_chunks = transposed[j].shape[1]
-        probs_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dtype, buffer=nl.sbuf)
-        _evict(probs_t, transposed[j], (query_tile + j) % 2 == 1)
-        for c in range(n_chunks):
-            nisa.nc_matmul(dst=group_out, stationary=probs_t[:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
+    for j in range(len(probs_t)):
+        for c in range(probs_t[j].shape[1]):
+            nisa.nc_matmul(dst=group_out, stationary=probs_t[j][:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
                            accumulate=j > 0 or c > 0)
     if tile["single_group"]:
         tile["out_acc"] = group_out
@@ -1068,7 +1083,8 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     # two tiles' scores fit in 4 banks: they run a step ahead, P^T leaves PSUM a step after the transposes
     split = 1 if seq_len <= 2 * KEY_BLOCK else 0
     softmax_at, transposes_at = split, split + 1
-    values_at = transposes_at + split
+    probs_t_at = transposes_at + split
+    values_at = probs_t_at + split
     store_at = values_at + 1
     pairs = []
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
@@ -1083,11 +1099,14 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
                 _attention_fwd_scores(tiles[step], 0, mask)
             if 0 <= step - store_at:
                 _attention_fwd_store(tiles[step - store_at], out, lse)
-            if split and 0 <= step - values_at < n_steps:  # the older P^T leaves PSUM before the next is made
+            if split and 0 <= step - values_at < n_steps:
                 _attention_fwd_values(tiles[step - values_at], 0)
+            if split and 0 <= step - probs_t_at < n_steps:  # the older P^T leaves PSUM before the next is made
+                _attention_fwd_probs_t(tiles[step - probs_t_at])
             if 0 <= step - transposes_at < n_steps:
                 _attention_fwd_transposes(tiles[step - transposes_at])
             if not split and 0 <= step - values_at < n_steps:  # P^T leaves PSUM before the next scores
+                _attention_fwd_probs_t(tiles[step - values_at])
                 _attention_fwd_values(tiles[step - values_at], 0)
             if not split and step < n_steps:
                 _attention_fwd_scores(tiles[step], 0, mask)
@@ -1100,6 +1119,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
                 _attention_fwd_scores(tiles[step], key_group, mask)
                 _attention_fwd_softmax(tiles[step], key_group, scale)
                 _attention_fwd_transposes(tiles[step])
+                _attention_fwd_probs_t(tiles[step])
                 _attention_fwd_values(tiles[step], key_group)
             _attention_fwd_store(tiles[step], out, lse)
     return out, lse
@@ -1279,9 +1299,6 @@ def _attention_bwd_kv_out(unit, dk, dv, scale, group):
             nisa.dma_copy(dst=dv[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dv_rows[:, c, :])
 
 
-PREFETCH = 3
-
-
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
@@ -1362,7 +1379,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     streams.append(units)
     # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage first,
     # so each stage reads what the step before made and each PSUM tile is read before the next unit's is
-    # written; a head's state is made PREFETCH steps before its first unit
+    # written; a head's state is made HEAD_AHEAD[1] steps before its first unit
     for units in streams:
         n = len(units)
         for step in range(n + 5):
@@ -1374,7 +1391,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                     dq_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=dq_tile, data=unit["dq_acc"][:, i, :], op0=nl.multiply, operand0=scale)
                     nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
-            for j in range(step + PREFETCH if step > 0 else 0, min(n, step + PREFETCH + 1)):
+            for j in range(step + HEAD_AHEAD[1] if step > 0 else 0, min(n, step + HEAD_AHEAD[1] + 1)):
                 if units[j]["head_first"]:
                     _attention_bwd_prepare(units, j, q, k, v, out, d_out, lse, group)
             if 0 <= step - 4 < n:
