@@ -715,7 +715,7 @@ def _reciprocal_rms(x_tile, eps, squares):
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
-HEAD_AHEAD = (2, 3)  # steps before a head's first tile (forward) or unit (backward) its Q is made: off the chain
+BWD_HEAD_AHEAD = 3  # backward units ahead that a head's state is made
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
@@ -860,8 +860,7 @@ def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
     else:
         kv = earlier[-1]["kv"]
     if query_tile == 0:
-        q_cols = earlier[-1]["next_q_cols"] if step > 0 and "next_q_cols" in earlier[-1] else \
-            _load_cols(q, b, h, dtype, True)
+        q_cols = _load_cols(q, b, h, dtype, True)
         stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf),
                  nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf))
     else:
@@ -870,16 +869,8 @@ def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
     groups = []
     for group_start in range(key_start, n_keys, KEY_GROUP):
         groups.append(group_start)
-    tile = {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
+    return {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
             "q_cols": q_cols, "stats": stats, "n_keys": n_keys, "groups": groups, "single_group": len(groups) == 1}
-    next_head = step + n_tiles - query_tile
-    if query_tile == max(0, n_tiles - HEAD_AHEAD[0]) and next_head < len(pairs) * group * n_tiles:
-        next_pair, next_rest = divmod(next_head, group * n_tiles)
-        next_b, next_kv = divmod(pairs[next_pair], n_kv_heads)
-        tile["next_q_cols"] = _load_cols(q, next_b, next_kv * group + next_rest // n_tiles, dtype, True)
-    elif query_tile > 0 and "next_q_cols" in earlier[-1]:
-        tile["next_q_cols"] = earlier[-1]["next_q_cols"]
-    return tile
 
 
 def _attention_fwd_scores(tile, group, mask):
@@ -992,7 +983,7 @@ def _attention_fwd_values(tile, group):
 
 
 def _attention_fwd_store(tile, out, lse):
-    """Stage 5 of a tile: out = acc * (1 / sum), its 128 rows to out[b, h]. No division on the hardware
+    """Stage 6 of a tile: out = acc * (1 / sum), its 128 rows to out[b, h]. No division on the hardware
     (nki.api.shared.rst's ISA operator table; the release notes' known issues): one VectorE reciprocal of the
     (128, 1) row sums, then a multiply from PSUM. The head's last tile also writes its lse = log(sum) -
     (-scale * max), one ScalarE and one VectorE instruction for the head."""
@@ -1045,12 +1036,12 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is one ScalarE and one VectorE
     instruction per head.
 
-    Issue order: the program's query tiles form one stream (pairs, their heads, the heads' tiles; a pair's
-    K and V and a head's Q are loaded by its first tile), whose five stages (scores; row max and exp; P^T
-    transposes; P^T copy and P @ V; output and lse) are software-pipelined at S <= 2048: step t issues tile
-    t's scores beside the later stages of tiles t-1 .. t-4, so no engine, each running its instructions in
-    issue order, waits on the chain of the tile it just started. Above S = 2048 a tile's groups carry the
-    online softmax and the tiles go one after another.
+    Issue order: the program's query tiles form one stream (pairs, heads, tiles; a pair's K and V and a
+    head's Q loaded by its first tile) through six stages (scores; row max and exp; P^T
+    transposes; P^T copy; P @ V; output and lse; above S = 1024 the copy and P @ V are one), pipelined at
+    S <= 2048: step t issues tile t's scores beside the later stages of the tiles before, so no engine (each
+    in issue order) waits on the chain it just started. Above, a tile's groups carry the online softmax and
+    the tiles go one after another.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
@@ -1061,14 +1052,12 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     the output tile and the layout transposes one each: at most 7.
 
     Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
-    TensorE spends 512 cycles on scores, 4 x 128 on P^T and 4 x 128 on P @ V (640 ns at 2.4 GHz);
-    a row max is 512 cycles on VectorE (533 ns at 0.96 GHz), the exp 576 ScalarE cycles, the P^T copy
-    256 VectorE or 576 ScalarE cycles: split as above, VectorE and ScalarE each land near TensorE.
-    Counted at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5 (1.21x),
-    ScalarE 39.7, DMA 33.0; at K82s4's (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 44.4 us
-    against VectorE 38.3, ScalarE 33.5, DMA 23.9. Scheduled (nki_emulator/_schedule.py: in-order engines,
-    dependencies), between those overlap bounds and the serial bounds 150.9 and 140.6 us: 75.6 us at the
-    baseline shape and 70.4 at K82s4's (issued tile after tile, each tile's chain in order: 144.0 and 130.6).
+    TensorE spends 640 ns (scores, P^T, P @ V), VectorE 533 on a row max, ScalarE 576 cycles on the exp, the
+    P^T copy 256 VectorE or 576 ScalarE cycles: split as above, both land near TensorE. Counted at the
+    baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5, ScalarE 39.7, DMA 33.0;
+    at K82s4's (4 heads of 256, 1 kv head): TensorE 44.4 against VectorE 38.3, ScalarE 33.5, DMA 23.9.
+    Scheduled (nki_emulator/_schedule.py): 72.0 and 64.8 us (75.6 and 70.4 with P^T copied in P @ V's
+    stage), against serial bounds of 150.9 and 140.6.
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -1079,19 +1068,17 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
-    # software pipelining, as nki-library's attention_cte.py group loop (docstring: Issue order); at S <= 1024
-    # two tiles' scores fit in 4 banks: they run a step ahead, P^T leaves PSUM a step after the transposes
+    # software-pipelined as nki-library's attention_cte.py group loop (docstring: Issue order)
     split = 1 if seq_len <= 2 * KEY_BLOCK else 0
     softmax_at, transposes_at = split, split + 1
-    probs_t_at = transposes_at + split
-    values_at = probs_t_at + split
+    values_at = transposes_at + 2 * split
     store_at = values_at + 1
     pairs = []
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         pairs.append(pair)
     n_steps = len(pairs) * group * n_tiles
     tiles = []
-    if seq_len <= KEY_GROUP:  # one group a tile: software-pipelined, step t issues the scores of tile t
+    if seq_len <= KEY_GROUP:  # one group a tile
         for step in range(n_steps + store_at):
             if step < n_steps:
                 tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
@@ -1101,8 +1088,8 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
                 _attention_fwd_store(tiles[step - store_at], out, lse)
             if split and 0 <= step - values_at < n_steps:
                 _attention_fwd_values(tiles[step - values_at], 0)
-            if split and 0 <= step - probs_t_at < n_steps:  # the older P^T leaves PSUM before the next is made
-                _attention_fwd_probs_t(tiles[step - probs_t_at])
+            if split and 0 <= step + split - values_at < n_steps:
+                _attention_fwd_probs_t(tiles[step + split - values_at])
             if 0 <= step - transposes_at < n_steps:
                 _attention_fwd_transposes(tiles[step - transposes_at])
             if not split and 0 <= step - values_at < n_steps:  # P^T leaves PSUM before the next scores
@@ -1112,7 +1099,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
                 _attention_fwd_scores(tiles[step], 0, mask)
             if 0 <= step - softmax_at < n_steps:
                 _attention_fwd_softmax(tiles[step - softmax_at], 0, scale)
-    else:  # a tile past KEY_GROUP keys carries its online softmax from group to group: in order
+    else:  # a tile's groups carry its online softmax: in order
         for step in range(n_steps):
             tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
             for key_group in range(len(tiles[step]["groups"])):
@@ -1125,19 +1112,9 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     return out, lse
 
 
-def _attention_bwd_unit(query_tile, start, mask):
-    """The state (a dict: NKI has no classes) of query tile i against the keys it sees of the key block
-    starting at `start`, through the backward's four stages (the loop of flash_attention_bwd_kernel)."""
-    tile_first_key = _first_key(query_tile, mask[3])
-    first = max(start, tile_first_key)  # the block's chunks before the window are skipped
-    width = min(start + KEY_BLOCK, (query_tile + 1) * TILE) - first
-    return {"query_tile": query_tile, "first": first, "width": width, "opens_row": first == tile_first_key}
-
-
-def _attention_bwd_scores(unit, head, kv, mask):
+def _attention_bwd_scores(unit, mask):
     """Stage 1: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
-    q_cols, do_cols = head[0], head[2]
-    k_cols, v_cols = kv[0], kv[2]
+    q_cols, do_cols, k_cols, v_cols = unit["head"][0], unit["head"][2], unit["kv"][0], unit["kv"][2]
     query_tile, first, width = unit["query_tile"], unit["first"], unit["width"]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
     unit["scores"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
@@ -1148,11 +1125,11 @@ def _attention_bwd_scores(unit, head, kv, mask):
                        moving=v_cols[piece][:, first:first + width], accumulate=piece > 0)
 
 
-def _attention_bwd_softmax(unit, head, dtype, scale):
+def _attention_bwd_softmax(unit, scale):
     """Stage 2: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
     scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's product has both inputs in SBUF
     in the input dtype (its fast case, N cycles, not 2N)."""
-    neg_lse, neg_delta = head[4], head[5]
+    neg_lse, neg_delta, dtype = unit["head"][4], unit["head"][5], unit["head"][1].dtype
     column, width = slice(unit["query_tile"], unit["query_tile"] + 1), unit["width"]
     unit["probs"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
     nisa.activation(dst=unit["probs"], op=nl.exp, data=unit["scores"], bias=neg_lse[:, column], scale=scale)
@@ -1162,14 +1139,14 @@ def _attention_bwd_softmax(unit, head, dtype, scale):
     nisa.tensor_tensor(dst=unit["dscores"], data1=shifted, data2=unit["probs"], op=nl.multiply)
 
 
-def _attention_bwd_kv_grads(unit, head, dk_block, dv_block, start):
+def _attention_bwd_kv_grads(unit):
     """Stage 3: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators dk_block, dv_block (one
     (128 keys, d) slot per 128-key chunk of the block, `_banked_chunks`): queries are already on the
     partitions. The sum of chunk c starts at the query tile on its diagonal, the first one that sees its
     keys. Then dS transposed by TensorE for dQ = dS @ K, which contracts over keys."""
-    q_rows, do_rows = head[1], head[3]
+    q_rows, do_rows, (dk_block, dv_block) = unit["head"][1], unit["head"][3], unit["blocks"]
     query_tile, first = unit["query_tile"], unit["first"]
-    n_chunks, skipped = unit["width"] // TILE, (first - start) // TILE
+    n_chunks, skipped = unit["width"] // TILE, first // TILE - unit["chunks"].start
     for c in range(n_chunks):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > first // TILE + c
@@ -1180,28 +1157,28 @@ def _attention_bwd_kv_grads(unit, head, dk_block, dv_block, start):
     unit["dscores_t"] = _transposed_chunks(unit["dscores"])
 
 
-def _attention_bwd_dscores_t(unit):
-    """Stage 3: dS^T out of PSUM (VectorE)."""
-    unit["dscores_t_sbuf"] = nl.ndarray(unit["dscores_t"].shape, dtype=unit["dscores"].dtype, buffer=nl.sbuf)
-    _evict(unit["dscores_t_sbuf"], unit["dscores_t"], False)
-
-
-def _attention_bwd_dq(unit, kv):
-    """Stage 4: dQ of the tile from this block (TensorE), into PSUM."""
-    k_rows, first = kv[1], unit["first"]
+def _attention_bwd_dq(unit):
+    """Stage 5 (after stage 4, dS^T out of PSUM on VectorE): dQ of the tile from this block (TensorE), in PSUM."""
+    k_rows, first = unit["kv"][1], unit["first"]
     unit["dq_block"] = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
     for c in range(unit["width"] // TILE):
         nisa.nc_matmul(dst=unit["dq_block"], stationary=unit["dscores_t_sbuf"][:, c, :],
                        moving=k_rows[:, first // TILE + c, :], accumulate=c > 0)
 
 
-def _attention_bwd_add_dq(unit, dq_acc):
-    """Stage 5: the block's dQ added into the SBUF accumulator dq_acc[:, i, :] (VectorE)."""
-    row = dq_acc[:, unit["query_tile"], :]
+def _attention_bwd_add_dq(unit, dq, scale):
+    """Stage 6: the block's dQ added into the SBUF accumulator (VectorE); after the tile's diagonal block, its
+    last, scaled and stored."""
+    i = unit["query_tile"]
+    row = unit["dq_acc"][:, i, :]
     if unit["opens_row"]:
         nisa.tensor_copy(dst=row, src=unit["dq_block"])
     else:
         nisa.tensor_tensor(dst=row, data1=row, data2=unit["dq_block"], op=nl.add)
+    if unit["chunks"].start <= i < unit["chunks"].stop:
+        dq_tile = nl.ndarray(row.shape, dtype=dq.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=scale)
+        nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1218,10 +1195,17 @@ def _banked_chunks(n_chunks, head_dim):
     return slots
 
 
-def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
-    """What the backward needs of one query head, in SBUF: (Q cols, Q rows, dO cols, dO rows, -lse,
-    -D), D = rowsum(dO * O); the last two (128, S/128) fp32."""
-    n_tiles, head_dim = q.shape[2] // TILE, q.shape[3]
+def _attention_bwd_prepare(unit, pair, q, k, v, out, d_out, lse, group):
+    """The state of a head, made for its first unit: "head" (Q cols, Q rows, dO cols, dO rows, -lse, -D),
+    D = rowsum(dO * O), the last two (128, S/128) fp32, and "dq_acc", dQ's fp32 sum; the pair's first head
+    makes the pair's "kv" (K cols, K rows, V cols) and "grads" (dK, dV rows, with G > 1 their fp32 sums)
+    into the dict `pair`."""
+    b, h, dtype, n_tiles = unit["b"], unit["h"], q.dtype, q.shape[2] // TILE
+    rows = (TILE, n_tiles, q.shape[3])
+    if h % group == 0:
+        k_rows = _load_rows(k, b, unit["kv_head"], dtype)
+        pair["kv"] = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, unit["kv_head"], dtype, True))
+        pair["grads"] = _sbuf_tiles(2, rows, dtype) + _sbuf_tiles(2 if group > 1 else 0, rows, nl.float32)
     q_rows = _load_rows(q, b, h, dtype)
     q_cols = _rows_to_cols(q_rows, True)
     do_rows = _load_rows(d_out, b, h, dtype)
@@ -1231,122 +1215,75 @@ def _load_head_for_bwd(q, out, d_out, lse, b, h, dtype):
     nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
     neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    # two tiles at a time, so that the first units wait for fewer loads: O's rows, their product with dO's on
-    # GpSimd (idle otherwise), its sum over d on VectorE
+    # the product on GpSimd (idle otherwise), its sum on VectorE
+    out_rows = _load_rows(out, b, h, dtype)
     neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     for first in range(0, n_tiles, 2):
-        count = min(2, n_tiles - first)
-        out_rows = nl.ndarray((TILE, count, head_dim), dtype=dtype, buffer=nl.sbuf)
-        for t in range(count):
-            nisa.dma_copy(dst=out_rows[:, t, :], src=out[b, h, (first + t) * TILE:(first + t + 1) * TILE, :])
-        products = nl.ndarray((TILE, count, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=products, data1=do_rows[:, first:first + count, :], data2=out_rows, op=nl.multiply,
+        tiles = slice(first, min(first + 2, n_tiles))
+        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=do_rows[:, tiles, :], data2=out_rows[:, tiles, :], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-        nisa.tensor_reduce(dst=neg_delta[:, first:first + count], op=nl.add, data=products, axis=2, negate=True)
-    return q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta
+        nisa.tensor_reduce(dst=neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
+    unit.update(kv=pair["kv"], grads=pair["grads"], head=(q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta),
+                dq_acc=nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf))
 
 
-def _add_kv_grad(dst, acc, block, scale, first, last):
-    """One query head's dK or dV of a key block (PSUM chunks) onto the group's: dst (the output rows,
-    input dtype) on the last head of the group, else acc (fp32 SBUF); both (128, chunks, d), scaled. A
-    ScalarE copy out of PSUM, then the add on GpSimd (which cannot read PSUM): VectorE makes dS."""
-    target = dst if last else acc
-    for c in range(len(block)):
-        if first:
-            nisa.activation(dst=target[:, c, :], op=nl.copy, data=block[c], scale=scale)
-        else:
-            scaled = nl.ndarray(block[c].shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=scaled, op=nl.copy, data=block[c], scale=scale)
-            nisa.tensor_tensor(dst=target[:, c, :], data1=scaled, data2=acc[:, c, :], op=nl.add,
-                               engine=nisa.engine.gpsimd)
-
-
-def _attention_bwd_prepare(units, j, q, k, v, out, d_out, lse, group):
-    """The state of unit j's head (its first unit) for all its units: `_load_head_for_bwd`'s tiles, an fp32
-    dQ accumulator; on the pair's first head also the pair's K rows and cols, V cols and dK, dV rows (input
-    dtype) and, with G > 1, fp32 accumulators; later heads take the pair's from the unit before."""
-    b, kv_head, h, dtype = units[j]["b"], units[j]["kv_head"], units[j]["h"], q.dtype
-    n_tiles, head_dim = q.shape[2] // TILE, q.shape[3]
-    rows = (TILE, n_tiles, head_dim)
-    if h % group == 0:
-        k_rows = _load_rows(k, b, kv_head, dtype)
-        kv = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, kv_head, dtype, True))
-        grads = (nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf), nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf),
-                 nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None,
-                 nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf) if group > 1 else None)
-    else:
-        kv, grads = units[j - 1]["kv"], units[j - 1]["grads"]
-    head = _load_head_for_bwd(q, out, d_out, lse, b, h, dtype)
-    dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
-    for u in range(j, len(units)):
-        if units[u]["h"] == h and units[u]["b"] == b:
-            units[u].update(kv=kv, grads=grads, head=head, dq_acc=dq_acc)
-
-
-def _attention_bwd_kv_out(unit, dk, dv, scale, group):
-    """A head's dK and dV of the unit's key block, final with its last unit, onto the pair's (`_add_kv_grad`);
-    on the group's last head stored."""
-    dk_rows, dv_rows, dk_acc, dv_acc = unit["grads"]
-    b, kv_head, chunks = unit["b"], unit["kv_head"], unit["chunks"]
-    first, last = unit["h"] % group == 0, unit["h"] % group == group - 1
-    _add_kv_grad(dk_rows[:, chunks, :], dk_acc[:, chunks, :] if group > 1 else None, unit["dk_block"], scale,
-                 first, last)
-    _add_kv_grad(dv_rows[:, chunks, :], dv_acc[:, chunks, :] if group > 1 else None, unit["dv_block"], 1.0,
-                 first, last)
-    for c in range(chunks.start, chunks.stop):
-        if last:
-            nisa.dma_copy(dst=dk[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dk_rows[:, c, :])
-            nisa.dma_copy(dst=dv[b, kv_head, c * TILE:(c + 1) * TILE, :], src=dv_rows[:, c, :])
+def _add_kv_grads(unit, dk, dv, scale, group):
+    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
+    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
+    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
+    first, last, chunks = unit["h"] % group == 0, unit["h"] % group == group - 1, unit["chunks"]
+    for g in range(2):
+        rows, block = unit["grads"][g], unit["blocks"][g]
+        for c in range(chunks.start, chunks.stop):
+            target = rows[:, c, :] if last else unit["grads"][g + 2][:, c, :]
+            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(scale, 1.0)[g])
+            if not first:
+                nisa.tensor_tensor(dst=target, data1=scaled, data2=unit["grads"][g + 2][:, c, :], op=nl.add,
+                                   engine=nisa.engine.gpsimd)
+            if last:
+                nisa.dma_copy(dst=(dk, dv)[g][unit["b"], unit["kv_head"], c * TILE:(c + 1) * TILE, :], src=target)
 
 
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
     Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
-    (B, H, 128, S/128) from it; d_out (B, H, S, d), the gradient of out, in the input dtype. Returns dq
-    (B, H, S, d), dk and dv (B, Hkv, S, d) in the input dtype, laid out as the inputs; dk and dv summed
-    over the G query heads that share each kv head. Same limits as the forward, and an SBUF limit:
-    ~32 S*d/128 bytes per partition in bf16 (48 in fp32) must fit, so S*d <= 4096*128 in bf16 (S 4096 at
-    d = 128, 2048 at d = 256) and 2048*128 in fp32 (`_attention_sbuf_bytes`).
+    (B, H, 128, S/128) from it; d_out (B, H, S, d). Returns dq (B, H, S, d), dk and dv (B, Hkv, S, d) in the
+    input dtype, dk and dv summed over the G query heads of each kv head. Same limits as the forward, and
+    SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and 2048*128
+    in fp32 (`_attention_sbuf_bytes`).
 
     Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
-    scores), V cols (for dP), the cols made on chip by TensorE transposes (V's loaded 512 positions per
-    DMA, `_load_cols`); rows in 128-row DMAs. Per query head: Q rows and cols,
-    dO rows and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ
-    accumulator. Then key blocks of up to 512 keys outside, the 128-query tiles that see them inside:
-    recompute P = exp(scale * q.T k - lse) (ScalarE from PSUM; causal bias on the diagonal chunk only,
-    blocks above the diagonal skipped; with a window, the edge bias on a tile's first chunk, the chunks
-    before it and the query tiles past the window of a block's last chunk skipped), dP = dO V^T,
-    dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF); dV += P^T dO and
-    dK += dS^T Q accumulate in PSUM over the query tiles (queries are already on the partitions: no
-    transpose), dQ += dS K needs dS transposed (4 TensorE transposes per block, copied out by VectorE) and
-    is added into SBUF. The softmax scale is applied once, when dQ and dK are written; a pair's first
-    query head writes dK and dV (scaled) from PSUM, later ones add onto them, the last writes the input
-    dtype.
+    scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows and cols, -lse,
+    -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ accumulator. Units of a key block
+    (<= 512 keys) and a 128-query tile that sees it: P = exp(scale * q.T k - lse) (ScalarE from PSUM; the
+    causal bias on the diagonal chunk, the window's edge bias on a tile's first; chunks nobody sees
+    skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF);
+    dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles, dQ += dS K needs dS transposed
+    (TensorE, copied out by VectorE) and is added into SBUF. The softmax scale is applied when dQ and dK are
+    written; a pair's first head writes dK and dV from PSUM, later ones add onto them (ScalarE copy, GpSimd
+    add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
+    once final.
 
-    Issue order: a head's (key block, query tile) units go through four stages (scores and dP on TensorE;
-    P, dP - D and dS on ScalarE and VectorE; dV, dK and the dS transposes on TensorE; dS^T out of PSUM, dQ and
-    its add), software-pipelined: step u issues unit u-1's dQ, unit u's dS, unit u+1's scores and dP, then
-    unit u's dV and dK, so TensorE computes the next scores while ScalarE and VectorE make this unit's dS
-    (each engine runs its instructions in issue order). The PSUM tiles live at once are those of the plan
-    below: unit u's scores and dP are read before unit u+1's are written.
+    Issue order: the program's units (pairs, heads, blocks, tiles) form one stream (one per pair where
+    SBUF_BUDGET cannot hold two pairs) through six stages: scores and dP; P, dP - D, dS; dV, dK, dS^T; dS^T
+    out of PSUM; dQ; its add. Unit u's stage k is issued at step u + k, the last first: each stage reads what
+    the step before made, no engine (each in issue order) waits on the chain it just started, and each PSUM
+    tile is read before the next unit's is written. A head's state is made BWD_HEAD_AHEAD steps early, after
+    the step's dQ add frees a bank for its transposes.
 
-    SBUF per partition, per element of S*d/128: K rows + cols, V cols, Q rows + cols, dO rows + cols,
-    O rows (until D is made) 2 bytes each in bf16, dK, dV, dQ and the dO * O products fp32 4 each:
-    32 bytes (128 KiB at S = 4096, d = 128) plus ~6 KiB of per-block tiles: 137,216 bytes at the limit,
-    within SBUF_BUDGET (196,608) and the 212,984 usable on a Trn2 partition. PSUM, each tile in whole 2 KiB
-    banks: scores, dP, dS^T and dQ one bank each, the dK and dV accumulators 4 chunks x d*4 bytes each
-    (`_banked_chunks`: one bank each at d = 128, two at d = 256): at most 8 of the 8 banks.
+    SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
+    each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
+    plus ~6 KiB, 178,176 at S = 4096, d = 128 (SBUF_BUDGET 196,608). PSUM, whole 2 KiB banks: scores, dP,
+    dS^T, dQ (or a head's transposes) one each, dK and dV (`_banked_chunks`) one each at d = 128, two at
+    d = 256: at most 8 of 8.
 
-    Per full block (d = 128) TensorE spends 512 cycles each on scores and dP and 4 x 128 each on dV, dK,
-    dQ and the dS transposes (1280 ns); ScalarE 2 x 512 cycles (exp, the dP shift; 853 ns), VectorE the
-    dS product 512, the dS^T copy 256 and the dQ add 128 (933 ns). Counted (nki_emulator/_cost.py, one
-    Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128, S 1024): TensorE 68.3 us, DMA 81.1 (1.19x:
-    eight (S, d) tensors cross HBM per head in 128-row DMAs), ScalarE 59.7, VectorE 55.2; at K82s4's
-    (B 1, 4 heads of 256, 1 kv head, S 1024): TensorE-bound, 94.7 us against VectorE 81.5, DMA 56.7,
-    ScalarE 49.5. Scheduled (nki_emulator/_schedule.py: in-order engines, dependencies): 150.7 us at the
-    baseline shape and 184.8 at K82s4's, against serial bounds of 273.9 and 297.0 (issued unit after unit,
-    each unit's chain in order: 199.7 and 223.7).
+    Counted (nki_emulator/_cost.py, one Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128,
+    S 1024): DMA 81.1 us, TensorE 68.3, VectorE 60.5, ScalarE 55.5; at K82s4's (B 1, 4 heads of 256, 1 kv
+    head): TensorE 94.7 against VectorE 64.5, DMA 56.7, ScalarE 52.9, GpSimd 42.6. Scheduled
+    (nki_emulator/_schedule.py): 98.3 and 117.5 us (150.7 and 184.8 with four stages, head after head).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -1359,59 +1296,54 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
     mask = _mask_operands(dtype, seq_len, window)
     itemsize = 4 if dtype == nl.float32 else 2
-    # (key block, query tile) units of the program's pairs' heads: a block's tiles from its first chunk to the
-    # window past its last. One software-pipelined stream per pair, or one for all where SBUF holds two pairs
-    streams, units = [], []
-    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
+    streams, units, pair = [], [], {}
+    for index in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(index, n_kv_heads)
         if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=2) > SBUF_BUDGET:
             streams.append(units)
             units = []
-        for h in range(pair % n_kv_heads * group, (pair % n_kv_heads + 1) * group):
+        for h in range(kv_head * group, (kv_head + 1) * group):
             for start in range(0, seq_len, KEY_BLOCK):
                 chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
                 tiles_stop = min(n_tiles, chunks.stop + window // TILE)
                 for i in range(chunks.start, tiles_stop):
-                    unit = _attention_bwd_unit(i, start, mask)
-                    unit.update(b=pair // n_kv_heads, kv_head=pair % n_kv_heads, h=h, start=start, chunks=chunks,
-                                block_first=i == chunks.start, block_last=i == tiles_stop - 1,
-                                head_first=start == 0 and i == 0)
-                    units.append(unit)
+                    first = max(start, _first_key(i, window))
+                    units.append({"query_tile": i, "first": first, "opens_row": first == _first_key(i, window),
+                                  "width": min(start + KEY_BLOCK, (i + 1) * TILE) - first, "b": b, "kv_head": kv_head,
+                                  "h": h, "chunks": chunks, "block_last": i == tiles_stop - 1,
+                                  "head_first": start == 0 and i == 0})
     streams.append(units)
-    # software-pipelined (docstring: Issue order): unit u's stage k issued at step u + k, the last stage first,
-    # so each stage reads what the step before made and each PSUM tile is read before the next unit's is
-    # written; a head's state is made HEAD_AHEAD[1] steps before its first unit
     for units in streams:
         n = len(units)
         for step in range(n + 5):
             if 0 <= step - 5:
-                unit = units[step - 5]
-                _attention_bwd_add_dq(unit, unit["dq_acc"])
-                i = unit["query_tile"]
-                if unit["chunks"].start <= i < unit["chunks"].stop:  # the tile's diagonal block: its last
-                    dq_tile = nl.ndarray((TILE, head_dim), dtype=dtype, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=dq_tile, data=unit["dq_acc"][:, i, :], op0=nl.multiply, operand0=scale)
-                    nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
-            for j in range(step + HEAD_AHEAD[1] if step > 0 else 0, min(n, step + HEAD_AHEAD[1] + 1)):
+                _attention_bwd_add_dq(units[step - 5], dq, scale)
+            for j in range(step + BWD_HEAD_AHEAD if step > 0 else 0, min(n, step + BWD_HEAD_AHEAD + 1)):
                 if units[j]["head_first"]:
-                    _attention_bwd_prepare(units, j, q, k, v, out, d_out, lse, group)
+                    _attention_bwd_prepare(units[j], pair, q, k, v, out, d_out, lse, group)
             if 0 <= step - 4 < n:
-                _attention_bwd_dq(units[step - 4], units[step - 4]["kv"])
+                _attention_bwd_dq(units[step - 4])
             if 0 <= step - 3 < n:
                 unit = units[step - 3]
-                _attention_bwd_dscores_t(unit)
+                unit["dscores_t_sbuf"] = nl.ndarray(unit["dscores_t"].shape, dtype=dtype, buffer=nl.sbuf)
+                _evict(unit["dscores_t_sbuf"], unit["dscores_t"], False)
                 if unit["block_last"]:
-                    _attention_bwd_kv_out(unit, dk, dv, scale, group)
+                    _add_kv_grads(unit, dk, dv, scale, group)
             if 0 <= step - 2 < n:
                 unit = units[step - 2]
-                if unit["block_first"]:
+                if unit["query_tile"] == unit["chunks"].start:
                     n_chunks = unit["chunks"].stop - unit["chunks"].start
-                    dk_block, dv_block = _banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim)
-                unit.update(dk_block=dk_block, dv_block=dv_block)
-                _attention_bwd_kv_grads(unit, unit["head"], dk_block, dv_block, unit["start"])
+                    blocks = (_banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim))
+                unit["blocks"] = blocks
+                _attention_bwd_kv_grads(unit)
             if 0 <= step - 1 < n:
-                _attention_bwd_softmax(units[step - 1], units[step - 1]["head"], dtype, scale)
+                _attention_bwd_softmax(units[step - 1], scale)
             if step < n:
-                _attention_bwd_scores(units[step], units[step]["head"], units[step]["kv"], mask)
+                unit = units[step]
+                if not unit["head_first"]:
+                    for key in ("kv", "grads", "head", "dq_acc"):
+                        unit[key] = units[step - 1][key]
+                _attention_bwd_scores(unit, mask)
     return dq, dk, dv
 
 

@@ -94,8 +94,8 @@ def test_attention_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch):
 
 
 def test_attention_backward_streams_pairs_only_where_sbuf_holds_two(monkeypatch):
-    """Two (batch, kv head) pairs a program: one pipelined stream where SBUF_BUDGET holds two pairs' state, else a stream
-    per pair, within the one-pair plan and with the same gradients. The twin: streamed, they need more."""
+    """Two (batch, kv head) pairs a program: one pipelined stream where SBUF_BUDGET holds two pairs' state,
+    else a stream per pair, within the one-pair plan and with the same gradients. Twin: streamed, they hold more."""
     seq_len, head_dim = 512, 64  # 4 pairs: 2 in each program of an LNC=2 launch
     q, k, v = random(1, 4, seq_len, head_dim), random(1, 4, seq_len, head_dim), random(1, 4, seq_len, head_dim)
 
