@@ -20,6 +20,7 @@ import types
 import numpy as np
 
 from ._cost import instruction_seconds
+from ._memory import DTYPES
 from ._runtime import Instruction
 
 PARTITIONS = 128
@@ -335,7 +336,7 @@ def _language():
     nl = types.ModuleType("neuronxcc.nki.language")
     nl.sbuf, nl.psum, nl.hbm, nl.shared_hbm, nl.private_hbm = (_Buffer(n) for n in (
         "sbuf", "psum", "private_hbm", "shared_hbm", "private_hbm"))
-    nl.float32, nl.bfloat16, nl.float16, nl.int32 = np.float32, np.float32, np.float16, np.int32
+    nl.float32, nl.bfloat16, nl.float16, nl.int32 = np.float32, DTYPES["bfloat16"], np.float16, np.int32
     nl.tile_size = types.SimpleNamespace(pmax=PARTITIONS, psum_fmax=512, gemm_stationary_fmax=128,
                                          gemm_moving_fmax=512)
     nl.par_dim = _ParDim
@@ -441,11 +442,12 @@ def run(source, inputs, generation="trn1", function="kernel"):
     """The trace of ``function`` in the legacy-dialect ``source`` called on HBM tensors shaped like ``inputs``
     (arrays), priced for engine balancing on ``generation``."""
     global _state
-    _state = _State(generation)
-    with _legacy_modules():
-        namespace = {"__name__": "legacy_kernel"}
-        exec(compile(source, "<legacy kernel>", "exec"), namespace)
-        args = [Tensor(np.shape(a), np.asarray(a).dtype, "shared_hbm") for a in inputs]
-        namespace[function](*args)
-    trace, _state = _state.trace, None
-    return [i._replace(launch=1) for i in trace]
+    _state = state = _State(generation)
+    try:
+        with _legacy_modules():
+            namespace = {"__name__": "legacy_kernel"}
+            exec(compile(source, "<legacy kernel>", "exec"), namespace)
+            namespace[function](*(Tensor(np.shape(a), np.asarray(a).dtype, "shared_hbm") for a in inputs))
+    finally:  # a kernel that raises leaves no trace behind for the next run
+        _state = None
+    return [i._replace(launch=1) for i in state.trace]

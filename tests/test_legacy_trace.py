@@ -111,6 +111,14 @@ def test_hand_written_kernel_slices_fresh_tiles_and_names_that_accumulate():
     assert store.reads == matmul.writes  # `acc += matmul` accumulates into acc
 
 
+def test_bf16_tiles_are_priced_as_bf16():
+    source = HAND_WRITTEN.replace("nl.load(a[0:128, 0:512])", "nl.load(a[0:128, 0:512], dtype=nl.bfloat16)")
+    load_a = trace_of(source, (128, 512), (512,))[1]
+    assert load_a.dtypes[0] == "bfloat16"
+    assert instruction_seconds(load_a, "trn1") < instruction_seconds(trace_of(HAND_WRITTEN, (128, 512), (512,))[1],
+                                                                     "trn1")  # half the bytes a row
+
+
 def test_an_unsupported_index_is_refused_by_name():
     source = HAND_WRITTEN.replace("a[0:128, 0:512]", "a[0:128, nl.arange(512)[None, :]]")
     with pytest.raises(NotImplementedError, match="slices mixed with nl.arange"):
