@@ -62,7 +62,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate", "--first_hour_step"} &
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
-from kit import ablation, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
+from kit import ablation, build, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
 from kit.compiled_cost import (ADAMW_PASSES, ENGINES, MUON_PASSES, STEP_ASSUMPTIONS,  # noqa: E402
                                compiled_estimate, compiled_ops, gemm, linear, op_seconds, passes, pricing)
 from model import GPT
@@ -95,7 +95,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     raw_model = GPT(model_cfg).to(device)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
-    model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
+    model = build.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
     optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
     autocast = runtime.autocast_context(cfg, device_type)
 
@@ -202,7 +202,7 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
         runs[name] = functools.partial(nanogpt_step, model, raw, optimizer)
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
-    model = train.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
+    model = build.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
     optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
     runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
     sync = functools.partial(runtime.synchronize, device_type)
@@ -702,7 +702,7 @@ def main(argv):
         first_hour.print_table(rows, paid_run, reasons, seconds)
         return {"first_hour": rows, "first_paid_run": paid_run}
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
-        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, rest)
+        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, train.main, rest)
     cfg, model_cfg = train.parse_args(rest)
     if args.check:
         device_check.draw_seed(cfg, rest)
@@ -731,7 +731,7 @@ def main(argv):
         results = {"check": [{"passed": first_hour.run_one(args.first_hour_step, args.first_hour_checkpoint, cfg,
                                                            model_cfg, device_type, device)}]}
     elif args.check:
-        results = {"check": device_check.run_checks(cfg, model_cfg, device_type, device)}
+        results = {"check": device_check.run_checks(cfg, model_cfg, device_type, device, train.train_step)}
         if rank == 0:
             device_check.print_checks(results["check"], device_type)
     elif args.versus_nanogpt:

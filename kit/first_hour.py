@@ -30,8 +30,7 @@ import torch
 
 import kernels
 import nki_emulator
-import train
-from kit import device_check, runtime
+from kit import checkpoint, device_check, runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # FIRST_HOUR_STEPS training steps of 2 sequences of 128 tokens on 2 layers; total_batch_tokens 512 makes a
@@ -142,7 +141,7 @@ def load_for_eval_timings(checkpoint_path, batch_size, device_type, device):
     """Time one load_for_eval forward at (batch, 1024) and at (batch, ODD_EVAL_LEN), the scorer's way (no
     autocast, no grad)."""
     t0 = time.perf_counter()
-    model = train.load_for_eval(checkpoint_path, device)
+    model = checkpoint.load_for_eval(checkpoint_path, device)
     parts = [f"load {time.perf_counter() - t0:.1f} s"]
     vocab = model.config.vocab_size
     for length in (1024, ODD_EVAL_LEN):
@@ -261,7 +260,7 @@ def _says_no(row, on_trainium):
 
 def build_failures(work):
     """{op: reason} for each kernel op whose NKI kernel failed to build in a training run under `work`: the
-    run went on with that op on PyTorch (train.surviving_build_failures) and its step passed, so only the
+    run went on with that op on PyTorch (kit/build.py) and its step passed, so only the
     run's log.jsonl tells (its "kernel_fallback" events, written when it happens: the run may end after).
     A line cut off by a killed run is skipped."""
     failures = {}

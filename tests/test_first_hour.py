@@ -10,7 +10,7 @@ import torch
 
 import kernels
 import train
-from kit import first_hour, runtime
+from kit import build, first_hour, runtime
 
 
 @pytest.mark.parametrize("version, front_end", [("0.4.0b4+2581.ge7", "parser"), ("0.6.0", "parser"),
@@ -147,7 +147,7 @@ def fallback_run(run_dir, op, monkeypatch):
 
     trainee = collections.namedtuple("Trainee", "model raw_model sharding rebuild")(
         "compiled", torch.nn.Linear(1, 1), None, lambda: "rebuilt")
-    train.surviving_build_failures(first_step, trainee, log)
+    build.surviving_build_failures(first_step, trainee, log, train.ChargedClock(0, 1, 900.0))
     with open(os.path.join(run_dir, "log.jsonl"), "a") as f:
         f.write('{"event": "train", "lo')
 
