@@ -277,6 +277,30 @@ def _compiled_fallback(model_cfg, name, batch_size, backward):
     return {**estimate, "serial_s": sum(estimate["engines"].values())}
 
 
+def kernel_calls(cfg, model_cfg):
+    """{op: calls of kernels.<op> in one micro-step}: the model's forward on fake tensors (shapes only), each
+    op's public function counted (model.py calls them through the module); each call is one forward and one
+    backward of its kernels in training."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls, inside = dict.fromkeys(kernels.KERNEL_OPS, 0), []
+
+    def counted(op, function):
+        def call(*args, **kwargs):  # the model's calls only, not a PyTorch path's calls of another op
+            calls[op] += not inside
+            inside.append(op)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    with FakeTensorMode(), mock.patch.multiple(kernels, **{op: counted(op, getattr(kernels, op)) for op in calls}):
+        tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long)
+        GPT(model_cfg)(tokens, tokens)
+    return calls
+
+
 def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS, timeline=None):
     """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
     the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
@@ -285,8 +309,10 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
     fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
     kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure. `timeline`: a folder for each emulated
-    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png)."""
+    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png). `calls`: how
+    many times a micro-step calls the op (kernel_calls)."""
     dtype = runtime.compute_dtype(cfg)
+    calls = kernel_calls(cfg, model_cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
@@ -296,7 +322,8 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
             continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
-            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops}
+            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops,
+                   "calls": calls[name.split()[0]]}
             inputs = make_inputs()
             torch_call = lambda *a: call(*a, "torch")  # noqa: E731
             if on_trainium:  # the fallback as training runs it: one compiled graph
@@ -698,8 +725,9 @@ def main(argv):
     if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
         rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
     if args.first_hour:  # before any device work: the steps do it, each in its own process
-        rows, paid_run, reasons, seconds = first_hour.run_first_hour(rest)
-        first_hour.print_table(rows, paid_run, reasons, seconds)
+        cfg = train.parse_args(rest)[0]  # the paid run's budget and start-up cap
+        rows, paid_run, reasons, seconds, startups = first_hour.run_first_hour(rest, cfg.time_budget_s, cfg.startup_cap_s)
+        first_hour.print_table(rows, paid_run, reasons, seconds, startups)
         return {"first_hour": rows, "first_paid_run": paid_run}
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
         return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, train.main, rest)
