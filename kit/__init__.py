@@ -7,3 +7,12 @@ programs bench.py runs beside its measurements, none of which imports train.py (
 main): the device check (device_check.py, with inductor_probe.py), the first device session (first_hour.py), the
 ablation (ablation.py), the sweep's files (sweep_files.py) and the step estimate's prices of compiled plain ops
 (compiled_cost.py)."""
+import os
+
+# NKI_EMULATOR=1: where the Neuron SDK is not installed, the kit's CPU emulator of NKI stands in for `nki` (as in the
+# tests), so that --kernels=nki trains on a laptop (docs/kernels.md). Here because every entry point imports kit/
+# before kernels.py imports `nki`, and because the one-file submission, which has no emulator, leaves this file out.
+if os.environ.get("NKI_EMULATOR") == "1":
+    import nki_emulator
+
+    nki_emulator.install()

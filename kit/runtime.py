@@ -51,12 +51,6 @@ os.environ.setdefault("NEURON_CC_FLAGS", "--optlevel=1 --auto-cast=none")
 # parmoham-aws/test-repo-parmoham; the TorchNeuron docs, torch/reference/env-vars, give True as the default from
 # SDK 2.33, so older releases such as the contest's 2.11.3 beta may fall back silently). A user's own setting wins.
 os.environ.setdefault("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "1")
-# NKI_EMULATOR=1: where the Neuron SDK is not installed the kit's CPU emulator of NKI stands in for `nki` (as in
-# the tests), so that --kernels=nki trains on a laptop (docs/kernels.md); before kernels.py imports `nki`.
-if os.environ.get("NKI_EMULATOR") == "1":
-    import nki_emulator
-
-    nki_emulator.install()
 
 import collections  # noqa: E402
 import errno  # noqa: E402
