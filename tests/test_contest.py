@@ -364,9 +364,10 @@ def test_the_frontier_export_leaves_room_and_names_every_path_it_leaves_out(caps
     printed = capsys.readouterr().out
     size = int(re.search(r"([\d,]+) bytes", printed)[1].replace(",", ""))
     left = int(re.search(r"([\d,]+) left under", printed)[1].replace(",", ""))
-    # at least what the exporter leaves today (48,025 bytes); the aim is 80 KB, and docs/contest.md says what
+    # at least what the exporter leaves today (46,534 bytes: the whole graph's rebuild after a failed build and the
+    # check of --kernels=nki without NKI took 1,491 of 48,025); the aim is 80 KB, and docs/contest.md says what
     # is left to cut for it
-    assert left == contest.SUBMISSION_LIMIT_BYTES - size >= 48_000
+    assert left == contest.SUBMISSION_LIMIT_BYTES - size >= 46_500
     assert "softcap_cross_entropy" in printed
     for name in [*contest.SUBMISSION_UNTAKEN, "KernelOp.check_cases", "KernelOp.model_cases"]:
         assert name in printed
