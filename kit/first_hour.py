@@ -346,8 +346,9 @@ def compiled_runs(work):
 
 
 def startup_report(runs, cap_s):
-    """One line per compiled run: its cold start-up against the contest's start-up cap (TRAIN_STARTUP_ALLOWANCE_
-    CAP_SECONDS, 900 s; prepare.py charges start-up past it to the run: docs/contest.md)."""
+    """One line per compiled run: its start-up (cold where the machine's compile cache held none of its graphs,
+    as in a first session) against the contest's start-up cap (TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, 900 s;
+    prepare.py charges start-up past it to the run: docs/contest.md)."""
     lines = []
     for name, run in runs.items():
         s = run["startup_s"]
