@@ -291,6 +291,8 @@ def _region(t):
     """The rectangle of memory a tensor view covers (see Instruction.reads). On chip: partitions x the bytes
     each partition's part of the view spans; in HBM: the bytes the whole view spans."""
     storage, data = t._storage, t._data
+    if t._rows is not None:  # an ap(vector_offset=) view: rows anywhere in its (HBM) storage
+        return storage.serial, 0, 1, 0, storage.array.nbytes
     offset = data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
     span = data.itemsize + sum((n - 1) * abs(s) for n, s in zip(data.shape[1:], data.strides[1:]))
     if storage.buffer.value in ("sbuf", "psum"):

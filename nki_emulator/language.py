@@ -19,7 +19,8 @@ import numpy as np
 
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
-from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
+from ._runtime import (PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, begin, count, count_dma, current, nki_since,
+                       nki_version, target)
 from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
@@ -177,6 +178,22 @@ def full(shape, fill_value, dtype, buffer=sbuf, name=""):
     else:
         _memory.write(t, np.full(t.shape, fill_value))
     return t
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An (n, n) identity matrix in SBUF of ``dtype`` (aws-neuron-sdk 3afa0fdf nki/api/nki/language/__init__.py
+    l. 2061-2083): "the same behavior to nki.language.shared_constant", a constant the compiler places, here
+    loaded into a new SBUF tile (or into ``dst``, an (n, n) SBUF tile) by one DMA from HBM."""
+    if dst is None:
+        dst = _memory.allocate((n, n), dtype, sbuf, "identity", what="shared_identity_matrix")
+    elif dst.buffer is not sbuf or dst.shape != (n, n):
+        raise NkiValidationError(f"shared_identity_matrix: dst must be an ({n}, {n}) SBUF tile, got {dst!r}")
+    core = begin("shared_identity_matrix")
+    _memory.operand(core, "shared_identity_matrix", "dst", dst, (sbuf,), "the identity matrix is made in SBUF")
+    _memory.write(dst, np.eye(n))
+    count_dma(dst.size * dst.dtype.itemsize)
+    count("shared_identity_matrix", "dma", n, n, dst)
+    return dst
 
 
 def ds(start, size):
@@ -564,7 +581,6 @@ dynamic_range = not_emulated("nki.language.dynamic_range", "start stop step")
 fori_loop = not_emulated("nki.language.fori_loop", "lower upper body_fun step")
 while_loop = not_emulated("nki.language.while_loop", "init body_fun")
 shared_constant = not_emulated("nki.language.shared_constant", "constant")
-shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
 rand = not_emulated("nki.language.rand", "shape dtype buffer name")
 
 # dtypes without a numpy counterpart here: names to compare with, not to allocate
