@@ -447,10 +447,11 @@ class _VectorRows:
     ``idx[i]`` lies inside that dim. The view's ``_data`` and ``_written`` are copies gathered from the storage
     (again by each instruction that takes it, see ``operand``); ``write`` scatters them back, in-bounds rows only."""
 
-    __slots__ = ("offsets", "in_bounds", "indices", "dim", "dim_size")
+    __slots__ = ("offsets", "in_bounds", "indices", "dim", "dim_size", "index_tensor")
 
-    def __init__(self, offsets, in_bounds, indices, dim, dim_size):
+    def __init__(self, offsets, in_bounds, indices, dim, dim_size, index_tensor):
         self.offsets, self.in_bounds, self.indices, self.dim, self.dim_size = offsets, in_bounds, indices, dim, dim_size
+        self.index_tensor = index_tensor  # the vector_offset tensor (its shape and dtype: dma_transpose's rules)
 
     def _bytes(self, dtype):
         return self.offsets[..., None] + np.arange(dtype.itemsize)
@@ -509,7 +510,7 @@ def _vector_view(t, pattern, offset, vector_offset, indirect_dim, element):
     in_bounds = (indices >= 0) & (indices < t.shape[indirect_dim]) & (last.min(axis=1) >= 0) & \
         (last.max(axis=1) + element.itemsize <= t._storage.array.nbytes)
     offsets[~in_bounds] = 0  # placeholders: an instruction refuses these rows or skips them (oob_mode)
-    rows = _VectorRows(offsets, in_bounds, indices, indirect_dim, t.shape[indirect_dim])
+    rows = _VectorRows(offsets, in_bounds, indices, indirect_dim, t.shape[indirect_dim], vector_offset)
     view = NkiTensor(t._storage, None, None, None, indirect=True, rows=rows)
     view._data = np.zeros(counts, element)  # the gathered values' dtype and shape, until operand() gathers
     rows.gather(view)

@@ -763,7 +763,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     indirect (``vector_offset``) form is not emulated."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
     _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
-    if dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
+    if isinstance(src, NkiTensor) and src._rows is not None:
+        _check_indirect_transpose(src, dge_mode)
+    elif dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
         raise NkiValidationError(f"dma_transpose: dge_mode must be unknown or hwdge for a direct transpose, got "
                                  f"{dge_mode.name}")
     if dge_mode is _DGE.hwdge:
@@ -790,10 +792,35 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if dst.shape != expected:
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
                                  f"{permutation}), got {dst.shape}")
+    check_indirect("dma_transpose", "src", src, oob_mode is _OOB.skip)
     check_written("dma_transpose", "src", src)
     write(dst, np.transpose(src._data, permutation))
     count_dma(dst.size * dst.dtype.itemsize)
     count("dma_transpose", "dma", *_layout(dst), dst, (src,))
+
+
+def _check_indirect_transpose(src, mode):
+    """The "DMA Indirect Transpose Constraints" of the 0.4 stub (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py
+    l. 706-722) for a src made by ``ap(vector_offset=indices)``; the rows it gathers are ``indices.T.flatten()[:
+    src.shape[0]]`` (l. 724-726), as ``ap`` reads them."""
+    indices = src._rows.index_tensor
+    rules = [
+        (mode in (_DGE.unknown, _DGE.swdge), f"dge_mode must be unknown or swdge, got {mode.name}"),
+        (src.ndim != 4 or 1 in src.shape[1:3], f"a 4-d src needs shape[1] or shape[2] of 1, got {src.shape}"),
+        (src.shape[-1] <= PARTITIONS and src.dtype.itemsize == 2, f"src.shape[-1] <= 128 and a 2-byte dtype, got "
+                                                                  f"{src.shape} {src.dtype.name}"),
+        (src.shape[0] % 16 == 0, f"src.shape[0] divisible by 16, got {src.shape[0]}"),
+        (indices.ndim == 2 and indices.size >= src.shape[0], f"2-d indices with at least src.shape[0] entries, got "
+                                                             f"{indices.shape}"),
+        (indices.shape[0] in range(16, PARTITIONS + 1, 16) and (indices.shape[-1] == 1 or indices.shape[0] == PARTITIONS),
+         f"indices.shape[0] in [16, 128] divisible by 16, exactly 128 with more than one column, got {indices.shape}"),
+        (indices.dtype == np.uint32, f"uint32 indices, got {indices.dtype.name}"),
+        (target().nc_version != "gen2", f"trn2 or newer, not {target().name}"),
+    ]
+    for holds, what in rules:
+        if not holds:
+            raise NkiValidationError(f"dma_transpose: an indirect transpose (src.ap(vector_offset=...)) needs {what} "
+                                     "(isa stub 3afa0fdf l. 706-722)")
 
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):

@@ -13,6 +13,7 @@ current release's rules instead of the contest's 0.4. The cases follow the tests
 No nki-library code is copied here: kernels and references are imported from the checkout.
 """
 
+import ast
 import importlib
 import importlib.util
 import linecache
@@ -27,6 +28,7 @@ import numpy as np
 import nki_emulator
 
 CORE = "nkilib_src.nkilib.core."
+_CHECKOUT = []  # the nki-library checkout (main's argument)
 BF16, FP16, FP32 = ml_dtypes.bfloat16, np.float16, np.float32  # np.dtype(FP32) is nl.float32 (the emulator's)
 
 
@@ -53,6 +55,69 @@ def _outputs(result):
     if result is None:
         return []
     return [np.asarray(r, np.float32) for r in (result if isinstance(result, (tuple, list)) else [result])]
+
+
+# ---- nki-library's test files, where they cannot be imported ------------------------------------------------------
+# Most test modules import nki-library's test framework (test/utils/common_dataclasses.py and what it imports), which
+# needs AWS-internal packages (aws_embedded_metrics, ...). Their input generators, wrapper kernels and goldens are
+# still plain functions: ``_test_module`` runs such a file statement by statement, keeping what loads here, and
+# ``_captured_test`` runs a test's own ``run_*_test`` function with a stand-in for its UnitTestFramework that records
+# what the test would run (kernel, torch reference, inputs, tolerances) instead of running it.
+
+class _Unavailable:
+    """A name a test file imports that does not load here (a type in an annotation, a framework class)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"<{self.name}: not importable here>"
+
+
+def _test_module(relative_path):
+    """The namespace of nki-library's test file ``relative_path`` (under the checkout's ``test/``): each top-level
+    statement executed alone, imports that fail bound to ``_Unavailable``, statements that fail skipped (test
+    classes and parameter tables that need the framework)."""
+    path = f"{_CHECKOUT[0]}/test/{relative_path}"
+    tree = ast.parse(open(path).read(), path)
+    namespace = {"__name__": "nki_library_test_" + relative_path.replace("/", "_")[:-3], "__file__": path}
+    for node in tree.body:
+        try:
+            exec(compile(ast.Module([node], []), path, "exec"), namespace)
+        except ImportError:
+            for alias in node.names:
+                namespace[(alias.asname or alias.name).partition(".")[0]] = _Unavailable(alias.name)
+        except Exception:  # noqa: BLE001 -- a statement of the test framework's, not needed by the cases
+            pass
+    return namespace
+
+
+class _UnitTestFramework:
+    """Stands in for nki-library's test/utils/unit_test_framework.py ``UnitTestFramework``: records the test."""
+
+    recorded = []
+
+    def __init__(self, test_manager, kernel_entry, torch_ref, kernel_input_generator, output_tensor_descriptor,
+                 **options):
+        self.kernel, self.reference, self.make_inputs = kernel_entry, torch_ref, kernel_input_generator
+
+    def run_test(self, test_config, compiler_args, rtol, atol, **options):
+        self.lnc, self.rtol, self.atol = compiler_args.logical_nc_config, rtol, atol
+        _UnitTestFramework.recorded.append(self)
+
+
+def _captured_test(relative_path, function, lnc, **arguments):
+    """(kernel, reference, inputs(), lnc, rtol, atol) of the test function ``function`` of a test file that runs its
+    case through UnitTestFramework, called with ``arguments`` and a CompilerArgs of ``lnc``."""
+    namespace = _test_module(relative_path)
+    namespace.update(UnitTestFramework=_UnitTestFramework, torch_ref_wrapper=lambda reference: reference)
+    namespace[function](test_manager=None, compiler_args=types.SimpleNamespace(logical_nc_config=lnc), **arguments)
+    test = _UnitTestFramework.recorded.pop()
+
+    def inputs():
+        return {name.replace(".must_alias_input", ""): value for name, value in test.make_inputs(None).items()}
+
+    return test.kernel, lambda values: _call_reference(test.reference, values), inputs, test.lnc, test.rtol, test.atol
 
 
 # ---- the cases: (name, kernel "module:function", reference "module:function", inputs(), lnc, rtol, atol) ------
@@ -340,6 +405,17 @@ def _neuron_dtypes_stand_in():
         sys.modules["neuron_dtypes"] = stand_in
 
 
+def _nki_dtype_stand_in():
+    """nki-library's QKV test helper (test/integration/nkilib/core/qkv/test_qkv_common.py) takes fp8 dtypes from
+    ``nki.dtype``, a module of the Neuron SDK's nki package outside the API stubs; where the emulator stands in for
+    nki, its dtypes (nki.language's) stand in for that module."""
+    if "nki.dtype" not in sys.modules:
+        module = types.ModuleType("nki.dtype")
+        for name in nki_emulator.language.DTYPES:
+            setattr(module, name, getattr(nki_emulator.language, name))
+        sys.modules["nki.dtype"] = module
+
+
 def _scipy_special_stand_in():
     """nki-library's test helpers (test/integration/nkilib/utils/test_kernel_common.py, whose numpy activations the
     MLP goldens use) import ``erf`` and ``expit`` from scipy.special; where scipy is missing, torch's (float64) stand
@@ -405,10 +481,14 @@ def main(argv):
     if not argv:
         sys.exit("usage: python -m nki_emulator.official_kernels PATH_TO_NKI_LIBRARY_CHECKOUT [name-filter]")
     sys.path.insert(0, f"{argv[0]}/src")
+    sys.path.insert(0, argv[0])  # nki-library's test helpers (test/integration/...), imported by some cases
+    _CHECKOUT.append(argv[0])
     nki_emulator.install()
     _neuron_dtypes_stand_in()
     _neuronxcc_typing_stand_in()
     _scipy_special_stand_in()
+    if sys.modules.get("nki") is nki_emulator:
+        _nki_dtype_stand_in()
     wanted = argv[1] if len(argv) > 1 else ""
     passed = total = 0
     for name, kernel_spec, reference_spec, make_inputs, lnc, rtol, atol in CASES:
