@@ -7,8 +7,12 @@ Model
   ``array.shape + (itemsize,)``, so that a view reinterpreting the bytes as another dtype, ``ap(dtype=)``,
   still tracks what was written), and for PSUM a *matmul-written* mask, one flag per element, that
   drives ``nc_matmul``'s overwrite-then-accumulate rule. New storage is
-  filled with NaN (integers with 4), as the official simulator does, and reading an element whose
-  written flag is still False raises.
+  filled with NaN (integers with 4), as the official simulator does (aws-neuron-sdk 3afa0fdf
+  nki/guides/nki_simulator.rst l. 212-221). An element whose written flag is False is *poison*: it reads as
+  NaN whatever its dtype, an instruction that read poison leaves its NaN results unwritten (so poison
+  reaches integer tiles and survives copies, sorts and comparisons), and a kernel output that carries
+  poison comes back as NaN, or is refused where its dtype has no NaN. Only an address computed from poison
+  (``ap(scalar_offset=)``) is refused at once.
 - An ``NkiTensor`` is a view: the same numpy view taken of the data and of the masks, so writes through
   any view land in the storage. Slicing follows NKI: on-chip tensors keep the partition dim (an
   integer index there keeps size 1) and stay at least 2-D; HBM tensors drop integer-indexed dims.
@@ -462,16 +466,22 @@ class _VectorRows:
         t._data = storage.array.reshape(-1).view(np.uint8)[at].view(dtype)[..., 0]
         t._written = None if storage.written is None else storage.written.reshape(-1)[at]
 
-    def scatter(self, t):
-        """Store ``t._data`` (just written) into the storage at the in-bounds rows; mark those bytes written."""
+    def scatter(self, t, poisoned=None):
+        """Store ``t._data`` (just written) into the storage at the in-bounds rows; mark those bytes written, except
+        the ``poisoned`` elements' (see ``write``)."""
         storage, keep = t._storage, self.in_bounds
         at = self._bytes(t._data.dtype)[keep]
         storage.array.reshape(-1).view(np.uint8)[at] = np.ascontiguousarray(t._data).view(np.uint8).reshape(
             t._data.shape + (-1,))[keep]
-        if storage.unwritten:
-            flags = storage.written.reshape(-1)
-            storage.unwritten = max(0, storage.unwritten - int(np.count_nonzero(~flags[at])))
-            flags[at] = True
+        if storage.written is None:
+            return  # host memory: poison is carried by its NaN alone
+        flags = storage.written.reshape(-1)
+        before = int(np.count_nonzero(~flags[at]))
+        written = np.ones(at.shape, np.bool_)
+        if poisoned is not None:
+            written &= ~np.reshape(poisoned, t._data.shape)[keep][..., None]
+        flags[at] = written
+        storage.unwritten += int(np.count_nonzero(~flags[at])) - before
 
 
 def _vector_view(t, pattern, offset, vector_offset, indirect_dim, element):
@@ -647,31 +657,63 @@ def operand(core, instr, role, t, allowed, why):
     return t
 
 
+def poison(t):
+    """Per element of ``t``: True where a byte was never written (poison), or None where every one was."""
+    if not t._storage.unwritten:
+        return None
+    unwritten = ~t._written.all(axis=-1)
+    return unwritten if unwritten.any() else None
+
+
 def check_written(instr, role, t):
-    storage = t._storage
-    if storage.unwritten and not t._written.all():
-        raise NkiValidationError(f"{instr}: {role} reads memory that was never written: {storage.label}")
+    """Refuse a read of never-written memory where no NaN can carry it: an address (``ap(scalar_offset=)``)."""
+    if poison(t) is not None:
+        raise NkiValidationError(f"{instr}: {role} reads memory that was never written: {t._storage.label}; an "
+                                 "address computed from it is arbitrary on a NeuronCore")
 
 
 def read(instr, role, t):
-    """The values of ``t`` as float32 (what the engines compute in); raises on unwritten memory."""
-    check_written(instr, role, t)
-    return np.asarray(t._data, np.float32)
+    """The values of ``t`` as float32 (what the engines compute in). Memory never written reads as NaN, whatever
+    the dtype (an integer tile holds the simulator's 4 there), and marks the instruction as reading poison."""
+    values = np.asarray(t._data, np.float32)
+    unwritten = poison(t)
+    if unwritten is not None:
+        values = np.where(unwritten, np.float32(np.nan), values)
+        current(instr).read_poison = True
+    return values
 
 
-def write(t, values):
-    """Store ``values`` into ``t``, rounding to its dtype (float -> int rounds half to even and
-    saturates); marks the elements written."""
+def write(t, values, poisoned=None):
+    """Store ``values`` into ``t``, rounding to its dtype (float -> int rounds half to even and saturates), and
+    mark the elements written, except the ``poisoned`` ones (a mask of ``t``'s elements, or False for none): those
+    stay never written and hold the fill (NaN, integers 4). By default an instruction that read poison poisons the
+    elements it computed as NaN, so poison follows NaN through arithmetic as in AWS's simulator (aws-neuron-sdk
+    3afa0fdf nki/guides/nki_simulator.rst l. 212-221) and reaches integer tiles too."""
     data = t._data
+    values = np.reshape(values, data.shape)
+    if poisoned is None:
+        poisoned = current("write").read_poison and values.dtype.kind == "f" and np.isnan(values)
+    poisoned = np.reshape(poisoned, data.shape) if np.any(poisoned) else None
+    if poisoned is not None:
+        values = np.where(poisoned, _sentinel(data.dtype), values)
     if data.dtype.kind in "iu":
         info = np.iinfo(data.dtype)
         values = np.clip(np.rint(values), info.min, info.max)
-    data[...] = np.reshape(values, data.shape)
+    data[...] = values
     if t._rows is not None:
-        t._rows.scatter(t)
+        t._rows.scatter(t, poisoned)
         return
-    storage = t._storage
-    if storage.unwritten:
-        written = t._written
-        storage.unwritten = max(0, storage.unwritten - (written.size - np.count_nonzero(written)))
-        written[...] = True
+    storage, written = t._storage, t._written
+    if written is None or not (storage.unwritten or poisoned is not None):
+        return  # host memory (a kernel argument) has no mask: poison written there is carried by its NaN alone
+    before = written.size - np.count_nonzero(written)
+    written[...] = True
+    if poisoned is not None:
+        written[poisoned] = False
+    storage.unwritten += written.size - np.count_nonzero(written) - before
+
+
+def copy_bits(dst, src, arrange=np.asarray):
+    """``dst = arrange(src)`` bit for bit (same dtype), never-written elements staying never written."""
+    unwritten = poison(src)
+    write(dst, arrange(src._data), False if unwritten is None else arrange(unwritten))

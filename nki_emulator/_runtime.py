@@ -231,6 +231,7 @@ class Core:
         # VectorE's per-lane accumulation registers (nisa.tensor_scalar_reduce reduce_cmd); undefined until reset.
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
         self.accessed = []  # (role, tensor) of each operand of the instruction being issued (_memory.operand)
+        self.read_poison = False  # the instruction being issued read memory never written (_memory.read)
 
 
 _running = threading.local()  # .core: the core this thread's program runs on
@@ -262,6 +263,7 @@ def begin(name):
     core.now += 1
     core.issued.append(name)
     core.accessed = []
+    core.read_poison = False
     return core
 
 

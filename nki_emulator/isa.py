@@ -4,7 +4,7 @@ Every instruction follows the same steps, in NKI's semantics:
 
 1. check the operands: the buffers its engine can reach, partition count (<= 128, guaranteed by
    allocation), layouts (same partition count and elements per partition unless stated), dtypes;
-2. read the inputs as float32 (reading never-written memory raises) -- the engines compute in fp32;
+2. read the inputs as float32 (never-written memory reads as NaN: poison) -- the engines compute in fp32;
 3. compute on whole tiles with numpy;
 4. write the destination, rounding to its dtype (bf16/fp16/fp8 via ml_dtypes);
 5. count it on its engine.
@@ -24,7 +24,8 @@ from enum import Enum, IntEnum
 import numpy as np
 
 from . import language as nl
-from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, NkiTensor, check_indirect, check_written, operand, read, write
+from ._memory import (HBM, ON_CHIP, PSUM, SBUF, FP32, NkiTensor, check_indirect, check_written, copy_bits, operand,
+                      poison, read, write)
 from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, nki_since,
                        nki_version, target)
 from ._unemulated import not_emulated
@@ -185,8 +186,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         check_indirect("dma_copy", role, t, oob_mode is _OOB.skip)
     for to, values in _row_pairs("dma_copy", dst, src):
         if dst.dtype == src.dtype:
-            check_written("dma_copy", "src", values)
-            write(to, values._data)
+            copy_bits(to, values)
         else:
             write(to, read("dma_copy", "src", values))
     count_dma(dst.size * dst.dtype.itemsize)
@@ -303,8 +303,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _operands(core, "tensor_copy", eng, dst=dst, src=src)
     _same_layout("tensor_copy", ("src", src), ("dst", dst))
     if dst.dtype == src.dtype:
-        check_written("tensor_copy", "src", src)
-        write(dst, src._data)
+        copy_bits(dst, src)
     else:
         write(dst, read("tensor_copy", "src", src))
     count("tensor_copy", eng, *_layout(dst), dst, (src,))
@@ -366,8 +365,9 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if _layout(dst) != (m, n):
         raise NkiValidationError(f"nc_matmul: dst is {_layout(dst)[0]} partitions x {_layout(dst)[1]} elements; "
                                  f"stationary.T @ moving is {m} x {n}")
-    result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
-        @ read("nc_matmul", "moving", moving).reshape(k, n)
+    with _quiet():  # poison (NaN) in an operand
+        result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
+            @ read("nc_matmul", "moving", moving).reshape(k, n)
     result = result.reshape(dst.shape)
     if accumulate is None:
         started = dst._matmul_written  # elements inside a running accumulation group
@@ -440,8 +440,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
                                  f"{_layout(dst)[0]} x {_layout(dst)[1]}")
     if dst.dtype != data.dtype:
         raise NkiValidationError(f"nc_transpose: dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}")
-    check_written("nc_transpose", "data", data)
-    write(dst, np.reshape(data._data, (p, f)).T)
+    copy_bits(dst, data, lambda a: np.reshape(a, (p, f)).T)
     if eng == "tensor":
         count_transpose(p, f, data.dtype.name)
     count("nc_transpose", eng, p, f, dst, (data,))
@@ -793,8 +792,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
                                  f"{permutation}), got {dst.shape}")
     check_indirect("dma_transpose", "src", src, oob_mode is _OOB.skip)
-    check_written("dma_transpose", "src", src)
-    write(dst, np.transpose(src._data, permutation))
+    copy_bits(dst, src, lambda a: np.transpose(a, permutation))
     count_dma(dst.size * dst.dtype.itemsize)
     count("dma_transpose", "dma", *_layout(dst), dst, (src,))
 
@@ -921,13 +919,19 @@ def _eight(instr, dst, data, vals=None):
     return p, f
 
 
+def _poisoned_rows(*rows):
+    """(P, 1): the partitions whose values (each a (P, n) array read by ``read``) carry poison. An instruction
+    that sorts, searches or selects by value would drop a NaN; the whole row of its result is poison instead."""
+    return np.logical_or.reduce([np.isnan(r).any(axis=1, keepdims=True) for r in rows])
+
+
 def max8(dst, src, name=None):
     """The 8 largest values of each partition of ``src``, in descending order, on VectorE (fp32 compare)."""
     core = begin("max8")
     _operands(core, "max8", "vector", dst=dst, src=src)
     p, f = _eight("max8", dst, src)
     x = read("max8", "src", src).reshape(p, f)
-    write(dst, -np.sort(-x, axis=1)[:, :8])
+    write(dst, np.where(_poisoned_rows(x), np.float32(np.nan), -np.sort(-x, axis=1)[:, :8]))
     count("max8", "vector", p, f, dst, (src,))
 
 
@@ -956,9 +960,10 @@ def nc_find_index8(dst, data, vals, name=None):
     p, f = _eight("nc_find_index8", dst, data, vals)
     if dst.dtype.name not in ("uint16", "uint32"):
         raise NkiValidationError(f"nc_find_index8: dst must be uint16 or uint32, got {dst.dtype.name}")
-    found = _find_each(read("nc_find_index8", "data", data).reshape(p, f),
-                       read("nc_find_index8", "vals", vals).reshape(p, 8), reverse=False)
-    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found))
+    x = read("nc_find_index8", "data", data).reshape(p, f)
+    wanted = read("nc_find_index8", "vals", vals).reshape(p, 8)
+    found = _find_each(x, wanted, reverse=False)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), np.broadcast_to(_poisoned_rows(x, wanted), found.shape))
     count("nc_find_index8", "vector", p, f, dst, (data, vals))
 
 
@@ -970,14 +975,16 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     p, f = _eight("nc_match_replace8", None, data, vals)
     _same_layout("nc_match_replace8", ("data", data), ("dst", dst))
     x = read("nc_match_replace8", "data", data).reshape(p, f)
-    found = _find_each(x, read("nc_match_replace8", "vals", vals).reshape(p, 8), reverse=True)
+    wanted = read("nc_match_replace8", "vals", vals).reshape(p, 8)
+    found = _find_each(x, wanted, reverse=True)
     replaced = x.copy()
     rows = np.nonzero(found >= 0)
     replaced[rows[0], found[rows]] = np.float32(imm)
-    write(dst, replaced)
+    poisoned = _poisoned_rows(x, wanted)
+    write(dst, np.where(poisoned, np.float32(np.nan), replaced))
     if dst_idx is not None:
         _eight("nc_match_replace8", dst_idx, data)
-        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found))
+        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found), np.broadcast_to(poisoned, found.shape))
     count("nc_match_replace8", "vector", p, f, dst, (data, vals))
 
 
@@ -1054,10 +1061,13 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
                    f"x num_elem_per_idx), got {dst.shape}")
     if problem:
         raise NkiValidationError(f"{instr}: {problem} (isa stub 3afa0fdf l. 1472-1516)")
-    check_written(instr, "src_buffer", src_buffer)
+    check_written(instr, "index", index)  # an address: poison there has no NaN to carry it
     source = np.asarray(src_buffer._data).reshape(partitions, row)
+    unwritten = poison(src_buffer)
+    unwritten = np.zeros(source.shape, np.bool_) if unwritten is None else unwritten.reshape(partitions, row)
     indices = read(instr, "index", index).astype(np.int64).reshape(partitions, -1)
     gathered = np.empty((partitions, valid, num_elem_per_idx), source.dtype)
+    gathered_poison = np.zeros(gathered.shape, np.bool_)
     for first in range(0, partitions, _GPSIMD_CORE_PARTITIONS):
         rows = slice(first, first + _GPSIMD_CORE_PARTITIONS)
         starts = indices[rows].flatten(order="F")[:valid]
@@ -1065,8 +1075,9 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
             raise NkiValidationError(f"{instr}: index {starts.max()} (+ {num_elem_per_idx} elements) is past the "
                                      f"{row} elements of a src_buffer partition; behavior of out-of-bound index access "
                                      "is undefined (isa stub 3afa0fdf l. 1492)")
-        gathered[rows] = source[rows][:, starts[:, None] + np.arange(num_elem_per_idx)]
-    write(dst, gathered)
+        at = starts[:, None] + np.arange(num_elem_per_idx)
+        gathered[rows], gathered_poison[rows] = source[rows][:, at], unwritten[rows][:, at]
+    write(dst, gathered, gathered_poison)  # bit for bit, never-written elements staying never written
     count(instr, "gpsimd", partitions, valid * num_elem_per_idx, dst, (src_buffer, index),
           ops=(f"num_elem_per_idx={num_elem_per_idx}",))
 
@@ -1104,10 +1115,12 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
             raise NkiValidationError(f"range_select: {role} must be a float32 ({p}, 1) tile, got {bound.shape} "
                                      f"{bound.dtype.name}")
     index = np.float32(range_start) + np.arange(f, dtype=np.float32)[None, :]
-    keep = (nl.COMPARISONS[comp_op0](index, read("range_select", "bound0", bound0).reshape(p, 1)) > 0) \
-        & (nl.COMPARISONS[comp_op1](index, read("range_select", "bound1", bound1).reshape(p, 1)) > 0)
+    low, high = (read("range_select", role, bound).reshape(p, 1) for role, bound in (("bound0", bound0),
+                                                                                      ("bound1", bound1)))
+    keep = (nl.COMPARISONS[comp_op0](index, low) > 0) & (nl.COMPARISONS[comp_op1](index, high) > 0)
     selected = np.where(keep, read("range_select", "on_true_tile", on_true_tile).reshape(p, f),
                         np.float32(on_false_value))
+    selected = np.where(_poisoned_rows(low, high), np.float32(np.nan), selected)  # a poisoned bound
     write(dst, selected)
     regs = core.vector_regs
     if reduce_cmd in (_COMMANDS.reset, _COMMANDS.reset_reduce):
@@ -1137,14 +1150,16 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
         raise NkiValidationError("tensor_copy_predicated: src needs dst's dtype, and src and predicate may not both "
                                  "be in PSUM")
     p, f = _layout(dst)
-    chosen = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f) != 0
+    predicate_values = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f)
+    chosen = predicate_values != 0
     if reverse_pred:
         chosen = ~chosen
     values = np.asarray(src._data).reshape(p, f) if tile_src else np.full((p, f), src, dst.dtype)
-    if tile_src:
-        check_written("tensor_copy_predicated", "src", src)
-    # the elements not chosen keep dst's values (never-written ones then count as written, with their NaN fill)
-    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)))
+    copied = poison(src) if tile_src else None
+    kept = poison(dst)  # the elements not chosen keep dst's values, and stay never written where they were
+    poisoned = np.isnan(predicate_values) | np.where(chosen, False if copied is None else copied.reshape(p, f),
+                                                     False if kept is None else kept.reshape(p, f))
+    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)), poisoned)
     count("tensor_copy_predicated", "vector", p, f, dst, (predicate,) + ((src,) if tile_src else ()))
 
 
@@ -1209,9 +1224,10 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
         raise NkiValidationError(f"sendrecv: dma_engine=gpsimd_dma moves at most "
                                  f"{_GPSIMD_DMA_BYTES[src.dtype.itemsize]} bytes per partition of {src.dtype.name}, "
                                  f"got {f * src.dtype.itemsize}")
-    check_written("sendrecv", "src", src)
-    received = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id, np.array(src._data))
-    write(dst, received)
+    unwritten = poison(src)
+    received, poisoned = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id,
+                                              (np.array(src._data), False if unwritten is None else unwritten))
+    write(dst, received, poisoned)
     count_dma(dst.size * dst.dtype.itemsize)
     count("sendrecv", "dma", p, f, dst, (src,))
 

@@ -157,7 +157,7 @@ tile_size = _TileSize()
 
 
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    """Allocate an uninitialised tensor (filled with NaN; reading it before writing raises).
+    """Allocate an uninitialised tensor (filled with NaN, integers with 4: never-written memory is poison).
     ``address`` is accepted and ignored: the emulator places every tile itself."""
     return _memory.allocate(shape, dtype, buffer, name)
 
@@ -227,8 +227,7 @@ def program_ndim():
 def device_print(print_prefix, tensor):
     """Print a tensor's values now (on hardware: at run time, through the runtime's debug stream)."""
     current("device_print")
-    _memory.check_written("device_print", "tensor", tensor)
-    print(print_prefix, np.asarray(tensor._data, np.float32))
+    print(print_prefix, _memory.read("device_print", "tensor", tensor))
 
 
 # ---- operators --------------------------------------------------------------------------------------
@@ -257,7 +256,13 @@ def _binary(name, fn, doc):
 
 
 def _comparison(name, fn, sign):
-    op = _binary(name, lambda x, y: fn(x, y).astype(np.float32), f"1.0 where x {sign} y else 0.0")
+    """A comparison yields NaN where an operand is NaN, so that poison (memory never written) is not laundered into
+    0.0: in AWS's simulator "any operation involving NaN produces NaN" (aws-neuron-sdk 3afa0fdf
+    nki/guides/nki_simulator.rst l. 217-218)."""
+    def compare(x, y):
+        return np.where(np.isnan(x) | np.isnan(y), np.float32(np.nan), fn(x, y).astype(np.float32))
+
+    op = _binary(name, compare, f"1.0 where x {sign} y else 0.0 (NaN where either is NaN)")
     COMPARISONS[op] = ALU_BINARY[op]
     return op
 
