@@ -170,6 +170,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach. An
     indirect side (``ap(vector_offset=)``) gathers or scatters rows; ``oob_mode`` refuses an index outside its dim
     or skips its row (see ``_memory.check_indirect``)."""
+    dge_mode, oob_mode = _member(_DGE, dge_mode, "dma_copy"), _member(_OOB, oob_mode, "dma_copy")
     _check_dma_options("dma_copy", priority, dge_mode, engine)
     if dge_mode is _DGE.hwdge and dst.dtype != src.dtype:
         # NKI 0.3.0 breaking change: aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 189
@@ -199,7 +200,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     l. 2238-2318): ``dst = srcs[0] + srcs[1] + ...`` in float32, cast to dst's dtype; ``reduce_op`` nl.add only,
     every scale 1.0 (or None), 1 to 16 sources, all in HBM or SBUF with dst's element count. With an indirect side
     (``ap(vector_offset=)``) it is a read-modify-write, scatter or gather (see ``_check_read_modify_write``)."""
-    instr, srcs = "dma_compute", list(srcs)
+    instr, srcs, oob_mode = "dma_compute", list(srcs), _member(_OOB, oob_mode, "dma_compute")
     if reduce_op is not nl.add:
         raise NkiValidationError(f"{instr}: reduce_op must be nl.add, the only one supported (isa stub 3afa0fdf "
                                  f"l. 2246), got {getattr(reduce_op, '__name__', reduce_op)!r}")
@@ -276,6 +277,19 @@ def _row_pairs(instr, dst, src):
     whole = (slice(None),) * (dst.ndim - 1)
     return [(dst._view((slice(i, i + 1),) + whole), NkiTensor(src._storage, src._data[i:i + 1], None if written is None else written[i:i + 1], None))
             for i in np.flatnonzero(rows.in_bounds)]
+
+
+def _member(kind, value, instr):
+    """An enum argument given as the member or as its value: nki-library passes ``dge_mode=3`` (core/qkv/qkv_tkg.py
+    l. 66, ``_DGE_MODE_NONE = 3``), the stub's value of dge_mode.none (its members keep their values, aws-neuron-sdk
+    d175686e)."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise NkiValidationError(f"{instr}: {value!r} is not a nki.isa.{kind.__name__} (one of "
+                                 f"{', '.join(f'{m.name}={m.value}' for m in kind)})") from None
 
 
 def _check_dma_options(instr, priority, mode, dma_engine_choice):
@@ -758,15 +772,20 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF, src's dtype) with the permutation the stub gives
     per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that one). A
     hardware-DGE transpose (``dge_mode=hwdge``) also needs a 2-byte dtype and the shape limits of its NKI version
-    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. The
-    indirect (``vector_offset``) form is not emulated."""
+    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. A src
+    made by ``ap(vector_offset=)`` is the indirect transpose (``_check_indirect_transpose``)."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    dge_mode, oob_mode = _member(_DGE, dge_mode, "dma_transpose"), _member(_OOB, oob_mode, "dma_transpose")
     _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
     if isinstance(src, NkiTensor) and src._rows is not None:
         _check_indirect_transpose(src, dge_mode)
-    elif dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
-        raise NkiValidationError(f"dma_transpose: dge_mode must be unknown or hwdge for a direct transpose, got "
-                                 f"{dge_mode.name}")
+    elif dge_mode is _DGE.swdge:
+        # The stub allows unknown and hwdge for a direct transpose (3afa0fdf isa stub l. 697-699), swdge being the
+        # indirect form's (l. 706-709); AWS's own kernels also transpose directly with dge_mode none (3), in every
+        # public nki-library release (d2ad3a5: core/mlp/mlp_tkg/mlp_tkg_gate_up_projection.py l. 333 and 396, the
+        # MoE TKG bias load; core/subkernels/norm_tkg_utils.py), so none runs here
+        raise NkiValidationError("dma_transpose: dge_mode swdge is the indirect transpose's (src.ap(vector_offset=)); "
+                                 "a direct transpose takes unknown or hwdge (isa stub 3afa0fdf l. 697-699)")
     if dge_mode is _DGE.hwdge:
         # NKI 0.4: src.shape[0] == 16 and src.shape[-1] % 128 == 0 (3afa0fdf isa stub l. 702-703); NKI 0.6 relaxed
         # them to src.shape[0] in {1, 2, 4, 8, 16} and src.shape[-1] <= 128 (a3247f5b release notes l. 37-39)
