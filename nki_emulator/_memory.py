@@ -386,18 +386,13 @@ class NkiTensor:
         nki/api/nki/language/__init__.py): the view starts where this view starts, plus ``offset``
         elements; ``dtype`` reinterprets the storage's bytes (strides, counts and ``offset`` are then in
         elements of ``dtype``); ``scalar_offset``, a one-element integer tensor, adds its value times the
-        stride of this view's dim ``indirect_dim``. The emulator reads ``scalar_offset`` when ``ap`` is
-        called, so the index must be written before the view is made. On-chip tensors: the first pair
-        is the partition step, whose stride must be the storage's row length."""
-        if self._rows is not None:
-            raise NotImplementedError("NkiTensor.ap of a view made by ap(vector_offset=...) is not emulated")
+        stride of this view's dim ``indirect_dim`` (``vector_offset``, one index per row: ``_vector_view``). The
+        emulator reads ``scalar_offset`` when ``ap`` is called, so the index must be written before the view is
+        made. On-chip tensors: the first pair is the partition step, whose stride must be the storage's row length."""
+        if vector_offset is not None or self._rows is not None:  # per-row indirection: see _vector_view
+            return _vector_view(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
         storage = self._storage
         element = self.dtype if dtype is None else as_dtype(dtype, "ap")
-        if vector_offset is not None:
-            if scalar_offset is not None:  # isa stub (3afa0fdf) dma_copy l. 253
-                raise NkiValidationError("ap: vector_offset and scalar_offset are mutually exclusive")
-            return _vector_view(self, pattern, 0 if offset is None else int(offset), vector_offset, indirect_dim,
-                                element)
         if element.itemsize != self.dtype.itemsize and storage.buffer is PSUM:
             raise NotImplementedError("NkiTensor.ap(dtype=...) changing the element size of a PSUM tensor is not "
                                       "emulated")
@@ -484,7 +479,7 @@ class _VectorRows:
         storage.unwritten += int(np.count_nonzero(~flags[at])) - before
 
 
-def _vector_view(t, pattern, offset, vector_offset, indirect_dim, element):
+def _vector_view(t, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype):
     """``t.ap(pattern, offset, vector_offset=idx, indirect_dim=d)``, as the 0.4 dma_copy stub describes vector
     indirection (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 241-247): one index per partition, ``idx``
     an SBUF tensor of shape (P, 1), the indexed tensor in HBM; row ``i`` of the pattern's first pair starts at
@@ -492,6 +487,11 @@ def _vector_view(t, pattern, offset, vector_offset, indirect_dim, element):
     the indirect scalar/vector offset", the current stub, nki/api/nki/language/__init__.py ``NkiTensor.ap``). A
     2-D ``idx`` (P, N) is read column by column, ``idx.T.flatten()`` (the stub's indirect dma_transpose, l. 724).
     The emulator reads ``idx`` when ``ap`` is called."""
+    if t._rows is not None:
+        raise NotImplementedError("NkiTensor.ap of a view made by ap(vector_offset=...) is not emulated")
+    if scalar_offset is not None:  # isa stub (3afa0fdf) dma_copy l. 253
+        raise NkiValidationError("ap: vector_offset and scalar_offset are mutually exclusive")
+    element, offset = t.dtype if dtype is None else as_dtype(dtype, "ap"), 0 if offset is None else int(offset)
     if t.buffer not in HBM:
         raise NkiValidationError(f"ap: vector_offset indexes an HBM tensor (\"The tensor being indexed ... must be in "
                                  f"HBM\", isa stub 3afa0fdf l. 247); this one is in {t.buffer.value}")

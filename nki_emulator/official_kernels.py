@@ -5,12 +5,17 @@ defaulted parameters left out), ``kernel[lnc](...)`` with the test's LNC degree,
 Not part of CI (it needs a checkout of nki-library, which CI has no network to fetch). Run by hand:
 
     git clone https://github.com/aws-neuron/nki-library /tmp/nki-library
-    python -m nki_emulator.official_kernels /tmp/nki-library [name-filter]
+    git clone https://github.com/aws-neuron/aws-neuron-sdk /tmp/sdk && git -C /tmp/sdk checkout 3afa0fdf
+    python -m nki_emulator.official_kernels /tmp/nki-library [name-filter] [--sdk /tmp/sdk]
 
 It prints one line per case (pass, fail and why) and a total; ``NKI_EMULATOR_NKI_VERSION=0.6`` checks them under the
 current release's rules instead of the contest's 0.4. The cases follow the tests' parameter lists in
 ``test/integration/nkilib/...`` (named per case), at their smaller shapes so that the run stays minutes on a CPU.
-No nki-library code is copied here: kernels and references are imported from the checkout.
+The second tier (MLP, QKV, attention and MoE for token generation, router top-k, RMSNorm + FP8) uses the tests'
+own input generators, wrapper kernels and goldens, imported from the checkout's ``test/`` or, where a test module
+needs nki-library's test framework (AWS-internal packages), run statement by statement from its file; the mamba
+cases need ``--sdk``, an aws-neuron-sdk checkout at NKI 0.4 (3afa0fdf), for its fused_mamba tutorial.
+No nki-library code is copied here: kernels and references are imported from the checkouts.
 """
 
 import ast
