@@ -879,6 +879,30 @@ def test_vector_offset_out_of_bounds_is_refused_or_skipped_by_oob_mode():
     np.testing.assert_array_equal(out[1], 0)  # the skipped row keeps the dst's zeros
 
 
+def _scatter_partly_written(base, rows_written, indices):
+    """Rows of an int32 tile, only the first ``rows_written`` of them ever written, scattered into a copy of base."""
+    out = nl.ndarray(base.shape, base.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=base)
+    tile = nl.ndarray((4, base.shape[1]), base.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile[0:rows_written, :], src=base[0:rows_written, :])
+    idx = nl.ndarray((4, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    nisa.dma_copy(dst=out.ap([[base.shape[1], 4], [1, base.shape[1]]], vector_offset=idx, indirect_dim=0), src=tile)
+    return out
+
+
+def test_a_scatter_carries_never_written_rows_as_poison_to_the_output():
+    """Poison follows a scatter (aws-neuron-sdk 3afa0fdf nki/guides/nki_simulator.rst l. 212-221): an int32 output
+    that receives a never-written row is refused; with every row written the same scatter runs."""
+    base = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+    indices = np.array([[7], [5], [2], [0]], np.uint32)
+    expected = base.copy()
+    expected[indices[:, 0]] = base[:4]
+    np.testing.assert_array_equal(nki_emulator.jit(_scatter_partly_written)(base, 4, indices), expected)
+    with pytest.raises(NkiValidationError, match="3 elements of the output .* never written"):
+        nki_emulator.jit(_scatter_partly_written)(base, 3, indices)
+
+
 def test_vector_offset_indexes_only_hbm_tensors_with_sbuf_integer_indices():
     """"idx_tensor is an SBUF tensor of shape (P, 1) ... The tensor being indexed ... must be in HBM" (3afa0fdf isa
     stub l. 245-247); the legal twin is the gather above."""
