@@ -17,10 +17,9 @@ import types
 
 import numpy as np
 
-from . import _memory
+from . import _memory, _runtime
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
-from ._runtime import (PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, begin, count, count_dma, current, nki_since,
-                       nki_version, target)
+from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
 from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
@@ -188,11 +187,11 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
         dst = _memory.allocate((n, n), dtype, sbuf, "identity", what="shared_identity_matrix")
     elif dst.buffer is not sbuf or dst.shape != (n, n):
         raise NkiValidationError(f"shared_identity_matrix: dst must be an ({n}, {n}) SBUF tile, got {dst!r}")
-    core = begin("shared_identity_matrix")
+    core = _runtime.begin("shared_identity_matrix")
     _memory.operand(core, "shared_identity_matrix", "dst", dst, (sbuf,), "the identity matrix is made in SBUF")
     _memory.write(dst, np.eye(n))
-    count_dma(dst.size * dst.dtype.itemsize)
-    count("shared_identity_matrix", "dma", n, n, dst)
+    _runtime.count_dma(dst.size * dst.dtype.itemsize)
+    _runtime.count("shared_identity_matrix", "dma", n, n, dst)
     return dst
 
 

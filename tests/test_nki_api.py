@@ -1046,6 +1046,15 @@ def test_shared_identity_matrix_is_an_sbuf_identity_that_transposes_through_a_ma
     np.testing.assert_array_equal(identity, np.eye(32))
     np.testing.assert_allclose(transposed, x.T, rtol=1e-6)
 
+    def into(x, buffer):
+        tile = nl.ndarray((8, 8), nl.bfloat16, buffer=buffer)
+        nl.shared_identity_matrix(8, dtype=nl.bfloat16, dst=tile)
+        return _to_hbm((tile,))[0] if buffer == nl.sbuf else x
+
+    np.testing.assert_array_equal(nki_emulator.jit(into)(x, nl.sbuf).astype(np.float32), np.eye(8))
+    with pytest.raises(NkiValidationError, match=r"dst must be an \(8, 8\) SBUF tile"):
+        nki_emulator.jit(into)(x, nl.psum)
+
 
 def _indirect_transpose(src_hbm, idx_hbm, dge_mode=nisa.dge_mode.unknown):
     """The 0.4 stub's indirect transpose with 1-D indices (3afa0fdf isa stub l. 728-751), at 16 rows."""
