@@ -256,8 +256,12 @@ class NkiTensor:
         ``fn(array, trailing)`` that leaves ``trailing`` extra dims at the end untouched (the written
         mask has one, its bytes)."""
         if self._rows is not None:
+            # "Indirect views cannot be re-indirected, and the dimension that participates in the indirection cannot
+            # be further sliced or selected" (current NkiTensor.is_indirect stub); the emulator refuses any reshaping
             raise NkiValidationError("an indirect view made by ap(vector_offset=...) cannot be sliced, reshaped or "
-                                     "viewed again (its rows are runtime addresses); give ap() the whole pattern")
+                                     "viewed again (its rows are runtime addresses; aws-neuron-sdk "
+                                     "nki/api/nki/language/__init__.py NkiTensor.is_indirect); give ap() the whole "
+                                     "pattern")
         if fn is None:
             def fn(a, trailing):
                 return a[index]

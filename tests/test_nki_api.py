@@ -903,6 +903,30 @@ def test_a_scatter_carries_never_written_rows_as_poison_to_the_output():
         nki_emulator.jit(_scatter_partly_written)(base, 3, indices)
 
 
+def _indirect_then(data, indices, then):
+    idx = nl.ndarray((2, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    view = data.ap([[data.shape[1], 2], [1, data.shape[1]]], vector_offset=idx, indirect_dim=0)
+    if then == "slice":
+        view = view[0:1, :]
+    elif then == "scalar_offset":
+        data.ap([[data.shape[1], 2], [1, data.shape[1]]], vector_offset=idx, scalar_offset=idx[0:1, :])
+    tile = nl.ndarray(view.shape, data.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=view)
+    return _to_hbm((tile,))[0]
+
+
+def test_an_indirect_view_is_taken_whole_and_without_a_scalar_offset():
+    """The current NkiTensor.is_indirect stub: the indirect dim "cannot be further sliced or selected"; the 0.4
+    dma_copy stub (l. 253): "vector_offset and scalar_offset are mutually exclusive"."""
+    data, indices = np.arange(12, dtype=np.float32).reshape(4, 3), np.array([[3], [1]], np.uint32)
+    np.testing.assert_array_equal(nki_emulator.jit(_indirect_then)(data, indices, "nothing"), data[[3, 1]])
+    with pytest.raises(NkiValidationError, match="cannot be sliced"):
+        nki_emulator.jit(_indirect_then)(data, indices, "slice")
+    with pytest.raises(NkiValidationError, match="mutually exclusive"):
+        nki_emulator.jit(_indirect_then)(data, indices, "scalar_offset")
+
+
 def test_vector_offset_indexes_only_hbm_tensors_with_sbuf_integer_indices():
     """"idx_tensor is an SBUF tensor of shape (P, 1) ... The tensor being indexed ... must be in HBM" (3afa0fdf isa
     stub l. 245-247); the legal twin is the gather above."""
