@@ -1005,6 +1005,30 @@ def test_dma_compute_scatter_read_modify_write_with_unique_indices():
         nki_emulator.jit(_scatter_add)(table.copy(), rows, indices, False)
 
 
+def _gather_add(table, rows, indices, oob_mode=nisa.oob_mode.error):
+    """The stub's gather read-modify-write (l. 2264-2267): acc(SBUF) = acc + table[indices], dst in SBUF."""
+    P, F = rows.shape
+    acc = nl.ndarray((P, F), rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=acc, src=rows)
+    idx = nl.ndarray((P, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    view = table.ap([[F, P], [1, F]], vector_offset=idx, indirect_dim=0)
+    nisa.dma_compute(acc, (view, acc), reduce_op=nl.add, oob_mode=oob_mode)
+    return _to_hbm((acc,))[0]
+
+
+def test_dma_compute_gather_read_modify_write_and_its_skipped_rows():
+    rng = np.random.default_rng(13)
+    table, rows = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(nki_emulator.jit(_gather_add)(table, rows, np.array([[6], [1], [3]], np.uint32)),
+                               rows + table[[6, 1, 3]], rtol=1e-6)
+    past_the_end = np.array([[6], [8], [3]], np.uint32)
+    with pytest.raises(NkiValidationError, match="out of bounds"):
+        nki_emulator.jit(_gather_add)(table, rows, past_the_end)
+    out = nki_emulator.jit(_gather_add)(table, rows, past_the_end, nisa.oob_mode.skip)
+    np.testing.assert_allclose(out, np.stack([rows[0] + table[6], rows[1], rows[2] + table[3]]), rtol=1e-6)
+
+
 def _local_gather(src_buffer, index, num_elem_per_idx, num_valid_indices, output_shape):
     """The 0.4 SDK's local_gather example (nki/test/test_nki_isa_local_gather.py l. 18-38), in the 0.4 dialect."""
     src = nl.ndarray(src_buffer.shape, src_buffer.dtype, buffer=nl.sbuf)
