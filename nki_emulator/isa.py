@@ -260,8 +260,9 @@ def _check_read_modify_write(dst, srcs, unique_indices):
     indirect = dst if scatter else next(t for t in srcs if t._rows is not None)
     indices = indirect._rows.indices
     if np.unique(indices).size != indices.size:
-        raise NkiValidationError(f"dma_compute: vector_offset repeats an index ({sorted(indices.tolist())}); non-unique "
-                                 f"indices are not supported yet, unique_indices must be True and hold ({where})")
+        raise NkiValidationError(f"dma_compute: vector_offset repeats an index ({sorted(indices.tolist())}); "
+                                 f"non-unique indices are not supported yet, unique_indices must be True and hold "
+                                 f"({where})")
 
 
 def _row_pairs(instr, dst, src):
@@ -275,7 +276,8 @@ def _row_pairs(instr, dst, src):
                                   f"an indirect dst ({dst.shape} from {src.shape}) is not emulated")
     written = src._written
     whole = (slice(None),) * (dst.ndim - 1)
-    return [(dst._view((slice(i, i + 1),) + whole), NkiTensor(src._storage, src._data[i:i + 1], None if written is None else written[i:i + 1], None))
+    return [(dst._view((slice(i, i + 1),) + whole),
+             NkiTensor(src._storage, src._data[i:i + 1], None if written is None else written[i:i + 1], None))
             for i in np.flatnonzero(rows.in_bounds)]
 
 
@@ -829,7 +831,8 @@ def _check_indirect_transpose(src, mode):
         (src.shape[0] % 16 == 0, f"src.shape[0] divisible by 16, got {src.shape[0]}"),
         (indices.ndim == 2 and indices.size >= src.shape[0], f"2-d indices with at least src.shape[0] entries, got "
                                                              f"{indices.shape}"),
-        (indices.shape[0] in range(16, PARTITIONS + 1, 16) and (indices.shape[-1] == 1 or indices.shape[0] == PARTITIONS),
+        (indices.shape[0] in range(16, PARTITIONS + 1, 16)
+         and (indices.shape[-1] == 1 or indices.shape[0] == PARTITIONS),
          f"indices.shape[0] in [16, 128] divisible by 16, exactly 128 with more than one column, got {indices.shape}"),
         (indices.dtype == np.uint32, f"uint32 indices, got {indices.dtype.name}"),
         (target().nc_version != "gen2", f"trn2 or newer, not {target().name}"),

@@ -410,21 +410,33 @@ def _router_topk(T, H, E, k, sigmoid=False, bias=True, pre_norm=False, norm_topk
     return (case,)
 
 
-def _mlp(lnc, batch, seqlen, hidden, intermediate, norm, fused_add=False, store_add=False, biases=False, cte=False):
+def _mlp(lnc, batch, seqlen, hidden, intermediate, norm, fused_add=False, store_add=False, biases=False, cte=False,
+         fp8=None):
     """test_mlp_tkg.py run_mlp_tkg_test / test_mlp_cte.py run_mlp_cte_test: build_fused_norm_mlp's inputs (bf16,
     SiLU, the test's column-tiling defaults), the ``mlp`` kernel, golden_mlp (test_mlp_common.py; no torch
-    reference exists for the MLP), rtol 2e-2, atol 1e-5."""
+    reference exists for the MLP), rtol 2e-2, atol 1e-5. ``fp8``: a QuantizationType name, fp8_e4m3 weights from
+    the TKG test's random_lhs_and_random_bound_weight_tensor_generator(0, 241), golden_quant_mlp."""
     def case():
-        common, types_ = importlib.import_module(TESTS + "mlp.test_mlp_common"), importlib.import_module(CORE + "utils.common_types")
-        norm_type = getattr(types_.NormType, norm)
+        common = importlib.import_module(TESTS + "mlp.test_mlp_common")
+        types_ = importlib.import_module(CORE + "utils.common_types")
+        norm_type, lnc_degree = getattr(types_.NormType, norm), (lnc if lnc > 1 else None) if cte else lnc
         options = dict(batch=batch, seqlen=seqlen, hidden=hidden, intermediate=intermediate, dtype=BF16,
                        fused_add=fused_add, norm_type=norm_type, store_add=store_add, gate_bias=biases,
-                       up_bias=biases, down_bias=biases, lnc_degree=(lnc if lnc > 1 else None) if cte else lnc,
+                       up_bias=biases, down_bias=biases, lnc_degree=lnc_degree,
                        tensor_generator=common.gaussian_tensor_generator())
+        if fp8:
+            options.update(quant_dtype=np.dtype(ml_dtypes.float8_e4m3),
+                           quantization_type=getattr(types_.QuantizationType, fp8),
+                           tensor_generator=common.random_lhs_and_random_bound_weight_tensor_generator(0, 241))
 
         def reference(values):
-            golden = common.golden_mlp(values, norm_type, fused_add, store_add, BF16,
-                                       lnc=(lnc if lnc > 1 else None) if cte else lnc)
+            if fp8:
+                golden = common.golden_quant_mlp(
+                    inp_np=values, norm_type=norm_type, fused_add=fused_add, store_add=store_add, dtype=BF16,
+                    quant_dtype=options["quant_dtype"], quantization_type=options["quantization_type"],
+                    skip_gate=False, act_fn_type=types_.ActFnType.SiLU, lnc=lnc_degree, quantize_activation=True)
+            else:
+                golden = common.golden_mlp(values, norm_type, fused_add, store_add, BF16, lnc=lnc_degree)
             return [np.asarray(v, np.float32) for v in golden.values()]
 
         return _import_mlp_dispatcher().mlp, reference, lambda: common.build_fused_norm_mlp(**options), lnc, 2e-2, 1e-5
@@ -439,7 +451,8 @@ def _qkv(lnc, batch, seqlen, hidden, fused_qkv_dim, norm, fused_add=False, hidde
     torch reference exists for it). ``cache``: (num_blocks, block_size, k_scale, v_scale) of
     test_qkv_cte_block_kv_cache (its slot mapping, fp8 caches)."""
     def case():
-        common, types_ = importlib.import_module(TESTS + "qkv.test_qkv_common"), importlib.import_module(CORE + "utils.common_types")
+        common = importlib.import_module(TESTS + "qkv.test_qkv_common")
+        types_ = importlib.import_module(CORE + "utils.common_types")
         common.nt = sys.modules["nki.dtype"]  # its ``import nki.dtype as nt`` finds nki_emulator.dtype, a type
         options = dict(batch=batch, seqlen=seqlen, hidden_dim=hidden, fused_qkv_dim=fused_qkv_dim, dtype=dtype,
                        hidden_actual=hidden_actual, d_head=d_head, eps=eps, norm_type=getattr(types_.NormType, norm),
@@ -604,6 +617,7 @@ CASES += [
     ("mlp_tkg lnc2 64x1 H3072 I135 rmsnorm", *_mlp(2, 64, 1, 3072, 135, "RMS_NORM")),
     ("mlp_tkg lnc1 1x1 H4096 I896 fused add stored, biases (dma_compute)",
      *_mlp(1, 1, 1, 4096, 896, "RMS_NORM", fused_add=True, store_add=True, biases=True)),
+    ("mlp_tkg lnc2 1x1 H16384 I896 fp8 row quantization", *_mlp(2, 1, 1, 16384, 896, "NO_NORM", fp8="ROW")),
     ("mlp_cte lnc1 1x512 H1024 I448 fused add (dma_compute)", *_mlp(1, 1, 512, 1024, 448, "RMS_NORM", True, cte=True)),
     ("mlp_cte lnc2 1x512 H1024 I448 fused add", *_mlp(2, 1, 512, 1024, 448, "RMS_NORM", True, cte=True)),
     ("qkv_tkg lnc1 1x4 H4096 actual 3072 fused add (dma_compute)",
@@ -615,7 +629,8 @@ CASES += [
     ("qkv_tkg lnc2 1x1 H8192 NBSd", *_qkv(2, 1, 1, 8192, 768, "NO_NORM", heads=(2, 2), d_head=128, layout="NBSd")),
     ("qkv_tkg lnc2 1x1 H8192 fused add eps 77", *_qkv(2, 1, 1, 8192, 512, "RMS_NORM", True, heads=(2, 1), d_head=128,
                                                       eps=77.0)),
-    ("qkv_cte lnc1 1x128 H512 fp32 fused add (dma_compute)", *_qkv(1, 1, 128, 512, 512, "RMS_NORM", True, dtype=FP32, cte=True)),
+    ("qkv_cte lnc1 1x128 H512 fp32 fused add (dma_compute)",
+     *_qkv(1, 1, 128, 512, 512, "RMS_NORM", True, dtype=FP32, cte=True)),
     ("qkv_cte lnc1 1x512 H1024 actual 768 fused add", *_qkv(1, 1, 512, 1024, 256, "RMS_NORM", True, 768, cte=True)),
     ("qkv_cte lnc2 1x512 H2048 fp8 block KV cache (vector_offset scatter)",
      *_qkv(2, 1, 512, 2048, 384, "NO_NORM", heads=(1, 1), d_head=128, cache=(64, 128, 1.67, 1.67), cte=True)),
