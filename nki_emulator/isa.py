@@ -813,6 +813,9 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
                                  f"{permutation}), got {dst.shape}")
     check_indirect("dma_transpose", "src", src, oob_mode is _OOB.skip)
+    if src._rows is not None and not src._rows.in_bounds.all():
+        raise NotImplementedError("dma_transpose: skipping out-of-bounds rows of an indirect transpose "
+                                  "(oob_mode.skip) is not emulated")
     copy_bits(dst, src, lambda a: np.transpose(a, permutation))
     count_dma(dst.size * dst.dtype.itemsize)
     count("dma_transpose", "dma", *_layout(dst), dst, (src,))
