@@ -1090,7 +1090,10 @@ def test_shared_identity_matrix_is_an_sbuf_identity_that_transposes_through_a_ma
         nisa.tensor_copy(dst=result, src=product)
         return _to_hbm((identity, result))
 
-    identity, transposed = kernel(x)
+    with nki_emulator.counting() as counts:
+        identity, transposed = kernel(x)
+    loads = [i for i in counts.trace if i.name == "shared_identity_matrix"]
+    assert [(i.engine, i.partitions, i.free) for i in loads] == [("dma", 32, 32)]  # priced as one DMA of its rows
     np.testing.assert_array_equal(identity, np.eye(32))
     np.testing.assert_allclose(transposed, x.T, rtol=1e-6)
 
