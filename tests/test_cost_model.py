@@ -413,6 +413,15 @@ def test_a_no_reorder_block_keeps_program_order_on_its_engine_and_with_schedule_
     assert track_order(schedule(edged, "trn2"), "vector") == [2, 1, 3]
 
 
+def test_the_emulator_marks_the_matmuls_that_add_onto_their_psum_tile_so_a_kernels_group_stays_together():
+    a, b = np.ones((128, 128), np.float32).astype(nl.bfloat16), np.ones((128, 512), np.float32).astype(nl.bfloat16)
+    with nki_emulator.counting() as counts:
+        matmul_many_times(a, b)
+    matmuls = [n for n, i in enumerate(counts.trace) if i.name == "nc_matmul"]
+    assert [counts.trace[n].accumulate for n in matmuls] == [False] + [True] * 15  # the first overwrites, the rest add
+    assert track_order(schedule(counts.trace, "trn2"), "tensor") == matmuls
+
+
 @nki_emulator.jit
 def recip_and_exp(t):
     """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE."""
