@@ -264,3 +264,26 @@ def test_double_row_matmul_prices_two_rows_per_pass():
             "    p = nisa.nc_matmul(a, b, perf_mode='double_row_gen3')")
     matmul, = traced(body, (1, 1), generation="trn2")
     assert (matmul.partitions, matmul.stationary, matmul.free) == (128, 128, 512)  # K = 2 x 128 in one pass
+
+
+def test_calibrate_prices_each_step_of_an_autocomp_trace_and_checks_the_sign_of_each_change(tmp_path, capsys):
+    """calibrate.py --autocomp on a repository laid out as ucb-bar/autocomp: its trace file nests each step as the
+    parent of the next (CodeCandidate(parent=..., code=..., score=ms)); the second step here does half the work."""
+    kernel = ("@nki.jit\ndef test(q, k, v):\n    out = nl.ndarray((128, 64), dtype=np.float32, buffer=nl.shared_hbm)\n"
+              "    for i in nl.affine_range(ROUNDS):\n        t = nl.exp(nl.load(q[0:128, 0:64]))\n"
+              "    nl.store(out[0:128, 0:64], value=t)\n    return out\n")
+    step = "CodeCandidate(parent={}, plan=None,\ncode='''{}''',\nscore={})"
+    chain = step.format(step.format("None", kernel.replace("ROUNDS", "8"), 0.2), kernel.replace("ROUNDS", "4"), 0.1)
+    (tmp_path / "examples" / "trn-tutorial").mkdir(parents=True)
+    (tmp_path / calibrate.AUTOCOMP_TRACE).write_text(chain)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "fixture"], check=True)
+
+    calibrate.main(["--autocomp", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| SD attention, step 0 | [AC] step 0 | trn1 | 4096x64 | float32 | 0.200 |" in out
+    change = next(line for line in out.splitlines() if line.startswith("| SD attention, step 1 |") and "%" in line)
+    assert change.startswith("| SD attention, step 1 | -50.0% | -") and change.endswith("| yes |")
+    assert "1 of 1 changes with the measured sign" in out
