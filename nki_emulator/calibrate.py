@@ -47,9 +47,9 @@ import numpy as np
 
 import nki_emulator
 from nki_emulator import legacy_trace
-from nki_emulator._cost import _itemsize, estimate
+from nki_emulator._cost import ENGINE_SPECS, LAUNCH_S, _itemsize, estimate
 from nki_emulator._memory import DTYPES
-from nki_emulator._schedule import central_estimate, schedule
+from nki_emulator._schedule import calibrated_seconds, schedule, schedule_figures
 
 SDK_TUTORIAL = "nki/guides/tutorials/kernel-optimization.rst"
 SDK_MATMUL = "nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py"
@@ -63,17 +63,18 @@ MAMBA = "aws-neuron-sdk nki/guides/tutorials/fused_mamba.rst ({})"
 # kernel, source, hardware, (file, function or code-block index), shape, dtype, measured seconds
 POINTS = [
     *[dict(kernel=f"matmul v{v} ({what})", source=KOPT.format(v, v), hardware="trn2", code=("rst", v - 1),
-           shape=dict(M=4096, K=8192, N=8192), dtype="float32", measured_s=ms * 1e-3)
+           shape=dict(M=4096, K=8192, N=8192), dtype="float32", measured_s=ms * 1e-3, trace="[KO] matmul v2-v5")
       for v, what, ms in ((2, "tiled", 39.89), (3, "hoisted loads", 28.20), (4, "blocked M, N", 28.41),
                           (5, "blocked M, N, K", 28.30))],
     *[dict(kernel=f"matmul {name.strip('_')}", source=MM223.format(row), hardware="trn1", code=("matmul", name),
-           shape=dict(M=4096, K=8192, N=8192), dtype="bfloat16", measured_s=ms * 1e-3)
+           shape=dict(M=4096, K=8192, N=8192), dtype="bfloat16", measured_s=ms * 1e-3, trace="[MM] matmul")
       for name, row, ms in (("nki_matmul_tiled_", "Original Tiled", 51.80),
                             ("nki_matmul_hoist_load_", "Optimization 1", 42.96),
                             ("nki_matmul_block_free_dimension_", "Optimization 2", 22.07),
                             ("nki_matmul_fully_optimized_", "Optimization 3", 6.97))],
     *[dict(kernel=kernel, source=MAMBA.format(what), hardware="trn1", code=("legacy", SDK_MAMBA, kernel),
-           shape=dict(batch=1, channels=channels, seq_len=seq_len, state=16), dtype="float32", measured_s=seconds)
+           shape=dict(batch=1, channels=channels, seq_len=seq_len, state=16), dtype="float32", measured_s=seconds,
+           trace="[FM] mamba v1-v2, 4K channels" if channels == 4096 and seq_len == 512 else None)
       for kernel, what, channels, seq_len, seconds in (
           ("mamba_v1", "toy example: 172.93 usec", 256, 512, 172.93e-6),
           ("mamba_v1", "4K channels: 2.34 ms", 4096, 512, 2.34e-3),
@@ -306,13 +307,28 @@ def trace_of(point, sources, folder, cache):
     return counts.trace, note
 
 
-def price(point, trace, note):
-    bounds = estimate(trace, point["hardware"])
-    return {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
-            "engines_s": bounds["engines"], "scheduled_s": schedule(trace, point["hardware"])["scheduled_s"],
-            "central_s": central_estimate(trace, point["hardware"])["central_s"], "instructions": len(trace),
-            "source_hbm_bytes": sum(i.partitions * i.free * _itemsize(i.dtypes[0]) for i in trace
-                                    if i.engine == "dma"), "note": note}
+def price(point, trace, note, static_cycles=0):
+    bounds, figures = estimate(trace, point["hardware"]), schedule_figures(trace, point["hardware"])
+    priced = {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
+              "engines_s": bounds["engines"], "scheduled_s": figures["scheduled_s"], "central_s": figures["central_s"],
+              "pessimistic_s": figures["pessimistic_s"], "instructions": len(trace),
+              "source_hbm_bytes": sum(i.partitions * i.free * _itemsize(i.dtypes[0]) for i in trace
+                                      if i.engine == "dma"), "note": note}
+    if static_cycles:
+        priced["static_s"] = with_static_overhead(trace, point["hardware"], static_cycles)
+    return priced
+
+
+def with_static_overhead(trace, generation, cycles):
+    """What-if, not the central figure: the central figure's list schedule with ``cycles`` more per VectorE, ScalarE
+    and GpSimd instruction, the "static instruction overhead in the order of ~100 cycles" of aws-neuron-sdk
+    nki/deep-dives/nki_perf_guide.rst (Opt #5a), which [ISA]'s max(MIN_II, N) does not add."""
+    def seconds(instruction, generation):
+        static = instruction.engine in ("vector", "scalar", "gpsimd")
+        return calibrated_seconds(instruction, generation) + (
+            cycles / ENGINE_SPECS[generation].hz(instruction.engine) if static else 0.0)
+    result = schedule(trace, generation, seconds, "list")
+    return result["scheduled_s"] + LAUNCH_S * result["launches"]
 
 
 def _measured(r):
@@ -323,24 +339,24 @@ def _measured(r):
 
 
 def table(rows):
-    lines = ["| kernel | source | hw | shape | dtype | measured | overlap | scheduled | central | serial | central / "
-             "measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | source | hw | shape | dtype | measured | overlap | scheduled | central | program order | "
+             "serial | central / measured |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = "x".join(str(v) for v in r["shape"].values())
-        times = " | ".join(f"{1e3 * r[k]:.3f}" for k in ("overlap_s", "scheduled_s", "central_s", "serial_s"))
+        times = " | ".join(f"{1e3 * r[k]:.3f}" for k in ("overlap_s", "scheduled_s", "central_s", "pessimistic_s",
+                                                           "serial_s"))
         ratio = f"{r['central_s'] / r['measured_s']:.2f}" if r["measured_s"] else \
             f"{r['central_s'] / r['high_s']:.2f} of the bound"
         lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | {_measured(r)} | "
                      f"{times} | {ratio} |")
-    timed = [r for r in rows if r["measured_s"]]
-    within = sum(abs(r["central_s"] / r["measured_s"] - 1) <= 0.25 for r in timed)
-    lines.append(f"\n{within} of {len(timed)} central estimates within 25% of the measured time (times in ms; a "
-                 "bracket is priced against its middle)")
-    bounds = [r for r in rows if not r["measured_s"]]
-    if bounds:
-        under = sum(r["central_s"] <= 1.25 * r["high_s"] for r in bounds)
-        lines.append(f"{under} of {len(bounds)} central estimates at most 1.25x the bound where only a bound is known")
-    lines += trace_signs(rows)
+    lines.append("\n(times in ms; a bracket is priced against its middle)")
+    lines += summary(rows, "central_s")
+    if any("static_s" in r for r in rows):
+        lines += ["", "What-if, the central figure plus the static overhead per VectorE/ScalarE/GpSimd instruction:",
+                  "| kernel | hw | dtype | measured | what-if | what-if / measured |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r['hardware']} | {r['dtype']} | {_measured(r)} | {1e3 * r['static_s']:.3f} | "
+                  f"{r['static_s'] / (r['measured_s'] or r['high_s']):.2f} |" for r in rows]
+        lines += summary(rows, "static_s")
     profiled = [r for r in rows if "measured_engines_s" in r]
     if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
         lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
@@ -353,20 +369,37 @@ def table(rows):
     return "\n".join(lines)
 
 
-def trace_signs(rows):
-    """For each optimisation trace (points sharing a `trace`, in order): each step's measured and central change,
-    and how many central changes have the measured change's sign."""
+def summary(rows, key):
+    """How many of the ``key`` estimates are within 25% of the measured times, at most 1.25x the bare bounds, and
+    per optimisation trace have each change's measured sign."""
+    timed, bounds = [r for r in rows if r["measured_s"]], [r for r in rows if not r["measured_s"]]
+    within = sum(abs(r[key] / r["measured_s"] - 1) <= 0.25 for r in timed)
+    lines = [f"{within} of {len(timed)} {key[:-2]} estimates within 25% of the measured time"]
+    if bounds:
+        under = sum(r[key] <= 1.25 * r["high_s"] for r in bounds)
+        lines.append(f"{under} of {len(bounds)} {key[:-2]} estimates at most 1.25x the bound where only a bound is "
+                     "known")
+    return lines + trace_signs(rows, key)
+
+
+SAME = 0.005  # a modelled change under 0.5% is no change: it has neither sign
+
+
+def trace_signs(rows, key="central_s"):
+    """For each optimisation trace (points sharing a `trace`, in order): each step's measured and modelled change,
+    and how many modelled changes have the measured change's sign."""
     lines = []
     for name in dict.fromkeys(r["trace"] for r in rows if r.get("trace")):
         steps = [r for r in rows if r.get("trace") == name]
-        lines += ["", f"{name}: step | measured change | central change | same sign", "|---|---|---|---|"]
+        lines += ["", f"{name}: step | measured change | {key[:-2]} change | same sign", "|---|---|---|---|"]
         right = 0
         for before, after in zip(steps, steps[1:]):
             measured = after["measured_s"] / before["measured_s"] - 1
-            central = after["central_s"] / before["central_s"] - 1
-            right += np.sign(measured) == np.sign(central)
-            lines.append(f"| {after['kernel']} | {100 * measured:+.1f}% | {100 * central:+.1f}% | "
-                         f"{'yes' if np.sign(measured) == np.sign(central) else 'no'} |")
+            modelled = after[key] / before[key] - 1
+            same = abs(modelled) >= SAME and np.sign(measured) == np.sign(modelled)
+            right += same
+            lines.append(f"| {after['kernel']} | {100 * measured:+.1f}% | {100 * modelled:+.1f}% | "
+                         f"{'yes' if same else 'no'} |")
         lines.append(f"{right} of {len(steps) - 1} changes with the measured sign")
     return lines
 
@@ -377,6 +410,8 @@ def main(argv=None):
     parser.add_argument("--accelopt", default="", help="a checkout (or bare git dir) of zhang677/AccelOpt")
     parser.add_argument("--samples", default="", help="a checkout (or bare git dir) of aws-neuron/nki-samples")
     parser.add_argument("--autocomp", default="", help="a checkout (or bare git dir) of ucb-bar/autocomp")
+    parser.add_argument("--static_cycles", type=float, default=0, help="also print a what-if: the central figure "
+                        "with this many cycles more per VectorE/ScalarE/GpSimd instruction (the perf guide's ~100)")
     parser.add_argument("--only", default="", help="run only the points whose kernel name contains this")
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--cache", default="", help="a folder to keep each point's trace in (pickle), so that a "
@@ -394,7 +429,8 @@ def main(argv=None):
             if args.only not in point["kernel"]:
                 continue
             started = time.time()
-            rows.append({**point, **price(point, *trace_of(point, vars(args), folder, args.cache))})
+            rows.append({**point, **price(point, *trace_of(point, vars(args), folder, args.cache),
+                                          args.static_cycles)})
             print(f"{point['kernel']} {point['shape']}: {time.time() - started:.0f} s to emulate", file=sys.stderr)
             if args.json:  # after each point: a long run keeps what it has
                 with open(args.json, "w") as f:

@@ -298,7 +298,7 @@ class _State:
         elif fresh and (not accumulate or from_tensor_engine):
             last = self.trace[-1]  # the call just recorded writes here (a matmul accumulates), not to a fresh tile
             self.trace[-1] = last._replace(writes=(view.rect, *last.writes[1:]),
-                                           buffers=(view.buffer, *last.buffers[1:]))
+                                           buffers=(view.buffer, *last.buffers[1:]), accumulate=accumulate)
         elif accumulate:
             self.record(self.instruction("tensor_tensor", "vector", view.partitions, view.free, view.dtype,
                                          [view, value], ("add",))._replace(writes=(view.rect,)))

@@ -287,3 +287,11 @@ def test_calibrate_prices_each_step_of_an_autocomp_trace_and_checks_the_sign_of_
     change = next(line for line in out.splitlines() if line.startswith("| SD attention, step 1 |") and "%" in line)
     assert change.startswith("| SD attention, step 1 | -50.0% | -") and change.endswith("| yes |")
     assert "1 of 1 changes with the measured sign" in out
+
+
+def test_a_matmul_added_onto_psum_is_marked_as_accumulating_for_the_scheduler():
+    trace = trace_of(GENERATED, (128, 256), (128, 512))
+    assert all(i.accumulate for i in trace if i.name == "nc_matmul")  # `acc[...] += nisa.nc_matmul(...)`
+    body = ("    a = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.sbuf)\n"
+            "    b = nl.ndarray((128, 512), dtype=np.float32, buffer=nl.sbuf)\n    p = nisa.nc_matmul(a, b)")
+    assert not traced(body, (1, 1))[0].accumulate
