@@ -274,7 +274,7 @@ class _State:
         tensor_scalar, its engine left to the compiler)."""
         x, y = (_whole(v) for v in operands)
         tiles = [v for v in (x, y) if isinstance(v, View)]
-        if len(tiles) == 2 and min(x.free, y.free) > 1 or len(tiles) == 2 and x.free == y.free == 1:
+        if len(tiles) == 2 and (min(x.free, y.free) > 1 or x.free == y.free == 1):
             return self.tensor_tensor((x, y), op, dtype)
         data = max(tiles, key=lambda v: v.free)
         return self.compute("tensor_scalar", None, tiles, ops=(op,), dtype=dtype, mask=mask,
