@@ -18,6 +18,8 @@ all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / t
 ``engine=nisa.gpsimd_engine``.
 """
 
+import functools
+import inspect
 import sys
 from enum import Enum, IntEnum
 
@@ -25,8 +27,8 @@ import numpy as np
 
 from . import language as nl
 from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
-from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, nki_since,
-                       nki_version, target)
+from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, labelled,
+                       nki_since, nki_version, target)
 from ._unemulated import not_emulated
 
 
@@ -277,11 +279,13 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
         @ read("nc_matmul", "moving", moving).reshape(k, n)
     result = result.reshape(dst.shape)
+    adds = bool(accumulate)
     if accumulate is None:
         started = dst._matmul_written  # elements inside a running accumulation group
+        adds = bool(started.any())
         if started.all():
             result = result + np.asarray(dst._data, np.float32)
-        elif started.any():
+        elif adds:
             result = np.where(started, result + np.asarray(dst._data, np.float32), result)
     elif accumulate:
         result = result + read("nc_matmul", "dst (accumulate=True)", dst)
@@ -289,7 +293,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     dst._matmul_written[...] = True
     wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
     count_matmul(k, m, n, wider.name)
-    count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
+    count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m, accumulate=adds)
 
 
 def _check_matmul_tiling(tile_position, tile_size):
@@ -1093,3 +1097,22 @@ register_load = not_emulated("nki.isa.register_load", "dst src")
 register_store = not_emulated("nki.isa.register_store", "dst src")
 nonzero_with_count = not_emulated("nki.isa.nonzero_with_count", "dst src index_offset padding_val name")
 topk = not_emulated("nki.isa.topk", "val_dst idx_dst src n name")
+
+
+def _record_name(fn):
+    """``fn`` with its ``name=`` argument recorded as the instruction's label in the trace (what
+    ``kernel.with_schedule`` edges name: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst)."""
+    position = list(inspect.signature(fn).parameters).index("name")
+
+    @functools.wraps(fn)
+    def instruction(*args, **kwargs):
+        with labelled(kwargs.get("name", args[position] if len(args) > position else None)):
+            return fn(*args, **kwargs)
+
+    return instruction
+
+
+for _name, _fn in list(globals().items()):  # every emulated instruction that takes name=
+    if inspect.isfunction(_fn) and _fn.__module__ == __name__ and not _name.startswith("_") \
+            and "name" in inspect.signature(_fn).parameters:
+        globals()[_name] = _record_name(_fn)

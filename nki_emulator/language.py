@@ -19,7 +19,8 @@ import numpy as np
 
 from . import _memory
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
-from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
+from ._runtime import (PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version,
+                       no_reorder_block, target)
 from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
@@ -529,6 +530,14 @@ def matmul(x, y, transpose_x=False):
     return result
 
 
+def no_reorder():
+    """``with nl.no_reorder():``: the compiler's scheduler keeps the instructions issued inside the block (however
+    deeply called) in program order (aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst, "Using
+    no_reorder"; the stub, nki/api/nki/language/__init__.py l. 1785-1807). The values are the same; the trace
+    records the block (Instruction.no_reorder) for the scheduler (nki_emulator/_schedule.py)."""
+    return no_reorder_block()
+
+
 # ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
 
 bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
@@ -557,7 +566,6 @@ zeros_like = not_emulated("nki.language.zeros_like", "x dtype buffer name")
 empty_like = not_emulated("nki.language.empty_like", "x dtype buffer name")
 random_seed = not_emulated("nki.language.random_seed", "seed")
 expand_dims = not_emulated("nki.language.expand_dims", "x axis")
-no_reorder = not_emulated("nki.language.no_reorder", "")
 load_transpose2d = not_emulated("nki.language.load_transpose2d", "src dtype")
 gather_flattened = not_emulated("nki.language.gather_flattened", "data indices axis dtype")
 dynamic_range = not_emulated("nki.language.dynamic_range", "start stop step")
