@@ -32,12 +32,12 @@ every instruction on its engine; a kernel call gets a busy time per engine, a bo
 (the busiest engine: estimate_s) and a serial bound (the sum: serial_s). A whole training step adds what the
 compiler generates around the kernels, priced with the same table (kit/compiled_cost.py); its assumptions
 are STEP_ASSUMPTIONS (there too), the compiler's fusion of elementwise chains included (FUSION_RULES). Both print
-a range: the optimistic figure above (overlap bound) and a central one, each kernel call scheduled
-(nki_emulator/_schedule.py: in-order engines, the tiles' dependencies, DMA fixed cost) with the factors and launch
-cost calibrated against public hardware timings (nki_emulator/calibrate.py); --step_estimate adds a pessimistic one
-(kernels in program order, no fusion: every elementwise pass an HBM round trip) and prices the public Trn2 runs as
-they ran (no NKI kernels) beside the kit with its kernels. Estimates, not measurements: host dispatch is left out
-(named beside the public runs) and so is the compiler's own scheduling.
+a range: the optimistic figure above (overlap bound), a central one (each kernel call list-scheduled as the
+compiler would, nki_emulator/_schedule.py, with the factors and launch cost calibrated against public hardware
+timings, nki_emulator/calibrate.py) and a pessimistic one (kernels in program order; in a step, no fusion either:
+every compiled elementwise pass an HBM round trip). --step_estimate also prices the public Trn2 runs as they ran
+(no NKI kernels) beside the kit with its kernels. Estimates, not measurements: host dispatch is left out (named
+beside the public runs).
 """
 import argparse
 import dataclasses
@@ -407,12 +407,13 @@ def print_kernels(rows, on_trainium):
 # a whole training step on Trn2, estimated: the kernels' costs plus what the compiler generates around them
 
 def kernel_schedules(trace):
-    """{figure: (seconds, launches)} of a kernel call's calibrated schedule for the central and the pessimistic
-    figure. Both are nki_emulator.central_estimate's schedule today (every engine in program order), so a
-    kernel's pessimistic figure is its central one until the scheduler reorders (then central is the list
-    schedule)."""
-    estimate = nki_emulator.central_estimate(trace, "trn2")
-    return dict.fromkeys(("central", "pessimistic"), (estimate["scheduled_s"], estimate["launches"]))
+    """{figure: (seconds, launches)} of a kernel call's calibrated schedule: central, the list schedule (the
+    compiler's scheduler modelled, nki_emulator.central_estimate); pessimistic, every engine in program order
+    (nki_emulator.pessimistic_estimate)."""
+    central, pessimistic = (estimate(trace, "trn2") for estimate in (nki_emulator.central_estimate,
+                                                                     nki_emulator.pessimistic_estimate))
+    return {"central": (central["scheduled_s"], central["launches"]),
+            "pessimistic": (pessimistic["scheduled_s"], pessimistic["launches"])}
 
 
 def kernel_step_costs(model_cfg, tokens_per_call, figure="optimistic"):
@@ -510,7 +511,7 @@ def _layer_ops(c, sequences, kernel_costs):
 
 FIGURES = {  # the step's three figures: how each prices the kernels and the compiled ops around them
     "optimistic": "kernels at their busiest engine, no launch cost; elementwise chains fused (FUSION_RULES)",
-    "central": "kernels scheduled, calibrated factors, launch cost; elementwise chains fused (FUSION_RULES)",
+    "central": "kernels list-scheduled, calibrated, launch cost; elementwise chains fused (FUSION_RULES)",
     "pessimistic": "kernels in program order, calibrated, launch cost; every elementwise pass an HBM round trip",
 }
 
@@ -624,6 +625,9 @@ def print_step_range(figures, model_cfg):
     print("  the central figure assumes (its factors: the 'calibrated:' entries of the assumptions below):")
     for line in nki_emulator.CENTRAL_ASSUMPTIONS:
         print(f"  - {line}")
+    print("  the pessimistic figure assumes:")
+    for line in nki_emulator.PESSIMISTIC_ASSUMPTIONS[:1]:  # (its factors: the central figure's)
+        print(f"  - {line}")
 
 
 # Public measurements on Trn2, each set beside the estimate for its shapes; the estimate is not fitted to them.
@@ -712,11 +716,12 @@ def print_references(rows):
             print(f"  {k} micro-batch(es): measured {1e3 * step_s:.1f} ms a step, its compute {1e3 * compute_s:.1f}, "
                   f"priced as it ran (central) {1e3 * priced_s:.1f} ms ({compute_s / priced_s:.2f}x the measured rate)")
         if len(r["at_micro_batches"]) > 1:  # a line through the points: the per-micro-batch and the per-step parts
-            (measured_fixed, measured_each), (priced_fixed, priced_each) = (
-                _line([(p[0], p[column]) for p in r["at_micro_batches"]]) for column in (1, 3))
-            print(f"  a line through them: {1e3 * measured_each:.1f} ms per micro-batch measured, "
-                  f"{1e3 * priced_each:.1f} priced ({measured_each / priced_each:.2f}x); {1e3 * measured_fixed:.1f} ms "
-                  f"a step besides measured, {1e3 * priced_fixed:.1f} priced (optimizer, exchange)")
+            (measured_fixed, measured_each), (compute_fixed, compute_each), (priced_fixed, priced_each) = (
+                _line([(p[0], p[column]) for p in r["at_micro_batches"]]) for column in (1, 2, 3))
+            print(f"  a line through them: per micro-batch {1e3 * measured_each:.1f} ms measured, its compute "
+                  f"{1e3 * compute_each:.1f}, priced {1e3 * priced_each:.1f} ({compute_each / priced_each:.2f}x); per "
+                  f"step besides, {1e3 * measured_fixed:.1f} ms measured, its compute {1e3 * compute_fixed:.1f}, priced "
+                  f"{1e3 * priced_fixed:.1f} (the optimizer, the exchange)")
     print("\nassumptions of the estimate:")
     for line in STEP_ASSUMPTIONS + nki_emulator.ASSUMPTIONS:
         print(f"- {line}")

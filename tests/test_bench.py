@@ -183,7 +183,7 @@ def test_step_estimate_prints_three_figures_and_the_references_priced_as_they_ra
         (1, 0.2, pytest.approx(0.16)), (2, 0.3, pytest.approx(0.24)), (4, 0.5, pytest.approx(0.4))]
     priced = [priced_s for *_, priced_s in points]
     assert priced[0] < priced[1] < priced[2]  # the step grows by a micro-batch's forward and backward each
-    assert "100.0 ms per micro-batch measured" in printed  # the line through (1, 0.2), (2, 0.3), (4, 0.5)
+    assert "per micro-batch 100.0 ms measured, its compute 80.0" in printed  # through (1, 0.2), (2, 0.3), (4, 0.5)
 
 
 def _hbm_values(op):
