@@ -22,9 +22,10 @@ FUSION_RULES = (
     "it reads its inputs from HBM once and writes its results once, its intermediates stay in SBUF (the compiler "
     "does operator fusion in its XLA front end and loop fusion on the loop nests, nki/index.rst l. 29-36; the "
     "fused form is 'load, op0, op1, store', nki_perf_guide.rst l. 150-178)",
-    "fusion 2: a reduction along rows (softmax's max and sum, RMSNorm's mean of squares) fuses with the ops "
-    "before it (it streams); the ops after it that use its result on the same rows fuse too while a row stays "
-    "on chip (ROW_SBUF_BYTES), else they start a loop nest that reads the rows again",
+    "fusion 2: the row reductions inside those chains (softmax's max and sum, RMSNorm's mean of squares, the "
+    "cross-entropy's log-sum-exp) do not end them: a reduction runs within a partition, and the rows reduced here "
+    "(the width, a head, the context, the contest's 8,192-token vocab: at most 32 KiB in fp32) stay in the "
+    "212,984 bytes of SBUF a partition offers (KLR Trace.lean l. 52-54) for the ops after it",
     "fusion 3: a matmul's result goes to HBM and its consumers read it back: no fusion through a matmul; "
     "attention's T x T scores spill (nki_perf_guide.rst l. 180-182: one head's scores 'overflow SBUF in "
     "common Transformer models with a context length in the thousands')",
@@ -68,11 +69,6 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     "instruction selection (each op stays one instruction), the levers' extra work (value embeddings, "
     "multi-token prediction, EMA, batch warm-up)",
 )
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
-# A row reduction fuses with the ops around it only where its row stays on chip: the row's values, their result and
-# the next tile's, double-buffered, in one partition of the SBUF a kernel may use (212,984 bytes on Trn2, KLR
-# Trace.lean l. 52-54, as nki_emulator's Target says)
-ROW_SBUF_BYTES = nki_emulator._runtime.TARGETS["trn2"].sbuf_usable_bytes // 4
 MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
 ADAMW_PASSES = (3, 5)  # lerp of m, v; sqrt, divide, step (torch's AdamW)
 
@@ -90,47 +86,32 @@ def hbm(elements, dtype):
 
 
 class Node(NamedTuple):
-    """One op of a compiled graph. `kind`: "elementwise" (a value out per value in; inputs of the op's size, or
-    one value a row, broadcast), "row_reduce" (one value out per row of its input) or "matmul" (anything the
-    compiler does not fuse through); `compute`: its (count, Instruction) pairs on the compute engines."""
+    """One op of a compiled graph. `kind`: "elementwise" (its loop runs over its output's values; an input may
+    be one value a row, broadcast) or "matmul" (anything the compiler does not fuse through); `compute`: its
+    (count, Instruction) pairs on the compute engines."""
     output: str
     inputs: tuple
     kind: str
     compute: tuple = ()
 
 
-def _loop_space(node, tensors):
-    """The values a node's loop runs over: its output's, or (a reduction) its input's."""
-    return tensors[node.inputs[0] if node.kind == "row_reduce" else node.output][0]
-
-
 def fuse(nodes, tensors):
     """The loop nests the compiler makes of `nodes` (in program order), as lists of nodes (FUSION_RULES): a node
-    joins the group of its latest producer where _fusable says so; else it starts a group. `tensors`: {name:
-    (elements, dtype, values a row)}."""
+    joins the loop nest of its latest producer where neither is a matmul and both loop over as many values; else
+    it starts one. `tensors`: {name: (elements, dtype)}."""
     groups, home = [], {}
     for node in nodes:
         producers = [home[name] for name in node.inputs if name in home]
         latest = max(producers, default=None)
-        if latest is not None and _fusable(node, groups[latest], tensors):
-            groups[latest].append(node)
+        group = groups[latest] if latest is not None else None
+        if group and node.kind != "matmul" and all(n.kind != "matmul" for n in group) \
+                and tensors[node.output][0] == tensors[group[0].output][0]:
+            group.append(node)
         else:
             groups.append([node])
             latest = len(groups) - 1
         home[node.output] = latest
     return groups
-
-
-def _fusable(node, group, tensors):
-    """Whether `node` fuses into `group`, the loop nest of its latest producer (FUSION_RULES): neither is a
-    matmul, they loop over the same values, and where the node uses a row reduction's result made in the group,
-    the rows it reduced are still on chip (ROW_SBUF_BYTES)."""
-    if node.kind == "matmul" or any(n.kind == "matmul" for n in group):
-        return False
-    if _loop_space(node, tensors) != _loop_space(group[0], tensors):
-        return False
-    rows = [tensors[n.inputs[0]] for n in group if n.kind == "row_reduce" and n.output in node.inputs]
-    return all(row * ITEMSIZE[dtype] <= ROW_SBUF_BYTES for _, dtype, row in rows)
 
 
 def group_op(group, nodes, tensors, outputs):
@@ -150,16 +131,16 @@ def graph_ops(nodes, tensors, outputs, fused=True):
     return [group_op(group, nodes, tensors, outputs) for group in groups]
 
 
-def chain(elements, one_input=0, two_input=0, scalar=0, dtype="float32", row=128):
+def chain(elements, one_input=0, two_input=0, scalar=0, dtype="float32"):
     """Elementwise passes over `elements` values as a graph: one value read, each pass applied to the last one's
-    result (a two-input pass also reads an operand of the same size), one value written; rows of `row` values."""
-    tensors, nodes, last = {"x": (elements, dtype, row)}, [], "x"
+    result (a two-input pass also reads an operand of the same size), one value written."""
+    tensors, nodes, last = {"x": (elements, dtype)}, [], "x"
     kinds = ([("vector", "tensor_scalar", 1, ("multiply",))] * one_input
              + [("vector", "tensor_tensor", 2, ("multiply",))] * two_input
              + [("scalar", "activation", 1, ("exp",))] * scalar)
     for step, (engine, name, inputs, ops) in enumerate(kinds):
         operands = (last,) + ((f"operand{step}",) if inputs == 2 else ())
-        tensors.update({f"operand{step}": (elements, dtype, row), f"t{step}": (elements, dtype, row)})
+        tensors.update({f"operand{step}": (elements, dtype), f"t{step}": (elements, dtype)})
         nodes.append(Node(f"t{step}", operands, "elementwise", ((1, instruction(engine, name, elements, inputs,
                                                                                   dtype, ops)),)))
         last = f"t{step}"
