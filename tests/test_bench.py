@@ -186,6 +186,20 @@ def test_step_estimate_prints_three_figures_and_the_references_priced_as_they_ra
     assert "per micro-batch 100.0 ms measured, its compute 80.0" in printed  # through (1, 0.2), (2, 0.3), (4, 0.5)
 
 
+def test_eager_dispatch_is_named_apart_with_the_ops_the_step_dispatches():
+    cfg, model_cfg = train.parse_args(["--n_layer=1", "--n_embd=64", "--n_head=2", "--sequence_len=64", "--batch_size=1",
+                                       "--total_batch_tokens=64"])
+    one = bench.eager_ops_per_step(cfg, model_cfg)
+    deeper = bench.eager_ops_per_step(cfg, dataclasses.replace(model_cfg, n_layer=2))
+    two_micro_batches = bench.eager_ops_per_step(dataclasses.replace(cfg, total_batch_tokens=128), model_cfg)
+    assert 0 < one < deeper and one < two_micro_batches < 2 * one  # a micro-batch more: its forward and backward
+    row = {"eager": True, "step_tokens": 1000, "measured_tokens_per_s": 1000.0, "as_ran": {"central": 1250.0},
+           "eager_ops_per_step": one}  # a 1 s step, 0.8 s of it priced
+    line = bench._reference_overheads(row)
+    assert f"eager dispatch: {one:,} ATen ops a step" in line and "leaves 200 ms (20%) to it" in line
+    assert f"{2e5 / one:.1f} us an op" in line
+
+
 def _hbm_values(op):
     """Values an op moves between HBM and SBUF."""
     return sum(count * i.partitions * i.free for count, i in op if i.engine == "dma")
