@@ -187,8 +187,8 @@ def test_step_estimate_prints_three_figures_and_the_references_priced_as_they_ra
 
 
 def test_eager_dispatch_is_named_apart_with_the_ops_the_step_dispatches():
-    cfg, model_cfg = train.parse_args(["--n_layer=1", "--n_embd=64", "--n_head=2", "--sequence_len=64", "--batch_size=1",
-                                       "--total_batch_tokens=64"])
+    cfg, model_cfg = train.parse_args(["--n_layer=1", "--n_embd=64", "--n_head=2", "--sequence_len=64",
+                                       "--batch_size=1", "--total_batch_tokens=64"])
     one = bench.eager_ops_per_step(cfg, model_cfg)
     deeper = bench.eager_ops_per_step(cfg, dataclasses.replace(model_cfg, n_layer=2))
     two_micro_batches = bench.eager_ops_per_step(dataclasses.replace(cfg, total_batch_tokens=128), model_cfg)
