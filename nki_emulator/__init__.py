@@ -26,7 +26,7 @@ import numpy as np
 from . import isa, language, timeline, typing
 from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
                     matmul_cycles)
-from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
+from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
 from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
                        set_target, target)
 from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, PESSIMISTIC_ASSUMPTIONS, calibrated_seconds,
@@ -194,6 +194,12 @@ def _to_host(result, torch_out):
         raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
                                  f"this one is in {result.buffer.value}")
     array = np.array(result._data)
+    unwritten = poison(result)
+    if unwritten is not None and array.dtype.kind not in "fV":
+        raise NkiValidationError(f"nki.jit: {np.count_nonzero(unwritten)} elements of the output "
+                                 f"{result._storage.label} were never written or were computed from memory never "
+                                 "written; a float output would carry them as NaN (aws-neuron-sdk 3afa0fdf "
+                                 f"nki/guides/nki_simulator.rst l. 212-221), a {array.dtype.name} one cannot")
     if not torch_out:
         return array
     import torch

@@ -242,6 +242,7 @@ class Core:
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
         self.accessed = []  # (role, tensor) of each operand of the instruction being issued (_memory.operand)
         self.no_reorder = 0  # the nl.no_reorder block being issued (its serial), 0 outside one
+        self.read_poison = False  # the instruction being issued read memory never written (_memory.read)
 
 
 _running = threading.local()  # .core: the core this thread's program runs on; .label: the issuing instruction's name=
@@ -299,6 +300,7 @@ def begin(name):
     core.now += 1
     core.issued.append(name)
     core.accessed = []
+    core.read_poison = False
     return core
 
 
@@ -344,6 +346,8 @@ def _region(t):
     """The rectangle of memory a tensor view covers (see Instruction.reads). On chip: partitions x the bytes
     each partition's part of the view spans; in HBM: the bytes the whole view spans."""
     storage, data = t._storage, t._data
+    if t._rows is not None:  # an ap(vector_offset=) view: rows anywhere in its (HBM) storage
+        return storage.serial, 0, 1, 0, storage.array.nbytes
     offset = data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
     span = data.itemsize + sum((n - 1) * abs(s) for n, s in zip(data.shape[1:], data.strides[1:]))
     if storage.buffer.value in ("sbuf", "psum"):

@@ -134,6 +134,24 @@ def test_gpsimd_instructions_pay_the_documented_startup():
     assert cycles(iota) == 150 + 512  # ISA iota / affine_select: GPSIMD_START (~150) + N
 
 
+def test_local_gather_costs_the_isa_formula():
+    """[ISA] local_gather: 150 + (num_valid_indices * num_elem_per_idx) / C GpSimd cycles, C = ((28 + 4e) / (4e)) /
+    min(4 / dtype_size, e): fp32 with e = 1 gives C = 8; bf16 with e = 4 gives C = (44 / 16) / 2."""
+    def gather(valid, per_index, dtype):
+        return Instruction("local_gather", "gpsimd", 128, valid * per_index, (dtype, dtype, "uint16"),
+                           ("sbuf",) * 3, (f"num_elem_per_idx={per_index}",))
+
+    assert cycles(gather(256, 1, FP32)) == pytest.approx(150 + 256 / 8)
+    assert cycles(gather(64, 4, BF16)) == pytest.approx(150 + 256 / (44 / 16 / 2))
+
+
+def test_dma_compute_streams_each_source_as_a_copy():
+    """An ASSUMPTION (no documented cost): k sources cost k copies of dst's rows."""
+    rows = Instruction("dma_compute", "dma", 128, 1024, (BF16,) * 4, ("sbuf",) + ("shared_hbm",) * 3)
+    assert instruction_seconds(rows) == pytest.approx(3 * instruction_seconds(dma(128, 2048)))
+    assert any(line.startswith("dma_compute") for line in ASSUMPTIONS)
+
+
 @pytest.mark.parametrize("generation, documented_gb_per_s", [("trn1", 272), ("trn2", 368), ("trn3", 528)])
 def test_large_dmas_reach_the_documented_aggregate_bandwidth(generation, documented_gb_per_s):
     """nki-dma-bandwidth-guide: 16 engines per NeuronCore at 17 / 23 / 33 B/ns, 272 / 368 / 528 GB/s."""
