@@ -444,13 +444,15 @@ def kernel_step_figures(model_cfg, tokens_per_call, figures=None):
         def seconds(run):  # one sequence's forward + backward: {figure: the overlap bound, or the schedule}
             counts = emulate(run, inputs, backward=True)
             scheduled = kernel_schedules(counts.trace) if set(figures) - {"optimistic"} else {}
-            return {"optimistic": kernel_estimate(counts)["estimate_s"],
+            return {"optimistic": nki_emulator.estimate(counts.trace, "trn2")["estimate_s"],  # the overlap bound
                     **{figure: scheduled_s + launches * nki_emulator.LAUNCH_S * per_sequence
                        for figure, (scheduled_s, launches) in scheduled.items()}}
 
+        if mode == "torch" or (mode == "auto" and _cost_declines(op, model_cfg, tokens_per_call)):
+            for figure in figures:
+                costs[figure][name] = None
+            continue
         try:
-            if mode == "torch" or (mode == "auto" and _cost_declines(op, model_cfg, tokens_per_call)):
-                raise ValueError("compiled plain ops")
             if name == "attention":  # each layer at its window (a window skips key blocks): the layers' mean
                 windows = model_cfg.attention_windows()
                 at = {w: seconds(lambda *a: call(*a, "nki", window=w)) for w in set(windows)}
@@ -460,7 +462,7 @@ def kernel_step_figures(model_cfg, tokens_per_call, figures=None):
                 at = seconds(lambda *a: call(*a, "nki"))
                 for figure in figures:
                     costs[figure][name] = at[figure]
-        except (RuntimeError, ValueError):  # torch, or a shape the kernel cannot take: compiled plain ops instead
+        except (RuntimeError, ValueError):  # a shape the kernel cannot take: compiled plain ops instead
             for figure in figures:
                 costs[figure][name] = None
     return costs

@@ -126,7 +126,7 @@ def group_op(group, nodes, tensors, outputs):
 
 
 def graph_ops(nodes, tensors, outputs, fused=True):
-    """The ops a graph runs as: one per fused loop nest, or (fused=False, as one op a launch) one per node."""
+    """The ops a graph runs as: one per fused loop nest, or (fused=False) one per node, each its own loop."""
     groups = fuse(nodes, tensors) if fused else [[n] for n in nodes]
     return [group_op(group, nodes, tensors, outputs) for group in groups]
 
