@@ -185,7 +185,6 @@ class _Graph:
     def __init__(self, instructions):
         self.succs = [[] for _ in instructions]  # node -> [(successor, kind)]
         self.npreds = [0] * len(instructions)
-        self.order = []  # every node after its predecessors
         self.group_next = {}  # nc_matmul node -> the next member of its PSUM accumulation group
 
     def add(self, node, preds):
@@ -193,7 +192,6 @@ class _Graph:
         for pred, kind in preds.items():
             self.succs[pred].append((node, kind))
         self.npreds[node] = len(preds)
-        self.order.append(node)
 
     def join(self, nodes):
         join = len(self.succs)
@@ -282,7 +280,7 @@ class _LaunchState:
         self.remaining = list(graph.npreds)
         self.pending = {r: [] for r in set(resource)}  # resource -> heap of (ready_at, node) whose preds are done
         for node in range(n):
-            if not self.remaining[node]:
+            if not self.remaining[node]:  # appended in order, at one time: already heaps
                 self.pending[resource[node]].append((start_at, node))
 
     def finish(self, node):

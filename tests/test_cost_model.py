@@ -383,6 +383,13 @@ def test_the_list_schedule_runs_later_ready_work_while_an_instruction_waits_but_
     assert schedule(trace, "trn2", order="program")["scheduled_s"] > result["scheduled_s"]
 
 
+def test_a_tile_read_by_more_instructions_than_are_kept_apart_still_orders_its_next_write_after_every_read():
+    step, write = vector("tensor_scalar", 512), vector("activation", 512, engine="scalar", ops=("exp",))
+    readers = [on(step, [tile(1)], [tile(100 + n)]) for n in range(40)]  # beyond _MERGE_ABOVE: joined into one
+    slots = schedule(readers + [on(write, [tile(2)], [tile(1)])], "trn2")["slots"]
+    assert slots[-1].start == pytest.approx(max(s.end for s in slots[:-1]))
+
+
 def test_a_psum_accumulation_group_stays_together_on_tensore():
     mm = matmul(128, 512)
     psum_a, psum_b = tile(50, last_byte=2048), tile(60, last_byte=2048)
