@@ -10,7 +10,7 @@ every Python function it calls, as rewritten code:
 modules' helpers such as nki-library's, NKIObject methods, functions passed as values; not nki_emulator's, numpy's,
 torch's or the standard library's) are rewritten once from their source (an AST rewrite, cached per function; line
 numbers kept): attribute loads and stores, subscripts and subscript stores, binary and unary operators, comparisons,
-``in``, ``for`` iterators and the builtins ``len min max abs int float divmod tuple list dict`` become calls of the
+``in``, ``for`` iterators and the builtins ``len min max abs int float divmod tuple list dict isinstance`` become calls of the
 checks below, which look at the values' kinds at run time, then do what the front end does: mostly what Python does,
 and where KLR differs and is not refused (integer ``%`` and ``//`` round as Lean's Int does; ``min(1, 2.0)`` is 2.0
 ... ) what KLR does. A refusal is a :class:`NkiValidationError` naming the kernel line, the front end's own words
@@ -90,8 +90,8 @@ VALUE_KINDS = (
     ("module, class, function", "their attributes and calls", f"{KLR}Term.lean l. 471-474"),
     ("builtins", "len (tuple, list, dict), min/max (a tuple or list, or two numbers; an int and a float give a "
                  "float), abs int float (numbers, strings for int/float), divmod (ints), tuple/list (of a "
-                 "tuple, list or None), dict() (no arguments)",
-     f"{KLR}Python.lean l. 142-240, 271-279, 340-343, 388-398"),
+                 "tuple, list or None), dict() or dict(pairs), isinstance (one class, not a tuple)",
+     f"{KLR}Python.lean l. 79-100, 142-240, 271-279, 340-343, 388-398"),
 )
 
 _INT32 = (-2 ** 31, 2 ** 31 - 1)
@@ -433,8 +433,7 @@ def _integer_operation(op, left, right):
     if op == "div":
         return left / right
     if op in ("mod", "floor"):
-        remainder = left % abs(right) if right else left  # Int.emod: never negative; x % 0 is x
-        return _check_int(remainder if op == "mod" else (left - remainder) // right)
+        return _check_int(_lean_division(left, right)[op == "mod"])
     if op == "pow":
         return _check_int(left ** max(right, 0))
     if op in ("add", "sub", "mul"):
@@ -443,6 +442,14 @@ def _integer_operation(op, left, right):
     if op in ("lshift", "rshift"):
         right %= 64
     return _check_int(_PYTHON_OPERATORS[op](left, right) % _U64)
+
+
+def _lean_division(left, right):
+    """Lean's ``Int`` ``/`` and ``%`` (Euclidean: the remainder is never negative; ``x / 0`` is 0, ``x % 0`` is x)."""
+    if right == 0:
+        return 0, left
+    remainder = left % abs(right)
+    return (left - remainder) // right, remainder
 
 
 def _float_operation(op, left, right):
@@ -623,12 +630,12 @@ def builtin_float(value):
 
 
 def builtin_divmod(x, y):
-    """``divmod`` (Python.lean l. 239-240): ints, Lean's Int division and remainder."""
+    """``divmod`` (Python.lean l. 239-240): ints, Lean's Int division and remainder (no check for 0)."""
     for name, value in (("x", x), ("y", y)):
         if kind(value) not in ("bool", "int"):
             refuse(f"Failed to resolve an argument '{name}', expecting 'integer', got '{_klr_name(value)}'",
                    "divmod takes integers", f"{KLR}Python.lean l. 239-240; Builtin.lean l. 90-95")
-    return _integer_operation("floor", int(x), int(y)), _integer_operation("mod", int(x), int(y))
+    return tuple(_check_int(part) for part in _lean_division(int(x), int(y)))
 
 
 def builtin_tuple(*values):
@@ -663,9 +670,17 @@ def builtin_dict(*args, **kwargs):
     return dict(pairs)
 
 
+def builtin_isinstance(value, classes):
+    """``isinstance`` (Python.lean l. 79-100): one class; KLR matches a tuple of classes against nothing."""
+    if kind(classes) == "tuple":
+        refuse("isinstance takes one class", "KLR's builtin.python.isinstance compares with one class and gives "
+               "False for a tuple of them: test each class", f"{KLR}Python.lean l. 79-100")
+    return isinstance(value, classes)
+
+
 CHECKED_BUILTINS = {"len": builtin_len, "min": builtin_min, "max": builtin_max, "abs": builtin_abs,
                     "int": builtin_int, "float": builtin_float, "divmod": builtin_divmod, "tuple": builtin_tuple,
-                    "list": builtin_list, "dict": builtin_dict}
+                    "list": builtin_list, "dict": builtin_dict, "isinstance": builtin_isinstance}
 
 
 # ---- the rewrite --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ source line; its twin differs in that one point and runs, giving the value the f
 leanprover/KLR KLR/Trace/{Term,Python,NKI}.lean and aws-neuron-sdk 3afa0fdf nki-language-guide.rst."""
 
 import inspect
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -396,3 +397,30 @@ def test_nki_0_7_runs_kernels_as_python_and_0_5_tensors_have_view_methods():
     nki_emulator.set_nki_version("0.7")
     assert nki_emulator.jit(dict_update)(x) == 2 and nki_emulator.jit(in_a_dict)(x) is True
     assert nki_emulator.jit(integer_division_by_a_negative)(x) == (-4, -1)
+
+
+def test_docs_carry_the_value_table():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "kernels.md").read_text()
+    for kind, supports, source in nki_emulator.VALUE_KINDS:
+        assert f"| {kind} | {supports.replace('|', '/')} | {source} |" in docs, kind
+
+
+def isinstance_of_a_tuple(x):
+    return isinstance(1, (int, float))
+
+
+def isinstance_of_a_class(x):
+    return isinstance(1, int) or isinstance(1, float)
+
+
+def divmod_by_zero(x):
+    """Lean's Int: x / 0 is 0 and x % 0 is x, and divmod does not check (Python.lean l. 239-240)."""
+    return divmod(7, x.shape[0] - 8), divmod(-7, 2)
+
+
+def test_isinstance_takes_one_class_and_divmod_divides_as_lean():
+    x = np.zeros((8, 16), np.float32)
+    with pytest.raises(NkiValidationError, match="isinstance takes one class.*Python.lean l. 79-100"):
+        nki_emulator.jit(isinstance_of_a_tuple)(x)
+    assert nki_emulator.jit(isinstance_of_a_class)(x) is True
+    assert nki_emulator.jit(divmod_by_zero)(x) == ((0, 7), (-4, 1))
