@@ -922,12 +922,12 @@ def _rewrite_code(function):
     """The rewritten code object of ``function``: its def, rewritten, inside a factory whose parameters are the
     checks and the function's free variables, compiled with the function's file and line numbers."""
     try:
-        lines, first_line = inspect.getsourcelines(function)
+        lines, first_line = inspect.getsourcelines(function.__code__)  # its own code, not a __wrapped__ one
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
         return None
     definition = tree.body[0] if tree.body else None
-    if not isinstance(definition, ast.FunctionDef) or definition.name != function.__name__:
+    if not isinstance(definition, ast.FunctionDef) or definition.name != function.__code__.co_name:
         return None  # a function made by exec, or one whose source is not its own def
     ast.increment_lineno(tree, first_line - 1)
     local_names = {node.id for node in ast.walk(definition) if isinstance(node, ast.Name)
@@ -945,6 +945,6 @@ def _rewrite_code(function):
     factory_code = next(const for const in compiled.co_consts if isinstance(const, types.CodeType))
     rewritten = next(const for const in factory_code.co_consts
                      if isinstance(const, types.CodeType) and const.co_name == "__nki_rewritten__")
-    rewritten = rewritten.replace(co_name=function.__name__, co_qualname=function.__qualname__)
+    rewritten = rewritten.replace(co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname)
     _REWRITTEN.add(rewritten)
     return rewritten

@@ -3,6 +3,7 @@ broken kernel steps outside what the front end's values support and is refused w
 source line; its twin differs in that one point and runs, giving the value the front end computes. Rules from
 leanprover/KLR KLR/Trace/{Term,Python,NKI}.lean and aws-neuron-sdk 3afa0fdf nki-language-guide.rst."""
 
+import functools
 import inspect
 from pathlib import Path
 from typing import NamedTuple
@@ -424,3 +425,17 @@ def test_isinstance_takes_one_class_and_divmod_divides_as_lean():
         nki_emulator.jit(isinstance_of_a_tuple)(x)
     assert nki_emulator.jit(isinstance_of_a_class)(x) is True
     assert nki_emulator.jit(divmod_by_zero)(x) == ((0, 7), (-4, 1))
+
+
+def wrapped_target(x):
+    return "the wrapped function"
+
+
+def test_a_kernel_wrapped_with_functools_wraps_runs_its_own_code():
+    """The rewrite reads the source of the function's own code, not of its __wrapped__ (kernels' tests wrap
+    kernels with functools.wraps to inject faults)."""
+    def wrapper(x):
+        return "the wrapper"
+
+    kernel = functools.wraps(wrapped_target)(wrapper)
+    assert nki_emulator.jit(kernel)(np.zeros((8, 16), np.float32)) == "the wrapper"
