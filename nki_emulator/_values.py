@@ -47,6 +47,7 @@ import numpy as np
 
 from . import _runtime
 from ._memory import NkiTensor
+from .language import NKIObject
 from ._runtime import NkiValidationError
 
 KLR = "leanprover/KLR KLR/Trace/"
@@ -116,8 +117,6 @@ def kind(value):
     found = _KIND_OF_TYPE.get(type(value))
     if found is not None:
         return found
-    from .language import NKIObject
-
     if isinstance(value, NKIObject):
         return "object"
     for base, name in _KIND_OF_BASE:
@@ -485,8 +484,6 @@ def invert(value):
 
 def equal(left, right):
     """``left == right``: structural, objects included (Term.lean l. 202; the guide l. 564)."""
-    from .language import NKIObject
-
     if isinstance(left, NKIObject) and type(left) is type(right) and type(left).__eq__ is object.__eq__:
         return left is right or vars(left) == vars(right)
     return left == right
@@ -540,9 +537,13 @@ def iterate(values):
 
 
 def _iterable(values, what):
+    """The items ``values`` gives a loop: those it holds when the loop starts (NKI.lean l. 487-498 fetches them
+    once), so appending to a list inside its own loop does not lengthen the loop."""
     found = kind(values)
-    if found in _SEQUENCES:
+    if found == "tuple":
         return values
+    if found == "list":
+        return tuple(values)
     if found == "none":
         return ()
     if found == "opaque":

@@ -439,3 +439,16 @@ def test_a_kernel_wrapped_with_functools_wraps_runs_its_own_code():
 
     kernel = functools.wraps(wrapped_target)(wrapper)
     assert nki_emulator.jit(kernel)(np.zeros((8, 16), np.float32)) == "the wrapper"
+
+
+def loop_appending_to_its_list(x):
+    values = [1, 2]
+    for value in values:
+        if len(values) < 8:
+            values.append(value + 2)
+    return values
+
+
+def test_a_loop_runs_over_the_items_its_list_held_when_it_started():
+    """KLR fetches a loop's items once (NKI.lean l. 487-498); Python would run until the list had 8 items."""
+    assert nki_emulator.jit(loop_appending_to_its_list)(np.zeros((8, 16), np.float32)) == (1, 2, 3, 4)
