@@ -35,7 +35,7 @@ from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, co
 from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, calibrated_seconds, central_estimate, schedule,
                         schedule_figures)
 from ._subset import check_kernel
-from ._values import VALUE_KINDS, traced_callable
+from ._values import VALUE_KINDS, check_arguments, traced_callable
 
 __all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
            "set_nki_version", "nki_version",
@@ -87,8 +87,11 @@ class Kernel:
         """Run the launch's programs (program 0 first, then the other where program 0 waits in a sendrecv or ends);
         the last program's return value is the kernel's."""
         launch = Launch()
-        # up to NKI 0.6 the front end traces the kernel with its own values (._values); 0.7 runs it as Python
-        fn = self.fn if nki_since("0.7") else traced_callable(self.fn)
+        fn = self.fn
+        if not nki_since("0.7"):  # up to 0.6 the front end traces the kernel with its own values; 0.7 runs Python
+            check_arguments({**{f"argument {i}": a for i, a in enumerate(args)},
+                             **{f"argument {k!r}": v for k, v in kwargs.items()}})
+            fn = traced_callable(self.fn)
         results, errors = [None] * self.lnc, [None] * self.lnc
         holding = [threading.Event() for _ in range(self.lnc)]
 

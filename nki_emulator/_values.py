@@ -164,6 +164,28 @@ def _check_int(value):
     return value
 
 
+def check_arguments(arguments):
+    """A kernel's arguments ("argument 0" -> value) as gather.c converts them (``const_exprs``, l. 1723, through
+    ``const_expr`` and ``value``, l. 486-565, 798-841): an int outside int32, also inside a tuple, list or dict,
+    is refused."""
+    for name, value in arguments.items():
+        for number in _integers(value):
+            if not _INT32[0] <= number <= _INT32[1]:
+                raise NkiValidationError(
+                    f"nki.jit: kernel {name}: integer value ({number}) is too "
+                    f"{'large' if number > 0 else 'small'} (NKI integers are 32-bit; NKI "
+                    f"{_runtime.nki_version()}'s front end, leanprover/KLR interop/klr/gather.c l. 816-819, 1723)")
+
+
+def _integers(value):
+    found = kind(value)
+    if found == "int":
+        yield int(value)
+    elif found in _SEQUENCES or found == "dict":
+        for item in value.values() if found == "dict" else value:
+            yield from _integers(item)
+
+
 # ---- attributes ---------------------------------------------------------------------------------------------------
 
 def get_attribute(value, name):

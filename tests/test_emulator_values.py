@@ -452,3 +452,17 @@ def loop_appending_to_its_list(x):
 def test_a_loop_runs_over_the_items_its_list_held_when_it_started():
     """KLR fetches a loop's items once (NKI.lean l. 487-498); Python would run until the list had 8 items."""
     assert nki_emulator.jit(loop_appending_to_its_list)(np.zeros((8, 16), np.float32)) == (1, 2, 3, 4)
+
+
+def kernel_of_a_count(x, count):
+    return count
+
+
+def test_a_kernel_argument_is_a_32_bit_integer():
+    """gather.c converts a kernel's arguments as constants (l. 1723, ``value`` l. 816-819)."""
+    x = np.zeros((8, 16), np.float32)
+    with pytest.raises(NkiValidationError, match=r"argument 'count': integer value \(2147483648\) is too large"):
+        nki_emulator.jit(kernel_of_a_count)(x, count=2 ** 31)
+    with pytest.raises(NkiValidationError, match=r"argument 1: integer value \(-2147483649\) is too small"):
+        nki_emulator.jit(kernel_of_a_count)(x, (1, -2 ** 31 - 1))
+    assert nki_emulator.jit(kernel_of_a_count)(x, count=2 ** 31 - 1) == 2 ** 31 - 1
