@@ -62,8 +62,8 @@ VALUE_KINDS = (
      f"{KLR}Term.lean l. 103-105, 147-161"),
     ("int", "+ - * / // % ** << >> & | ^ (// and % round as Lean's Int: toward floor of a positive divisor; / "
             "gives a float; a negative ** exponent counts as 0; bitwise on 64-bit unsigned); 32-bit: a result "
-            "outside int32 is refused; no attributes",
-     f"{KLR}Term.lean l. 53-74, 552; {GUIDE} l. 145"),
+            "or a kernel argument outside int32 is refused; no attributes",
+     f"{KLR}Term.lean l. 53-74, 552; {GUIDE} l. 145; KLR interop/klr/gather.c l. 816-819, 1723"),
     ("float", "+ - * / // ** with ints and floats; no % and no bitwise operators; no attributes",
      f"{KLR}Term.lean l. 76-85, 106-109, 552"),
     ("string", "+ with a string; order; `in` a string (substring); no subscript, methods or attributes",
