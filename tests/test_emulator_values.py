@@ -466,3 +466,16 @@ def test_a_kernel_argument_is_a_32_bit_integer():
     with pytest.raises(NkiValidationError, match=r"argument 1: integer value \(-2147483649\) is too small"):
         nki_emulator.jit(kernel_of_a_count)(x, (1, -2 ** 31 - 1))
     assert nki_emulator.jit(kernel_of_a_count)(x, count=2 ** 31 - 1) == 2 ** 31 - 1
+
+
+def comprehension(x):
+    return sum([size * 2 for size in x.shape])
+
+
+def test_nki_0_7_takes_the_whole_language():
+    """Syntax too: 0.4's front end refuses a comprehension and sum (_subset.py); 0.7 runs them as Python."""
+    x = np.zeros((8, 16), np.float32)
+    with pytest.raises(NkiValidationError, match="list comprehension"):
+        nki_emulator.jit(comprehension)
+    nki_emulator.set_nki_version("0.7")
+    assert nki_emulator.jit(comprehension)(x) == 48
