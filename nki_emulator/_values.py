@@ -7,18 +7,21 @@ throws at trace time. :mod:`._subset` checks the syntax; this module checks the 
 every Python function it calls, as rewritten code:
 
 **Enforcement.** When a kernel runs, its function and each plain Python function it calls (its own helpers, other
-modules' helpers such as nki-library's, NKIObject methods, functions passed as values; not nki_emulator's, numpy's,
-torch's or the standard library's) are rewritten once from their source (an AST rewrite, cached per function; line
-numbers kept): attribute loads and stores, subscripts and subscript stores, binary and unary operators, comparisons,
-``in``, ``for`` iterators and the builtins ``len min max abs int float divmod tuple list dict isinstance`` become calls of the
-checks below, which look at the values' kinds at run time, then do what the front end does: mostly what Python does,
-and where KLR differs and is not refused (integer ``%`` and ``//`` round as Lean's Int does; ``min(1, 2.0)`` is 2.0
-... ) what KLR does. A refusal is a :class:`NkiValidationError` naming the kernel line, the front end's own words
-and the source line of the rule. Attribute loads on a global module or class (``nl.ndarray``, ``E.x``) are left
-alone, as are ``is None`` tests.
+modules' helpers such as nki-library's, NKIObject methods and ``__init__``, functions passed as values; not
+nki_emulator's, numpy's, torch's or the standard library's) are rewritten once from their source (an AST rewrite,
+cached per function; line numbers kept): attribute loads and stores, subscripts and subscript stores, binary and
+unary operators, comparisons, ``in``, ``for`` iterators and the builtins ``len min max abs int float divmod tuple
+list dict isinstance`` become calls of the checks below, which look at the values' kinds at run time, then do what
+the front end does: mostly what Python does, and where KLR computes something else without refusing, what KLR
+computes (integer ``%`` and ``//`` as Lean's Int: ``7 // -2`` is -3; ``min(1, 2.5)`` is 1.0; ``[1, 2].index(5)``
+is None; a loop runs over the items its list held when it started). Where KLR silently drops an argument
+(``list.pop(0)``, ``list.count(x)``, ``isinstance(x, (A, B))``) the emulator refuses instead. A refusal is a
+:class:`NkiValidationError` naming the kernel line, the front end's own words and the source line of the rule. A
+kernel's int arguments are checked too. Attribute loads on a global module or class (``nl.ndarray``, ``E.x``) are
+left alone, as are ``is None`` tests.
 
 **What it cannot see.** Code it does not rewrite: functions without source (a ``@dataclass``'s generated
-``__init__``, lambdas, builtins), NKIObject ``__init__`` called through the class, properties; what nki_emulator's
+``__init__``, lambdas, builtins), properties; what nki_emulator's
 own ``nl``/``nisa`` functions do with the values they are given (their arguments are KLR's builtins' business and
 are checked there); values of kinds the model does not know (objects of other classes, emulator constants such as
 dtypes and enums: passed through unchecked); floats are Python's 64-bit floats, not the guide's 32-bit ones; Python's
@@ -36,7 +39,6 @@ The table :data:`VALUE_KINDS` lists every kind, what it supports and the source 
 import ast
 import builtins
 import inspect
-import math
 import operator
 import sys
 import textwrap
@@ -160,7 +162,8 @@ def refuse(words, why, source):
 def _check_int(value):
     if not _INT32[0] <= value <= _INT32[1]:
         refuse(f"integer value ({value}) is too {'large' if value > 0 else 'small'}",
-               "NKI integers are 32-bit", f"{GUIDE} l. 145; the same limit on literals: KLR interop/klr/gather.c l. 816-819")
+               "NKI integers are 32-bit",
+               f"{GUIDE} l. 145; the same limit on literals: KLR interop/klr/gather.c l. 816-819")
     return value
 
 
@@ -210,8 +213,10 @@ def get_attribute(value, name):
     if found == "slice" and name in ("start", "stop", "step"):
         return getattr(value, name)
     if found == "slice":
-        refuse(f"{name} is not an attribute {name} of slice", "a slice has start, stop and step", f"{KLR}Term.lean l. 543-551")
-    refuse(f"unsupported attribute {name}", f"a {_klr_name(value)} has no attributes or methods", f"{KLR}Term.lean l. 552")
+        refuse(f"{name} is not an attribute {name} of slice", "a slice has start, stop and step",
+               f"{KLR}Term.lean l. 543-551")
+    refuse(f"unsupported attribute {name}", f"a {_klr_name(value)} has no attributes or methods",
+           f"{KLR}Term.lean l. 552")
 
 
 def _object_attribute(obj, name):
@@ -309,7 +314,8 @@ def _dict_method(mapping, name):
     method = getattr(mapping, name)
 
     def keyed(key, default=None):
-        _string_key(key, "Failed to resolve an argument 'key', ", f"{KLR}Builtin.lean l. 90-95; FromNKI.lean l. 122-125")
+        _string_key(key, "Failed to resolve an argument 'key', ",
+                    f"{KLR}Builtin.lean l. 90-95; FromNKI.lean l. 122-125")
         return method(key, default)
     return keyed
 
@@ -638,7 +644,8 @@ def builtin_int(value):
         try:
             return _check_int(int(value))
         except ValueError:
-            refuse(f"string {value} cannot be converted to an integer", "not an integer", f"{KLR}Python.lean l. 221-226")
+            refuse(f"string {value} cannot be converted to an integer", "not an integer",
+                   f"{KLR}Python.lean l. 221-226")
     refuse("value cannot be converted to an integer", f"int of a {_klr_name(value)}", f"{KLR}Python.lean l. 227")
 
 
