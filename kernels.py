@@ -1226,8 +1226,11 @@ def _attention_bwd_prepare(unit, pair, q, k, v, out, d_out, lse, group):
         nisa.tensor_tensor(dst=products, data1=do_rows[:, tiles, :], data2=out_rows[:, tiles, :], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_reduce(dst=neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
-    unit.update(kv=pair["kv"], grads=pair["grads"], head=(q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta),
-                dq_acc=nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf))
+    # one item at a time: NKI 0.4's dicts have no update (leanprover/KLR KLR/Trace/Term.lean l. 488-498)
+    unit["kv"] = pair["kv"]
+    unit["grads"] = pair["grads"]
+    unit["head"] = (q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta)
+    unit["dq_acc"] = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
 
 
 def _add_kv_grads(unit, dk, dv, scale, group):
@@ -2387,7 +2390,7 @@ def _rms_norm_bwd_coefficient(tile, weight_rows):
 
 def _rms_norm_bwd_store(tile, dx):
     """Stage 3: without a weight ScalarE's r * (dy + c x) (its free scale); dx's rows to HBM."""
-    if "g" not in tile:
+    if tile.get("g") is None:  # `in` on a dict is not NKI 0.4's (leanprover/KLR KLR/Trace/Python.lean l. 58-66)
         nisa.activation(dst=tile["out"], op=nl.copy, data=tile["product"], scale=tile["rstd"])
     nisa.dma_copy(dst=dx[tile["tile_rows"], :], src=tile["out"])
 

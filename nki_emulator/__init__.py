@@ -11,8 +11,10 @@ not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:``
 :class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`),
 ``nki_emulator.schedule(counts.trace)`` places it in time (see :mod:`._schedule`) and :mod:`.timeline` draws that
 schedule. ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
-trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6")`` (or env
-``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. Memory model: see :mod:`._memory`.
+trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6" | "0.7")`` (or env
+``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. When a kernel
+runs, it and every helper it calls run under NKI 0.4's value model (see :mod:`._values`; ``VALUE_KINDS`` is its
+table); from "0.7" on, kernels run as plain Python. Memory model: see :mod:`._memory`.
 
 In tests, :func:`install` makes ``import nki`` give the real package when it imports, else this one.
 """
@@ -27,18 +29,20 @@ from . import isa, language, timeline, typing
 from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
                     matmul_cycles)
 from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
-from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
+from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_since, nki_version, running,
+                       set_nki_version,
                        set_target, target)
 from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, PESSIMISTIC_ASSUMPTIONS, calibrated_seconds,
                         central_estimate, pessimistic_estimate, schedule, schedule_figures)
 from ._subset import check_kernel
+from ._values import VALUE_KINDS, check_arguments, traced_callable
 
 __all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
            "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
            "schedule", "schedule_figures", "central_estimate", "pessimistic_estimate", "calibrated_seconds",
            "CENTRAL_ASSUMPTIONS", "PESSIMISTIC_ASSUMPTIONS",
-           "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS",
+           "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS", "VALUE_KINDS",
            "language", "isa", "typing", "dtype"]
 
 dtype = language.DType  # ``nki.dtype``: what kernel signatures annotate dtypes with (nki-library API docs)
@@ -69,7 +73,8 @@ class Kernel:
     their ``nl.shared_hbm`` tensors, as the two physical cores of LNC=2 do."""
 
     def __init__(self, fn, lnc=1, grid=False, schedule_edges=None):
-        check_kernel(fn)
+        if not nki_since("0.7"):  # NKI 0.7 specialises a kernel by running it as Python: the whole language
+            check_kernel(fn)
         functools.update_wrapper(self, fn)
         self.fn, self.lnc, self.grid = fn, lnc, grid
         self.schedule_edges = schedule_edges or {}  # label -> labels it must follow (with_schedule)
@@ -102,6 +107,11 @@ class Kernel:
         the last program's return value is the kernel's."""
         launch = Launch()
         launch.schedule_edges = self.schedule_edges
+        fn = self.fn
+        if not nki_since("0.7"):  # up to 0.6 the front end traces the kernel with its own values; 0.7 runs Python
+            check_arguments({**{f"argument {i}": a for i, a in enumerate(args)},
+                             **{f"argument {k!r}": v for k, v in kwargs.items()}})
+            fn = traced_callable(self.fn)
         results, errors = [None] * self.lnc, [None] * self.lnc
         holding = [threading.Event() for _ in range(self.lnc)]
 
@@ -111,7 +121,7 @@ class Kernel:
                 core = Core(program_id, self.lnc, self.grid, launch)
                 try:
                     with running(core):
-                        results[program_id] = self.fn(*args, **kwargs)
+                        results[program_id] = fn(*args, **kwargs)
                     check_capacity(core)
                 except BaseException as error:  # re-raised in the caller's thread below
                     errors[program_id] = error

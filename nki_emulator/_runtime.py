@@ -73,8 +73,9 @@ def target():
 
 
 # The NKI release whose documented rules apply. The contest's is 0.4 (Neuron 2.30.0, aws-neuron-sdk 3afa0fdf); 0.6
-# is the current one (Neuron 2.32.0, a3247f5b). A refusal that depends on it names it ("NKI 0.4").
-NKI_VERSIONS = ("0.4", "0.5", "0.6")
+# is the current one (Neuron 2.32.0, a3247f5b); 0.7 (Neuron 2.33) traces kernels as plain Python (see _values). A
+# refusal that depends on it names it ("NKI 0.4").
+NKI_VERSIONS = ("0.4", "0.5", "0.6", "0.7")
 
 
 def _check_version(version):
@@ -87,7 +88,7 @@ _nki_version = _check_version(os.environ.get("NKI_EMULATOR_NKI_VERSION", "0.4"))
 
 
 def set_nki_version(version):
-    """Select the NKI release whose rules are enforced ("0.4", "0.5" or "0.6"); returns the previous one. The
+    """Select the NKI release whose rules are enforced ("0.4", "0.5", "0.6" or "0.7"); returns the previous one. The
     default is the contest's 0.4, or the ``NKI_EMULATOR_NKI_VERSION`` environment variable."""
     global _nki_version
     previous, _nki_version = _nki_version, _check_version(version)

@@ -78,9 +78,10 @@ says anything; the migration guide's "Language restrictions" differ on keyword-o
   ``NkiTensor.__getitem__`` in _memory.py says).
 
 Checked: the kernel function and, transitively, every plain function of the kernel's own module that
-it names (those are inlined into it at specialisation). Not checked: what depends on the values at run
-time (iterating a dict held in a variable, attributes of tensors, methods of lists and dicts:
-Trace/Term.lean ``attr``), and NKIObject classes.
+it names (those are inlined into it at specialisation). What depends on the values at run time
+(iterating a dict held in a variable, attributes of tensors, methods of lists and dicts:
+Trace/Term.lean ``attr``; operators, ``in``, builtins' arguments, 32-bit integers) is checked when the
+kernel runs, by :mod:`._values`, in every function it calls.
 """
 
 import ast

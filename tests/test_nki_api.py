@@ -418,7 +418,7 @@ def test_ap_dtype_reinterprets_bytes_and_scalar_offset_scales_by_the_dim_stride(
     np.testing.assert_array_equal(nki_emulator.jit(gather_row)(table, np.array([[3]], np.int32)), table[3:4])
 
 
-def test_view_methods_follow_the_stub_examples():
+def test_view_methods_follow_the_stub_examples(nki_06):  # the view methods came with NKI 0.5 (_values.py)
     @nki_emulator.jit
     def kernel(x):
         t = nl.ndarray((128, 4, 6), nl.float32, buffer=nl.sbuf)

@@ -1140,7 +1140,9 @@ def accepted_globals_and_module_constants(x):
     total = 0
     for item in {"a": 1, "b": 2}.items():
         total = total + item[1]
-    return largest + smallest + half + np.pi + len(label) + len(os.sep) + _NARROW_GLOBALS[-2 + 1 - 2] + total
+    # len of a string is refused when traced (KLR/Trace/Python.lean builtin.python.len): a string is compared instead
+    return largest + smallest + half + np.pi + 4 * (label == "rows") + 1 * (os.sep == "/") + _NARROW_GLOBALS[-2 + 1 - 2] \
+        + total
 
 
 def test_jit_accepts_what_the_front_end_takes_from_globals_and_modules():
