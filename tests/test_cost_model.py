@@ -497,3 +497,20 @@ def test_calibrated_factors_apply_to_their_engine_dtype_and_generation_only():
     assert calibrated_seconds(long_rows, "trn1") == instruction_seconds(long_rows, "trn1")
     assert calibrated_seconds(short_rows, "trn2") == instruction_seconds(short_rows, "trn2")
     assert all(any(key in line for line in ASSUMPTIONS) for key in ("85.24%", "51.80 ms", "18 us"))  # cited
+
+
+def test_the_calibrated_figure_adds_the_perf_guides_static_overhead_to_vector_scalar_and_gpsimd_only():
+    """nki_perf_guide Opt #5a: "static instruction overhead in the order of ~100 cycles" per VectorE, ScalarE and
+    GpSimd instruction; TensorE and DMA get none. A chain of dependent one-element ScalarE instructions then issues
+    one per ~189 ns on trn1, the guide's measured 264 cycles."""
+    hz = ENGINE_SPECS["trn2"].hz
+    for engine in ("vector", "scalar", "gpsimd"):
+        instruction = vector("tensor_scalar", 512, engine=engine)
+        assert calibrated_seconds(instruction, "trn2") == pytest.approx(
+            instruction_seconds(instruction, "trn2") + 100 / hz(engine))
+    assert calibrated_seconds(matmul(128, 512, FP32), "trn2") == instruction_seconds(matmul(128, 512, FP32), "trn2")
+    assert calibrated_seconds(dma(128, 4096), "trn2") == instruction_seconds(dma(128, 4096), "trn2")
+    one = vector("activation", 1, engine="scalar", ops=("copy",), partitions=1)
+    chain = [on(one, [tile(n)], [tile(n + 1)]) for n in range(11)]
+    slots = schedule(chain, "trn1", calibrated_seconds)["slots"]
+    assert (slots[-1].start - slots[0].start) / 10 == pytest.approx(189e-9, rel=0.01)
