@@ -174,9 +174,9 @@ def _to_host(result, torch_out):
         # tutorial) date from Neuron 2.28 (NKI 0.2.0, commit 86a92868), before it; nki-library's kernels, which run on
         # hardware, return every output in nl.shared_hbm.
         raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in nl.shared_hbm; this one is in "
-                                 f"{result.buffer.value} (NKI 0.3.0 on: \"Output tensors must use buffer=nl.shared_hbm. "
-                                 "Using nl.hbm causes compilation failures.\", aws-neuron-sdk release-notes/components/"
-                                 "nki.rst l. 205)")
+                                 f"{result.buffer.value} (NKI 0.3.0 on: \"Output tensors must use "
+                                 "buffer=nl.shared_hbm. Using nl.hbm causes compilation failures.\", aws-neuron-sdk "
+                                 "release-notes/components/nki.rst l. 205)")
     array = np.array(result._data)
     unwritten = poison(result)
     if unwritten is not None and array.dtype.kind not in "fV":

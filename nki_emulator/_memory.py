@@ -19,8 +19,11 @@ Model
 - Capacity is checked the way a compiler allocates: an on-chip tile is live from the first instruction
   that touches it to the last one (instruction indices on its core), occupying
   ``prod(shape[1:]) * itemsize`` bytes in every partition. When a kernel returns, the emulator finds
-  the instruction with the most live bytes and raises if SBUF (per-target budget) or PSUM (16 KiB per
-  partition) was exceeded there. A tile allocated but never used costs nothing.
+  the instruction with the most live bytes and raises if SBUF (per-target budget) or PSUM (nl.tile_size.psum_num_banks
+  banks of 2 KiB per partition, each PSUM tile taking whole banks) was exceeded there. A tile allocated but never
+  used costs nothing.
+- Addresses: an on-chip tile sits at ``(first partition, first byte)`` (``nl.ndarray(address=)``, else (0, 0));
+  every instruction operand is checked where it starts (``_check_on_chip_access``).
 """
 
 import itertools
@@ -561,8 +564,8 @@ def check_capacity(core):
             raise NkiValidationError(
                 f"{core.issued[peak_at]} (instruction #{peak_at}): {buffer.value.upper()} holds {peak} bytes per "
                 f"partition of live tiles, over the {limit} bytes per partition a kernel may use on {target().name} "
-                f"(nl.tile_size.total_available_sbuf_size for SBUF; for PSUM nl.tile_size.psum_num_banks whole banks of "
-                f"2 KiB, a tile taking whole banks: {_BANK_SOURCE}); largest live tiles: {listing}")
+                f"(nl.tile_size.total_available_sbuf_size for SBUF; for PSUM nl.tile_size.psum_num_banks whole "
+                f"banks of 2 KiB, a tile taking whole banks: {_BANK_SOURCE}); largest live tiles: {listing}")
 
 
 def _footprint(liveness):
@@ -628,9 +631,9 @@ def _check_on_chip_access(instr, role, t):
         return
     count, start = data.shape[0], first_partition + offset // row
     if count > 1 and data.strides[0] != row:
-        raise NkiValidationError(f"{instr}: {role} takes partitions with a step of {data.strides[0] // row}; an instruction "
-                                 f"accesses consecutive partitions, the hardware does not allow partition striding "
-                                 f"({_PARTITION_SOURCE}); {storage.label}")
+        raise NkiValidationError(f"{instr}: {role} takes partitions with a step of {data.strides[0] // row}; an "
+                                 "instruction accesses consecutive partitions, the hardware does not allow partition "
+                                 f"striding ({_PARTITION_SOURCE}); {storage.label}")
     starts = next(allowed for most, allowed in _PARTITION_STARTS if count <= most)
     if start not in starts:
         raise NkiValidationError(f"{instr}: {role} accesses partitions {start}-{start + count - 1}; an access of "

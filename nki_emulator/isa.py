@@ -275,20 +275,24 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     with _quiet():  # poison (NaN) in an operand
         result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
             @ read("nc_matmul", "moving", moving).reshape(k, n)
-    result = result.reshape(dst.shape)
-    if accumulate is None:
-        started = dst._matmul_written  # elements inside a running accumulation group
-        if started.all():
-            result = result + np.asarray(dst._data, np.float32)
-        elif started.any():
-            result = np.where(started, result + np.asarray(dst._data, np.float32), result)
-    elif accumulate:
-        result = result + read("nc_matmul", "dst (accumulate=True)", dst)
-    write(dst, result)
+    write(dst, _accumulated(dst, result.reshape(dst.shape), accumulate))
     dst._matmul_written[...] = True
     wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
     count_matmul(k, m, n, wider.name)
     count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
+
+
+def _accumulated(dst, result, accumulate):
+    """A matmul's ``result`` combined with what its PSUM ``dst`` holds: accumulate=None adds where an element is
+    inside a running accumulation group (a matmul wrote it before), True always adds, False overwrites."""
+    if accumulate is None:
+        started = dst._matmul_written
+        if started.all():
+            return result + np.asarray(dst._data, np.float32)
+        return np.where(started, result + np.asarray(dst._data, np.float32), result) if started.any() else result
+    if accumulate:
+        return result + read("nc_matmul", "dst (accumulate=True)", dst)
+    return result
 
 
 def _check_matmul_tiling(tile_position, tile_size):
@@ -843,7 +847,8 @@ def nc_find_index8(dst, data, vals, name=None):
     x = read("nc_find_index8", "data", data).reshape(p, f)
     wanted = read("nc_find_index8", "vals", vals).reshape(p, 8)
     found = _find_each(x, wanted, reverse=False)
-    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), np.broadcast_to(_poisoned_rows(x, wanted), found.shape))
+    poisoned = np.broadcast_to(_poisoned_rows(x, wanted), found.shape)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), poisoned)
     count("nc_find_index8", "vector", p, f, dst, (data, vals))
 
 
