@@ -512,11 +512,11 @@ def _check_address(address, shape, dtype, buffer, what):
     nki/api/nki/language/__init__.py l. 1979; free_offset in bytes): the tile inside the partitions and inside its
     buffer; in PSUM it starts at the beginning of a bank ("the compiler will throw an error otherwise") and stays
     inside that bank, or inside PSUM's 16 KiB where a tile may span banks (trn3)."""
-    if not (isinstance(address, tuple) and len(address) == 2
+    if not (isinstance(address, (tuple, list)) and len(address) == 2
             and all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in address)):
         raise NkiValidationError(f"{what}: address must be (partition_offset, free_offset), two ints >= 0, got "
                                  f"{address!r}")
-    partition, free = address
+    partition, free = address = tuple(address)
     row = int(np.prod(shape[1:])) * dtype.itemsize
     if partition + shape[0] > PARTITIONS:
         raise NkiValidationError(f"{what}: address {address} puts a {shape[0]}-partition tile past partition "
