@@ -415,7 +415,8 @@ def test_a_no_reorder_block_keeps_program_order_on_its_engine_and_with_schedule_
 
 @nki_emulator.jit
 def recip_and_exp(t):
-    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE."""
+    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE, its output in
+    nl.shared_hbm (the guide's nl.hbm predates NKI 0.3.0, release-notes/components/nki.rst l. 205)."""
     x = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=t)
     a = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
@@ -423,7 +424,7 @@ def recip_and_exp(t):
     with nl.no_reorder():
         nisa.reciprocal(dst=a, data=x, name="recip")
     nisa.activation(dst=b, op=nl.exp, data=x, name="exp")
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.hbm)
+    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=b)
     return out
 
