@@ -424,7 +424,8 @@ def test_the_emulator_marks_the_matmuls_that_add_onto_their_psum_tile_so_a_kerne
 
 @nki_emulator.jit
 def recip_and_exp(t):
-    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE."""
+    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE, its output in
+    nl.shared_hbm (the guide's nl.hbm predates NKI 0.3.0, release-notes/components/nki.rst l. 205)."""
     x = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=t)
     a = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
@@ -432,7 +433,7 @@ def recip_and_exp(t):
     with nl.no_reorder():
         nisa.reciprocal(dst=a, data=x, name="recip")
     nisa.activation(dst=b, op=nl.exp, data=x, name="exp")
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.hbm)
+    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=b)
     return out
 
