@@ -96,6 +96,7 @@ except ImportError as error:  # not installed, or PyPI's placeholder package (it
 
 if NKI_IMPORT_ERROR is not None:
     nki = nl = nisa = None
+_NKIObject = object if nl is None else nl.NKIObject  # the base of the kernels' state classes (NKI 0.4's classes)
 
 
 try:
@@ -730,14 +731,19 @@ def _head_dim_pieces(head_dim):
     return tuple(pieces)
 
 
+class AttentionMask(_NKIObject):
+    """The 128x128 tiles whose matmul identity.T @ bias adds a bias onto a partly visible key chunk's scores
+    in PSUM (`_mask_operands`), and the window they serve."""
+    identity = None
+    diagonal = None  # 0 where key <= query (free index <= partition), _MASKED_SCORE above
+    edge = None  # a window's first chunk: 0 where key >= query - window, _MASKED_SCORE below; None if no window cuts
+    window = None  # keys before the query each query sees, a multiple of 128
+
+
 def _mask_operands(dtype, seq_len, window):
-    """(identity, diagonal bias, edge bias, window): 128x128 tiles whose matmul identity.T @ bias is the bias
-    of a partly visible key chunk. The diagonal's: 0 where key <= query (free index <= partition),
-    _MASKED_SCORE above. The window's first chunk (keys from query tile t's first query - window, `window` a
-    multiple of 128), only where a window cuts: 0 where key >= query - window (free index >= partition),
-    _MASKED_SCORE below. TensorE adds a bias onto the scores in PSUM, so masking costs one small matmul
-    instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the engines that
-    are already the busiest."""
+    """The AttentionMask of a (seq_len, window) call. TensorE adds a bias onto the scores in PSUM, so masking
+    costs one small matmul instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM)
+    on the engines that are already the busiest."""
     identity = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
     nisa.affine_select(dst=identity, pattern=[[-1, TILE]], channel_multiplier=1,
                        on_true_tile=nl.ones((TILE, TILE), dtype=dtype), on_false_value=0.0, cmp_op=nl.equal)
@@ -751,12 +757,39 @@ def _mask_operands(dtype, seq_len, window):
         nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
                            on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
                            cmp_op=nl.greater_equal)
-    return identity, diagonal, edge, window
+    return AttentionMask(identity=identity, diagonal=diagonal, edge=edge, window=window)
 
 
 def _first_key(query_tile, window):
     """The first key query tile `query_tile` sees: its first query's window start, a chunk boundary."""
     return max(0, query_tile * TILE - window)
+
+
+def _assert_attention_limits(q, k, window):
+    """The kernels' limits, asserted at their entry (`_attention_shape_problem` says the same to the glue)."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    assert k.shape[0] == batch and k.shape[2] == seq_len and k.shape[3] == head_dim and n_heads % k.shape[1] == 0, \
+        "q (B, H, S, d) and k, v (B, Hkv, S, d) with Hkv dividing H"
+    assert head_dim <= ATTENTION_MAX_HEAD_DIM and head_dim % len(_head_dim_pieces(head_dim)) == 0, \
+        "head_dim up to 256, even above 128"
+    assert seq_len % TILE == 0, "the sequence length must be a multiple of 128"
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
+
+
+def _pipeline(units, stages, kernel):
+    """Issue `units` through `stages` software-pipelined, the one convention of every pipelined kernel here:
+    at step t, each (stage, lag) of `stages` in its order runs stage(units[t - lag], kernel) where that unit
+    exists. A unit's stage k reads what its stage k - 1 made a step (or more) before, so no engine, each
+    running its instructions in issue order, waits on the chain it has just started (nki-library's
+    attention_cte.py pipelines its group loop by hand the same way). A negative lag runs a stage ahead."""
+    first, last = 0, 0
+    for entry in stages:
+        first, last = min(first, entry[1]), max(last, entry[1])
+    for step in range(first, len(units) + last):
+        for entry in stages:
+            stage, lag = entry
+            if 0 <= step - lag < len(units):
+                stage(units[step - lag], kernel)
 
 
 def _load_rows(src, b, h, dtype):
@@ -825,194 +858,231 @@ def _transposed_chunks(src):
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
     """scores (128 queries, width keys, PSUM fp32) = q.T @ k over the head-dim pieces, unscaled, for
-    query tile `query_tile` and the keys from `start` (mask: `_mask_operands`); on the block that holds the
-    diagonal (always its last 128 keys) the causal bias is accumulated onto those keys, on the block that
-    starts the tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`:
-    a mask adds into a slice of a tile the first matmul wrote, which accumulate=None would detect per
-    location by the ISA doc but per bank by the architecture guide."""
+    query tile `query_tile` and the keys from `start`; on the block that holds the diagonal (always its last
+    128 keys) the AttentionMask's causal bias is accumulated onto those keys, on the block that starts the
+    tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`: a mask adds
+    into a slice of a tile the first matmul wrote, which accumulate=None would detect per location by the
+    ISA doc but per bank by the architecture guide."""
     width = scores.shape[1]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
     for piece in range(len(q_cols)):
         nisa.nc_matmul(dst=scores, stationary=q_cols[piece][:, queries], moving=k_cols[piece][:, start:start + width],
                        accumulate=piece > 0)
-    identity, diagonal, edge, window = mask
     if start + width == (query_tile + 1) * TILE:
-        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=identity, moving=diagonal, accumulate=True)
-    if start == query_tile * TILE - window:
-        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=identity, moving=edge, accumulate=True)
+        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=mask.identity, moving=mask.diagonal,
+                       accumulate=True)
+    if start == query_tile * TILE - mask.window:
+        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=mask.identity, moving=mask.edge, accumulate=True)
 
 
-def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
-    """The state (a dict: NKI has no classes) of tile `step` of the program's stream of query tiles through
-    the forward's stages: (batch, kv head) pairs outer, their query heads, then the heads' 128-query tiles.
-    Holds the keys the tile sees (blocks wholly above the diagonal or wholly before the window are never
-    computed), in groups of up to KEY_GROUP keys whose scores share a row max; its pair's K cols and V rows
-    (loaded by the pair's first tile), its head's Q cols and row statistics (neg_max, row_sum), (128, S/128)
-    fp32 each (loaded and made by the head's first tile), shared with the `earlier` tiles."""
-    n_tiles, n_kv_heads, dtype = q.shape[2] // TILE, k.shape[1], q.dtype
-    group = q.shape[1] // n_kv_heads
-    pair_index, rest = divmod(step, group * n_tiles)
-    b, kv_head = divmod(pairs[pair_index], n_kv_heads)
-    head, query_tile = divmod(rest, n_tiles)
-    h = kv_head * group + head
-    if rest == 0:
-        kv = (_load_cols(k, b, kv_head, dtype, True), _load_rows(v, b, kv_head, dtype))
+class AttentionFwd(_NKIObject):
+    """What every stage of flash_attention_fwd_kernel reads: its operands and outputs (HBM)."""
+    q = None
+    k = None
+    v = None
+    out = None
+    lse = None  # (B, H, 128, S/128) fp32
+    scale = None
+    mask = None  # AttentionMask
+
+
+class FwdQueryTile(_NKIObject):
+    """One 128-query tile of the forward's stream and what its stages make, stage by stage."""
+    b = None
+    h = None
+    kv_head = None
+    query_tile = None
+    previous = None  # the stream's tile before: its pair's K and V and its head's Q and statistics carry on
+    groups = None  # the first key of each group of up to KEY_GROUP keys the tile sees (blocks nobody sees skipped)
+    group = 0  # the group the stages work on
+    # the load: K cols and V rows by the pair's first tile, Q cols and the row statistics by the head's first
+    k_cols = None
+    v_rows = None
+    q_cols = None
+    neg_max_all = None  # (128, S/128) fp32: -scale * row max of every query of the head
+    sum_all = None  # (128, S/128) fp32: the row sums
+    # scores: one PSUM bank per block of up to 512 keys
+    starts = None
+    scores = None
+    # softmax: the running -scale * max and, past the first group, the online rescale alpha; P and its row sum
+    neg_max = None
+    alpha = None
+    probs = None
+    group_sum = None
+    # transposes and their copy: P^T in PSUM, then in SBUF
+    transposed = None
+    probs_t = None
+    # values: P @ V summed over the groups (PSUM for one group, else SBUF), and the row sum
+    out_acc = None
+    row_sum = None
+
+
+def _fwd_query_tiles(q, k, window):
+    """The program's stream of query tiles: (batch, kv head) pairs split over the programs of an LNC launch,
+    outer, then their query heads, then the heads' 128-query tiles."""
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
+    tiles = []
+    for pair in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(pair, n_kv_heads)
+        for h in range(kv_head * (n_heads // n_kv_heads), (kv_head + 1) * (n_heads // n_kv_heads)):
+            for query_tile in range(n_tiles):
+                groups = []
+                for group_start in range(_first_key(query_tile, window), (query_tile + 1) * TILE, KEY_GROUP):
+                    groups.append(group_start)
+                tiles.append(FwdQueryTile(b=b, h=h, kv_head=kv_head, query_tile=query_tile, groups=groups,
+                                          previous=tiles[-1] if len(tiles) > 0 else None))
+    return tiles
+
+
+def _fwd_load(tile, kernel):
+    """Stage 0: a pair's first tile loads its K cols and V rows, a head's first its Q cols and makes its
+    statistics' tiles; the others take them from the tile before."""
+    dtype, n_tiles = kernel.q.dtype, kernel.q.shape[2] // TILE
+    pair_first = tile.previous is None or tile.previous.kv_head != tile.kv_head or tile.previous.b != tile.b
+    if pair_first:
+        tile.k_cols = _load_cols(kernel.k, tile.b, tile.kv_head, dtype, True)
+        tile.v_rows = _load_rows(kernel.v, tile.b, tile.kv_head, dtype)
     else:
-        kv = earlier[-1]["kv"]
-    if query_tile == 0:
-        q_cols = _load_cols(q, b, h, dtype, True)
-        stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf),
-                 nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf))
+        tile.k_cols = tile.previous.k_cols
+        tile.v_rows = tile.previous.v_rows
+    if tile.query_tile == 0:
+        tile.q_cols = _load_cols(kernel.q, tile.b, tile.h, dtype, True)
+        tile.neg_max_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+        tile.sum_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     else:
-        q_cols, stats = earlier[-1]["q_cols"], earlier[-1]["stats"]
-    key_start, n_keys = _first_key(query_tile, mask[3]), (query_tile + 1) * TILE
-    groups = []
-    for group_start in range(key_start, n_keys, KEY_GROUP):
-        groups.append(group_start)
-    return {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
-            "q_cols": q_cols, "stats": stats, "n_keys": n_keys, "groups": groups, "single_group": len(groups) == 1}
+        tile.q_cols = tile.previous.q_cols
+        tile.neg_max_all = tile.previous.neg_max_all
+        tile.sum_all = tile.previous.sum_all
 
 
-def _attention_fwd_scores(tile, group, mask):
+def _fwd_scores(tile, kernel):
     """Stage 1 of a group: its score blocks (up to 512 keys each, one PSUM bank) on TensorE."""
-    query_tile, group_start = tile["query_tile"], tile["groups"][group]
-    group_stop = min(group_start + KEY_GROUP, tile["n_keys"])
-    starts, scores = [], []
+    group_start = tile.groups[tile.group]
+    group_stop = min(group_start + KEY_GROUP, (tile.query_tile + 1) * TILE)
+    tile.starts = []
+    tile.scores = []
     for start in range(group_start, group_stop, KEY_BLOCK):
-        width = min(KEY_BLOCK, group_stop - start)
-        block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-        _scores(block, tile["q_cols"], tile["kv"][0], query_tile, start, mask)
-        starts.append(start)
-        scores.append(block)
-    tile["starts"] = starts
-    tile["scores"] = scores
+        block = nl.ndarray((TILE, min(KEY_BLOCK, group_stop - start)), dtype=nl.float32, buffer=nl.psum)
+        _scores(block, tile.q_cols, tile.k_cols, tile.query_tile, start, kernel.mask)
+        tile.starts.append(start)
+        tile.scores.append(block)
 
 
-def _attention_fwd_softmax(tile, group, scale):
+def _fwd_softmax(tile, kernel):
     """Stage 2 of a group: the row max (VectorE), p = exp(scale * s - scale * max) on ScalarE reading PSUM,
     the row sum over the group's blocks built up in ScalarE's reduce registers and read once, with the last
-    block; past the first group, alpha = exp(scale * (old max - new max)) of the online softmax."""
-    neg_max_all, sum_all = tile["stats"]
-    dtype = tile["q_cols"][0].dtype
-    query_tile, scores = tile["query_tile"], tile["scores"]
-    single_group, last_group = tile["single_group"], group == len(tile["groups"]) - 1
-    column = slice(query_tile, query_tile + 1)
-    n_blocks = len(scores)
+    block; past the first group, alpha = exp(scale * (old max - new max)) of the online softmax. A single
+    group writes its statistics straight into the head's tiles."""
+    single_group, last_group = len(tile.groups) == 1, tile.group == len(tile.groups) - 1
+    column = slice(tile.query_tile, tile.query_tile + 1)
+    n_blocks = len(tile.scores)
     block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(n_blocks):
         # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
         # activation_reduce), so their max of a row whose scores are all negative would be 0, and
         # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
-        nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=scores[j], axis=1)
-    group_neg_max = neg_max_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
-                                                                            buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=tile.scores[j], axis=1)
+    group_neg_max = tile.neg_max_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                                buffer=nl.sbuf)
     if n_blocks == 1:
-        nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
+        nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-kernel.scale)
     else:
         group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
-        nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
-    if group == 0:
-        neg_max = group_neg_max
+        nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-kernel.scale)
+    if tile.group == 0:
+        tile.neg_max = group_neg_max
     else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
-        new_neg_max = neg_max_all[:, column] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32,
-                                                                          buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=new_neg_max, data1=tile["neg_max"], data2=group_neg_max, op=nl.minimum)
-        tile["alpha"] = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=tile["alpha"], op=nl.exp, data=tile["neg_max"], bias=new_neg_max, scale=-1.0)
-        neg_max = new_neg_max
-    tile["neg_max"] = neg_max
-
-    group_sum = sum_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-    probs = []
+        new_neg_max = tile.neg_max_all[:, column] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                                buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=new_neg_max, data1=tile.neg_max, data2=group_neg_max, op=nl.minimum)
+        tile.alpha = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=tile.alpha, op=nl.exp, data=tile.neg_max, bias=new_neg_max, scale=-1.0)
+        tile.neg_max = new_neg_max
+    tile.group_sum = tile.sum_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                            buffer=nl.sbuf)
+    tile.probs = []
     for j in range(n_blocks):
-        block_probs = nl.ndarray(scores[j].shape, dtype=dtype, buffer=nl.sbuf)
-        nisa.activation(dst=block_probs, op=nl.exp, data=scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
-                        reduce_res=group_sum if j == n_blocks - 1 else None,
+        block_probs = nl.ndarray(tile.scores[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=block_probs, op=nl.exp, data=tile.scores[j], bias=tile.neg_max, scale=kernel.scale,
+                        reduce_op=nl.add, reduce_res=tile.group_sum if j == n_blocks - 1 else None,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
-        probs.append(block_probs)
-    tile["probs"] = probs
-    tile["group_sum"] = group_sum
+        tile.probs.append(block_probs)
 
 
-def _attention_fwd_transposes(tile):
+def _fwd_transposes(tile, kernel):
     """Stage 3 of a group: p @ v contracts over keys, which must sit on the partitions: TensorE transposes
     p chunk by chunk into PSUM, one tile per block."""
-    transposed = []
-    for j in range(len(tile["probs"])):
-        transposed.append(_transposed_chunks(tile["probs"][j]))
-    tile["transposed"] = transposed
+    tile.transposed = []
+    for j in range(len(tile.probs)):
+        tile.transposed.append(_transposed_chunks(tile.probs[j]))
 
 
-def _attention_fwd_probs_t(tile):
+def _fwd_probs_t(tile, kernel):
     """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns)."""
-    tile["probs_t"] = []
-    for j in range(len(tile["transposed"])):
-        tile["probs_t"].append(nl.ndarray(tile["transposed"][j].shape, dtype=tile["q_cols"][0].dtype, buffer=nl.sbuf))
-        _evict(tile["probs_t"][j], tile["transposed"][j], (tile["query_tile"] + j) % 2 == 1)
+    tile.probs_t = []
+    for j in range(len(tile.transposed)):
+        tile.probs_t.append(nl.ndarray(tile.transposed[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf))
+        _evict(tile.probs_t[j], tile.transposed[j], (tile.query_tile + j) % 2 == 1)
 
 
-def _attention_fwd_values(tile, group):
+def _fwd_values(tile, kernel):
     """Stage 5 of a group: P @ V accumulated in one PSUM tile over the group; past the first group, what the
     earlier groups summed rescaled to the new max."""
-    query_tile, starts, probs_t = tile["query_tile"], tile["starts"], tile["probs_t"]
-    v_rows = tile["kv"][1]
-    head_dim = v_rows.shape[2]
-    last_group, group_sum = group == len(tile["groups"]) - 1, tile["group_sum"]
+    head_dim = tile.v_rows.shape[2]
     group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-    for j in range(len(probs_t)):
-        for c in range(probs_t[j].shape[1]):
-            nisa.nc_matmul(dst=group_out, stationary=probs_t[j][:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
-                           accumulate=j > 0 or c > 0)
-    if tile["single_group"]:
-        tile["out_acc"] = group_out
-        tile["row_sum"] = group_sum
-    elif group == 0:
-        tile["out_acc"] = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=tile["out_acc"], src=group_out)
-        tile["row_sum"] = group_sum
+    for j in range(len(tile.probs_t)):
+        for c in range(tile.probs_t[j].shape[1]):
+            nisa.nc_matmul(dst=group_out, stationary=tile.probs_t[j][:, c, :],
+                           moving=tile.v_rows[:, tile.starts[j] // TILE + c, :], accumulate=j > 0 or c > 0)
+    if len(tile.groups) == 1:
+        tile.out_acc = group_out
+        tile.row_sum = tile.group_sum
+    elif tile.group == 0:
+        tile.out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile.out_acc, src=group_out)
+        tile.row_sum = tile.group_sum
     else:  # rescale what the earlier groups summed to the new max
-        sum_all = tile["stats"][1]
-        new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else \
-            nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=new_sum, data=tile["row_sum"], op0=nl.multiply, operand0=tile["alpha"],
-                                  op1=nl.add, operand1=group_sum)
-        tile["row_sum"] = new_sum
-        nisa.scalar_tensor_tensor(dst=tile["out_acc"], data=tile["out_acc"], op0=nl.multiply,
-                                  operand0=tile["alpha"], op1=nl.add, operand1=group_out)
+        new_sum = tile.sum_all[:, tile.query_tile:tile.query_tile + 1] if tile.group == len(tile.groups) - 1 \
+            else nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=new_sum, data=tile.row_sum, op0=nl.multiply, operand0=tile.alpha,
+                                  op1=nl.add, operand1=tile.group_sum)
+        tile.row_sum = new_sum
+        nisa.scalar_tensor_tensor(dst=tile.out_acc, data=tile.out_acc, op0=nl.multiply, operand0=tile.alpha,
+                                  op1=nl.add, operand1=group_out)
 
 
-def _attention_fwd_store(tile, out, lse):
+def _fwd_store(tile, kernel):
     """Stage 6 of a tile: out = acc * (1 / sum), its 128 rows to out[b, h]. No division on the hardware
     (nki.api.shared.rst's ISA operator table; the release notes' known issues): one VectorE reciprocal of the
     (128, 1) row sums, then a multiply from PSUM. The head's last tile also writes its lse = log(sum) -
     (-scale * max), one ScalarE and one VectorE instruction for the head."""
-    b, h, query_tile, head_dim = tile["b"], tile["h"], tile["query_tile"], tile["out_acc"].shape[1]
+    rows = slice(tile.query_tile * TILE, (tile.query_tile + 1) * TILE)
     inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inverse_sum, data=tile["row_sum"])
-    out_tile = nl.ndarray((TILE, head_dim), dtype=out.dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_tile, data=tile["out_acc"], op0=nl.multiply, operand0=inverse_sum)
-    nisa.dma_copy(dst=out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], src=out_tile)
-    if tile["last_tile"]:
-        neg_max_all, sum_all = tile["stats"]
-        log_sum = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=log_sum, op=nl.log, data=sum_all)  # sum >= 1: the max itself contributes exp(0)
-        lse_tile = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=neg_max_all, op=nl.subtract)
-        nisa.dma_copy(dst=lse[b, h, :, :], src=lse_tile)
+    nisa.reciprocal(dst=inverse_sum, data=tile.row_sum)
+    out_tile = nl.ndarray((TILE, tile.out_acc.shape[1]), dtype=kernel.out.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_tile, data=tile.out_acc, op0=nl.multiply, operand0=inverse_sum)
+    nisa.dma_copy(dst=kernel.out[tile.b, tile.h, rows, :], src=out_tile)
+    if tile.query_tile == kernel.q.shape[2] // TILE - 1:
+        log_sum = nl.ndarray(tile.sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=log_sum, op=nl.log, data=tile.sum_all)  # sum >= 1: the max itself contributes exp(0)
+        lse_tile = nl.ndarray(tile.sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=tile.neg_max_all, op=nl.subtract)
+        nisa.dma_copy(dst=kernel.lse[tile.b, tile.h, :, :], src=lse_tile)
 
 
 def flash_attention_fwd_kernel(q, k, v, scale, window):
     """Causal flash attention forward, grouped-query heads, optionally in a sliding window.
 
     Inputs (HBM), as the model holds them: q (B, H, S, d), k and v (B, Hkv, S, d); all bf16 (or all fp32:
-    then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
-    pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
-    h // (H / Hkv); scale is the softmax scale; query i sees keys i - window .. i (FA3's window_size
-    (window, 0)), window a multiple of 128 (S or more: every key up to the query). Returns out (B, H, S, d)
-    in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query
-    t*128 + p at [b, h, p, t], which the backward needs. S is limited by the backward's SBUF plan
-    (flash_attention_bwd_kernel).
+    then every matmul runs in fp32, 4x slower, for testing). scale is the softmax scale; query i sees keys
+    i - window .. i (FA3's window_size (window, 0)). Returns out (B, H, S, d) in the input dtype and lse
+    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
+    the backward needs. Limits (asserted here): d <= 256, even above 128 (one or two equal pieces of <= 128
+    on the partitions); S a multiple of 128; Hkv divides H (query head h uses kv head h // (H / Hkv));
+    window a multiple of 128 (S or more: every key up to the query). S is also limited by the backward's
+    SBUF plan (flash_attention_bwd_kernel).
 
     Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
     (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
@@ -1025,23 +1095,35 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped); with a window, keys start at
     128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of
-    up to 4 blocks (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce registers,
-    which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE reading PSUM
-    with the row sum accumulated in its reduce registers over the group's blocks, P cast to the input
-    dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one instruction,
-    VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as 128x128xd
-    matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE reciprocal of
-    the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the first
-    (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics
+    up to 4 blocks (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce
+    registers, which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE
+    reading PSUM with the row sum accumulated in its reduce registers over the group's blocks, P cast to
+    the input dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one
+    instruction, VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as
+    128x128xd matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE
+    reciprocal of the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the
+    first (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics
     stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is one ScalarE and one VectorE
     instruction per head.
 
-    Issue order: the program's query tiles form one stream (pairs, heads, tiles; a pair's K and V and a
-    head's Q loaded by its first tile) through six stages (scores; row max and exp; P^T
-    transposes; P^T copy; P @ V; output and lse; above S = 1024 the copy and P @ V are one), pipelined at
-    S <= 2048: step t issues tile t's scores beside the later stages of the tiles before, so no engine (each
-    in issue order) waits on the chain it just started. Above, a tile's groups carry the online softmax and
-    the tiles go one after another.
+    Schedule: the program's query tiles form one stream (`_fwd_query_tiles`) through seven stages, each
+    unit a query tile, issued by `_pipeline` (step t runs each stage on tile t - lag, in the table's order):
+
+        S <= 1024                            1024 < S <= 2048
+        stage             lag  engines       stage             lag  engines
+        _fwd_load          0   DMA, PE, ACT  _fwd_load          0   DMA, PE, ACT
+        _fwd_scores        0   PE            _fwd_store         2   DVE, DMA (ACT: lse)
+        _fwd_store         5   DVE, DMA      _fwd_transposes    1   PE
+        _fwd_values        4   PE            _fwd_probs_t       1   DVE / ACT
+        _fwd_probs_t       3   DVE / ACT     _fwd_values        1   PE
+        _fwd_transposes    2   PE            _fwd_scores        0   PE
+        _fwd_softmax       1   DVE, ACT      _fwd_softmax       0   DVE, ACT
+
+    Prologue: the first steps run only the stages whose tile exists (step 0: load and scores of tile 0);
+    steady step: every stage, on the tiles t - lag; epilogue: the last tiles' later stages. Above 1024 the
+    P^T copy and P @ V run a step after the scores, so a tile's four score banks are free before the next
+    tile's scores. Above S = 2048 a tile's groups carry the online softmax: tiles and their groups go in
+    order, unpipelined.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
@@ -1049,136 +1131,271 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     tiles' scores (2 banks each), one tile's P^T (a bank per 512 keys), the output tile and Q's layout
     transposes: at most 8 of the 8 banks; at S <= 2048 one tile's scores (4), then its P^T (4) once they are
     copied out, the output tile and the layout transposes: at most 6; above, a group's scores 4 banks, P^T,
-    the output tile and the layout transposes one each: at most 7.
-
-    Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
+    the output tile and the layout transposes one each: at most 7. Per full 512-key block at d = 128
     TensorE spends 640 ns (scores, P^T, P @ V), VectorE 533 on a row max, ScalarE 576 cycles on the exp, the
-    P^T copy 256 VectorE or 576 ScalarE cycles: split as above, both land near TensorE. Counted at the
-    baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5, ScalarE 39.7, DMA 33.0;
-    at K82s4's (4 heads of 256, 1 kv head): TensorE 44.4 against VectorE 38.3, ScalarE 33.5, DMA 23.9.
-    Scheduled (nki_emulator/_schedule.py): 72.0 and 64.8 us (75.6 and 70.4 with P^T copied in P @ V's
-    stage), against serial bounds of 150.9 and 140.6.
+    P^T copy 256 VectorE or 576 ScalarE cycles: split as above, both land near TensorE (docs/results.md has
+    the counts and schedules at the model's shapes).
     """
     batch, n_heads, seq_len, head_dim = q.shape
-    n_kv_heads = k.shape[1]
-    group = n_heads // n_kv_heads
-    n_tiles = seq_len // TILE
-    dtype = q.dtype
-    out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
-    mask = _mask_operands(dtype, seq_len, window)
-    # software-pipelined as nki-library's attention_cte.py group loop (docstring: Issue order)
-    split = 1 if seq_len <= 2 * KEY_BLOCK else 0
-    softmax_at, transposes_at = split, split + 1
-    values_at = transposes_at + 2 * split
-    store_at = values_at + 1
-    pairs = []
-    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        pairs.append(pair)
-    n_steps = len(pairs) * group * n_tiles
-    tiles = []
-    if seq_len <= KEY_GROUP:  # one group a tile
-        for step in range(n_steps + store_at):
-            if step < n_steps:
-                tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
-            if split and step < n_steps:
-                _attention_fwd_scores(tiles[step], 0, mask)
-            if 0 <= step - store_at:
-                _attention_fwd_store(tiles[step - store_at], out, lse)
-            if split and 0 <= step - values_at < n_steps:
-                _attention_fwd_values(tiles[step - values_at], 0)
-            if split and 0 <= step + split - values_at < n_steps:
-                _attention_fwd_probs_t(tiles[step + split - values_at])
-            if 0 <= step - transposes_at < n_steps:
-                _attention_fwd_transposes(tiles[step - transposes_at])
-            if not split and 0 <= step - values_at < n_steps:  # P^T leaves PSUM before the next scores
-                _attention_fwd_probs_t(tiles[step - values_at])
-                _attention_fwd_values(tiles[step - values_at], 0)
-            if not split and step < n_steps:
-                _attention_fwd_scores(tiles[step], 0, mask)
-            if 0 <= step - softmax_at < n_steps:
-                _attention_fwd_softmax(tiles[step - softmax_at], 0, scale)
+    _assert_attention_limits(q, k, window)
+    out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((batch, n_heads, TILE, seq_len // TILE), dtype=nl.float32, buffer=nl.shared_hbm)
+    kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale, mask=_mask_operands(q.dtype, seq_len, window))
+    tiles = _fwd_query_tiles(q, k, window)
+    if seq_len <= 2 * KEY_BLOCK:  # the schedules of the docstring's table
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_scores, 0), (_fwd_store, 5), (_fwd_values, 4), (_fwd_probs_t, 3),
+                          (_fwd_transposes, 2), (_fwd_softmax, 1)), kernel)
+    elif seq_len <= KEY_GROUP:
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_store, 2), (_fwd_transposes, 1), (_fwd_probs_t, 1), (_fwd_values, 1),
+                          (_fwd_scores, 0), (_fwd_softmax, 0)), kernel)
     else:  # a tile's groups carry its online softmax: in order
-        for step in range(n_steps):
-            tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
-            for key_group in range(len(tiles[step]["groups"])):
-                _attention_fwd_scores(tiles[step], key_group, mask)
-                _attention_fwd_softmax(tiles[step], key_group, scale)
-                _attention_fwd_transposes(tiles[step])
-                _attention_fwd_probs_t(tiles[step])
-                _attention_fwd_values(tiles[step], key_group)
-            _attention_fwd_store(tiles[step], out, lse)
+        for t in range(len(tiles)):
+            _fwd_load(tiles[t], kernel)
+            for group in range(len(tiles[t].groups)):
+                tiles[t].group = group
+                _fwd_scores(tiles[t], kernel)
+                _fwd_softmax(tiles[t], kernel)
+                _fwd_transposes(tiles[t], kernel)
+                _fwd_probs_t(tiles[t], kernel)
+                _fwd_values(tiles[t], kernel)
+            _fwd_store(tiles[t], kernel)
     return out, lse
 
 
-def _attention_bwd_scores(unit, mask):
-    """Stage 1: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
-    q_cols, do_cols, k_cols, v_cols = unit["head"][0], unit["head"][2], unit["kv"][0], unit["kv"][2]
-    query_tile, first, width = unit["query_tile"], unit["first"], unit["width"]
-    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
-    unit["scores"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(unit["scores"], q_cols, k_cols, query_tile, first, mask)
-    unit["dprobs"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    for piece in range(len(do_cols)):
-        nisa.nc_matmul(dst=unit["dprobs"], stationary=do_cols[piece][:, queries],
-                       moving=v_cols[piece][:, first:first + width], accumulate=piece > 0)
+class AttentionBwd(_NKIObject):
+    """What every stage of flash_attention_bwd_kernel reads: its operands and outputs (HBM)."""
+    q = None
+    k = None
+    v = None
+    out = None
+    d_out = None
+    lse = None
+    dq = None
+    dk = None
+    dv = None
+    scale = None
+    mask = None  # AttentionMask
+    group = None  # query heads per kv head
 
 
-def _attention_bwd_softmax(unit, scale):
-    """Stage 2: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
+class BwdPair(_NKIObject):
+    """A (batch, kv head) pair's state, made by its first head's `_bwd_prepare`."""
+    k_cols = None
+    k_rows = None
+    v_cols = None
+    dk_rows = None  # dK and dV of the pair in the input dtype, (128, S/128, d), written by the group's last head
+    dv_rows = None
+    dk_sum = None  # with G > 1: the fp32 sums over the group's heads before the last
+    dv_sum = None
+
+
+class BwdHead(_NKIObject):
+    """A query head's state, made by `_bwd_prepare` BWD_HEAD_AHEAD steps before its first unit's scores."""
+    q_cols = None
+    q_rows = None
+    do_cols = None
+    do_rows = None
+    neg_lse = None  # (128, S/128) fp32
+    neg_delta = None  # -D = -rowsum(dO * O), (128, S/128) fp32
+    dq_acc = None  # dQ's fp32 sum, (128, S/128, d)
+
+
+class BwdKeyBlock(_NKIObject):
+    """A key block's dK and dV accumulators in PSUM (`_banked_chunks`), made by its first unit's stage 2."""
+    dk = None
+    dv = None
+
+
+class BwdUnit(_NKIObject):
+    """A (key block, 128-query tile) unit of the backward's stream, and what its stages make."""
+    b = None
+    kv_head = None
+    h = None
+    query_tile = None
+    first = None  # the first key the tile sees in the block
+    width = None  # keys from `first` to the block's end or the diagonal
+    chunks = None  # the block's 128-key chunks, a slice
+    opens_row = None  # the tile's first block: its dQ sum starts here
+    block_last = None  # the block's last tile: its dK and dV are final
+    head_first = None  # the head's first unit: makes the head's state
+    pair = None  # BwdPair
+    head = None  # BwdHead
+    block = None  # BwdKeyBlock
+    scores = None  # stage 1: S and dP in PSUM
+    dprobs = None
+    probs = None  # stage 2: P and dS in SBUF
+    dscores = None
+    dscores_t = None  # stage 3: dS^T in PSUM; stage 4: in SBUF
+    dscores_t_sbuf = None
+    dq_block = None  # stage 5: the block's dQ in PSUM
+
+
+def _bwd_units(q, k, window):
+    """The program's units: (batch, kv head) pairs split over the LNC programs, their query heads, key blocks
+    of up to 512 keys and the query tiles that see them; one stream per pair where SBUF_BUDGET cannot hold
+    two pairs, else one for the program."""
+    n_heads, seq_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
+    group = n_heads // n_kv_heads
+    streams, units = [], []
+    for index in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(index, n_kv_heads)
+        if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, 4 if q.dtype == nl.float32 else 2,
+                                                    pairs=2) > SBUF_BUDGET:
+            streams.append(units)
+            units = []
+        pair = BwdPair()
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            head = BwdHead()
+            for start in range(0, seq_len, KEY_BLOCK):
+                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                tiles_stop, block = min(n_tiles, chunks.stop + window // TILE), BwdKeyBlock()
+                for i in range(chunks.start, tiles_stop):
+                    first = max(start, _first_key(i, window))
+                    units.append(BwdUnit(b=b, kv_head=kv_head, h=h, query_tile=i, first=first, chunks=chunks,
+                                         width=min(start + KEY_BLOCK, (i + 1) * TILE) - first,
+                                         opens_row=first == _first_key(i, window), block_last=i == tiles_stop - 1,
+                                         head_first=start == 0 and i == 0, pair=pair, head=head, block=block))
+    streams.append(units)
+    return streams
+
+
+def _bwd_prepare(unit, kernel):
+    """Stage -3 of a head's first unit: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
+    otherwise, its sum on VectorE), and, for the pair's first head, the pair's."""
+    if not unit.head_first:
+        return
+    q, head, pair, dtype = kernel.q, unit.head, unit.pair, kernel.q.dtype
+    rows = (TILE, q.shape[2] // TILE, q.shape[3])
+    if unit.h % kernel.group == 0:
+        pair.k_rows = _load_rows(kernel.k, unit.b, unit.kv_head, dtype)
+        pair.k_cols = _rows_to_cols(pair.k_rows, False)
+        pair.v_cols = _load_cols(kernel.v, unit.b, unit.kv_head, dtype, True)
+        grads = _sbuf_tiles(2, rows, dtype)
+        pair.dk_rows = grads[0]
+        pair.dv_rows = grads[1]
+        if kernel.group > 1:
+            sums = _sbuf_tiles(2, rows, nl.float32)
+            pair.dk_sum = sums[0]
+            pair.dv_sum = sums[1]
+    head.q_rows = _load_rows(q, unit.b, unit.h, dtype)
+    head.q_cols = _rows_to_cols(head.q_rows, False)
+    head.do_rows = _load_rows(kernel.d_out, unit.b, unit.h, dtype)
+    head.do_cols = _rows_to_cols(head.do_rows, True)
+    lse_tile = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lse_tile, src=kernel.lse[unit.b, unit.h, :, :])
+    head.neg_lse = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=head.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
+    out_rows = _load_rows(kernel.out, unit.b, unit.h, dtype)
+    head.neg_delta = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    for first in range(0, rows[1], 2):
+        tiles = slice(first, min(first + 2, rows[1]))
+        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=head.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_reduce(dst=head.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
+    head.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
+
+
+def _bwd_scores(unit, kernel):
+    """Stage 0: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
+    head, pair, first, width = unit.head, unit.pair, unit.first, unit.width
+    queries = slice(unit.query_tile * TILE, (unit.query_tile + 1) * TILE)
+    unit.scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    _scores(unit.scores, head.q_cols, pair.k_cols, unit.query_tile, first, kernel.mask)
+    unit.dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    for piece in range(len(head.do_cols)):
+        nisa.nc_matmul(dst=unit.dprobs, stationary=head.do_cols[piece][:, queries],
+                       moving=pair.v_cols[piece][:, first:first + width], accumulate=piece > 0)
+
+
+def _bwd_softmax(unit, kernel):
+    """Stage 1: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
     scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's product has both inputs in SBUF
     in the input dtype (its fast case, N cycles, not 2N)."""
-    neg_lse, neg_delta, dtype = unit["head"][4], unit["head"][5], unit["head"][1].dtype
-    column, width = slice(unit["query_tile"], unit["query_tile"] + 1), unit["width"]
-    unit["probs"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=unit["probs"], op=nl.exp, data=unit["scores"], bias=neg_lse[:, column], scale=scale)
-    shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=shifted, op=nl.copy, data=unit["dprobs"], bias=neg_delta[:, column])
-    unit["dscores"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=unit["dscores"], data1=shifted, data2=unit["probs"], op=nl.multiply)
+    column, dtype = slice(unit.query_tile, unit.query_tile + 1), kernel.q.dtype
+    unit.probs = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=unit.probs, op=nl.exp, data=unit.scores, bias=unit.head.neg_lse[:, column],
+                    scale=kernel.scale)
+    shifted = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=shifted, op=nl.copy, data=unit.dprobs, bias=unit.head.neg_delta[:, column])
+    unit.dscores = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=unit.dscores, data1=shifted, data2=unit.probs, op=nl.multiply)
 
 
-def _attention_bwd_kv_grads(unit):
-    """Stage 3: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators dk_block, dv_block (one
-    (128 keys, d) slot per 128-key chunk of the block, `_banked_chunks`): queries are already on the
-    partitions. The sum of chunk c starts at the query tile on its diagonal, the first one that sees its
-    keys. Then dS transposed by TensorE for dQ = dS @ K, which contracts over keys."""
-    q_rows, do_rows, (dk_block, dv_block) = unit["head"][1], unit["head"][3], unit["blocks"]
-    query_tile, first = unit["query_tile"], unit["first"]
-    n_chunks, skipped = unit["width"] // TILE, first // TILE - unit["chunks"].start
-    for c in range(n_chunks):
+def _bwd_kv_grads(unit, kernel):
+    """Stage 2: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators (one (128 keys, d) slot per
+    128-key chunk, `_banked_chunks`, made by the block's first unit): queries are already on the partitions.
+    The sum of chunk c starts at the query tile on its diagonal, the first one that sees its keys. Then dS
+    transposed by TensorE for dQ = dS @ K, which contracts over keys."""
+    block, query_tile = unit.block, unit.query_tile
+    if query_tile == unit.chunks.start:
+        n_chunks = unit.chunks.stop - unit.chunks.start
+        block.dk = _banked_chunks(n_chunks, kernel.q.shape[3])
+        block.dv = _banked_chunks(n_chunks, kernel.q.shape[3])
+    skipped = unit.first // TILE - unit.chunks.start
+    for c in range(unit.width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
-        started = query_tile > first // TILE + c
-        nisa.nc_matmul(dst=dv_block[skipped + c], stationary=unit["probs"][:, chunk],
-                       moving=do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dst=dk_block[skipped + c], stationary=unit["dscores"][:, chunk],
-                       moving=q_rows[:, query_tile, :], accumulate=started)
-    unit["dscores_t"] = _transposed_chunks(unit["dscores"])
+        started = query_tile > unit.first // TILE + c
+        nisa.nc_matmul(dst=block.dv[skipped + c], stationary=unit.probs[:, chunk],
+                       moving=unit.head.do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dst=block.dk[skipped + c], stationary=unit.dscores[:, chunk],
+                       moving=unit.head.q_rows[:, query_tile, :], accumulate=started)
+    unit.dscores_t = _transposed_chunks(unit.dscores)
 
 
-def _attention_bwd_dq(unit):
-    """Stage 5 (after stage 4, dS^T out of PSUM on VectorE): dQ of the tile from this block (TensorE), in PSUM."""
-    k_rows, first = unit["kv"][1], unit["first"]
-    unit["dq_block"] = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for c in range(unit["width"] // TILE):
-        nisa.nc_matmul(dst=unit["dq_block"], stationary=unit["dscores_t_sbuf"][:, c, :],
-                       moving=k_rows[:, first // TILE + c, :], accumulate=c > 0)
+def _bwd_dscores_t(unit, kernel):
+    """Stage 3: dS^T out of PSUM (VectorE); the block's last unit adds the block's dK and dV onto the pair's
+    (`_bwd_add_kv_grads`)."""
+    unit.dscores_t_sbuf = nl.ndarray(unit.dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
+    _evict(unit.dscores_t_sbuf, unit.dscores_t, False)
+    if unit.block_last:
+        _bwd_add_kv_grads(unit, kernel)
 
 
-def _attention_bwd_add_dq(unit, dq, scale):
-    """Stage 6: the block's dQ added into the SBUF accumulator (VectorE); after the tile's diagonal block, its
-    last, scaled and stored."""
-    i = unit["query_tile"]
-    row = unit["dq_acc"][:, i, :]
-    if unit["opens_row"]:
-        nisa.tensor_copy(dst=row, src=unit["dq_block"])
+def _bwd_add_kv_grads(unit, kernel):
+    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
+    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
+    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
+    pair, chunks = unit.pair, unit.chunks
+    first, last = unit.h % kernel.group == 0, unit.h % kernel.group == kernel.group - 1
+    for g in range(2):
+        rows, sums, block = (pair.dk_rows, pair.dv_rows)[g], (pair.dk_sum, pair.dv_sum)[g], (unit.block.dk,
+                                                                                             unit.block.dv)[g]
+        for c in range(chunks.start, chunks.stop):
+            target = rows[:, c, :] if last else sums[:, c, :]
+            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(kernel.scale, 1.0)[g])
+            if not first:
+                nisa.tensor_tensor(dst=target, data1=scaled, data2=sums[:, c, :], op=nl.add,
+                                   engine=nisa.engine.gpsimd)
+            if last:
+                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][unit.b, unit.kv_head, c * TILE:(c + 1) * TILE, :],
+                              src=target)
+
+
+def _bwd_dq(unit, kernel):
+    """Stage 4: dQ of the tile from this block (TensorE), in PSUM."""
+    k_rows = unit.pair.k_rows
+    unit.dq_block = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(unit.width // TILE):
+        nisa.nc_matmul(dst=unit.dq_block, stationary=unit.dscores_t_sbuf[:, c, :],
+                       moving=k_rows[:, unit.first // TILE + c, :], accumulate=c > 0)
+
+
+def _bwd_add_dq(unit, kernel):
+    """Stage 5: the block's dQ added into the head's SBUF accumulator (VectorE); after the tile's diagonal
+    block, its last, scaled and stored."""
+    i = unit.query_tile
+    row = unit.head.dq_acc[:, i, :]
+    if unit.opens_row:
+        nisa.tensor_copy(dst=row, src=unit.dq_block)
     else:
-        nisa.tensor_tensor(dst=row, data1=row, data2=unit["dq_block"], op=nl.add)
-    if unit["chunks"].start <= i < unit["chunks"].stop:
-        dq_tile = nl.ndarray(row.shape, dtype=dq.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=scale)
-        nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
+        nisa.tensor_tensor(dst=row, data1=row, data2=unit.dq_block, op=nl.add)
+    if unit.chunks.start <= i < unit.chunks.stop:
+        dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
+        nisa.dma_copy(dst=kernel.dq[unit.b, unit.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1195,65 +1412,14 @@ def _banked_chunks(n_chunks, head_dim):
     return slots
 
 
-def _attention_bwd_prepare(unit, pair, q, k, v, out, d_out, lse, group):
-    """The state of a head, made for its first unit: "head" (Q cols, Q rows, dO cols, dO rows, -lse, -D),
-    D = rowsum(dO * O), the last two (128, S/128) fp32, and "dq_acc", dQ's fp32 sum; the pair's first head
-    makes the pair's "kv" (K cols, K rows, V cols) and "grads" (dK, dV rows, with G > 1 their fp32 sums)
-    into the dict `pair`."""
-    b, h, dtype, n_tiles = unit["b"], unit["h"], q.dtype, q.shape[2] // TILE
-    rows = (TILE, n_tiles, q.shape[3])
-    if h % group == 0:
-        k_rows = _load_rows(k, b, unit["kv_head"], dtype)
-        pair["kv"] = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, unit["kv_head"], dtype, True))
-        pair["grads"] = _sbuf_tiles(2, rows, dtype) + _sbuf_tiles(2 if group > 1 else 0, rows, nl.float32)
-    q_rows = _load_rows(q, b, h, dtype)
-    q_cols = _rows_to_cols(q_rows, False)
-    do_rows = _load_rows(d_out, b, h, dtype)
-    do_cols = _rows_to_cols(do_rows, True)
-
-    lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
-    neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    # the product on GpSimd (idle otherwise), its sum on VectorE
-    out_rows = _load_rows(out, b, h, dtype)
-    neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    for first in range(0, n_tiles, 2):
-        tiles = slice(first, min(first + 2, n_tiles))
-        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=products, data1=do_rows[:, tiles, :], data2=out_rows[:, tiles, :], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_reduce(dst=neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
-    unit.update(kv=pair["kv"], grads=pair["grads"], head=(q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta),
-                dq_acc=nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf))
-
-
-def _add_kv_grads(unit, dk, dv, scale, group):
-    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
-    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
-    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
-    first, last, chunks = unit["h"] % group == 0, unit["h"] % group == group - 1, unit["chunks"]
-    for g in range(2):
-        rows, block = unit["grads"][g], unit["blocks"][g]
-        for c in range(chunks.start, chunks.stop):
-            target = rows[:, c, :] if last else unit["grads"][g + 2][:, c, :]
-            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(scale, 1.0)[g])
-            if not first:
-                nisa.tensor_tensor(dst=target, data1=scaled, data2=unit["grads"][g + 2][:, c, :], op=nl.add,
-                                   engine=nisa.engine.gpsimd)
-            if last:
-                nisa.dma_copy(dst=(dk, dv)[g][unit["b"], unit["kv_head"], c * TILE:(c + 1) * TILE, :], src=target)
-
-
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
     Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d). Returns dq (B, H, S, d), dk and dv (B, Hkv, S, d) in the
-    input dtype, dk and dv summed over the G query heads of each kv head. Same limits as the forward, and
-    SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and 2048*128
-    in fp32 (`_attention_sbuf_bytes`).
+    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted
+    here), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and
+    2048*128 in fp32 (`_attention_sbuf_bytes`).
 
     Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
     scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows and cols, -lse,
@@ -1267,83 +1433,41 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
     once final.
 
-    Issue order: the program's units (pairs, heads, blocks, tiles) form one stream (one per pair where
-    SBUF_BUDGET cannot hold two pairs) through six stages: scores and dP; P, dP - D, dS; dV, dK, dS^T; dS^T
-    out of PSUM; dQ; its add. Unit u's stage k is issued at step u + k, the last first: each stage reads what
-    the step before made, no engine (each in issue order) waits on the chain it just started, and each PSUM
-    tile is read before the next unit's is written. A head's state is made BWD_HEAD_AHEAD steps early, after
-    the step's dQ add frees a bank for its transposes.
+    Schedule: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) form one stream (one per pair
+    where SBUF_BUDGET cannot hold two pairs), issued by `_pipeline` (step t runs each stage on unit t - lag,
+    in the table's order: the last stage first, so each PSUM tile is read before the next unit's is written):
+
+        stage              lag  engines
+        _bwd_add_dq         5   DVE (DMA: a tile's dQ after its diagonal block)
+        _bwd_prepare       -3   DMA, PE, DVE, ACT, Pool: a head's state, BWD_HEAD_AHEAD steps early, after
+                                the step's dQ add frees a bank for its transposes
+        _bwd_dq             4   PE
+        _bwd_dscores_t      3   DVE (a block's last unit: ACT, Pool, DMA for dK, dV)
+        _bwd_kv_grads       2   PE
+        _bwd_softmax        1   ACT, DVE
+        _bwd_scores         0   PE
+
+    Prologue: steps -3 .. -1 make the first head's state (and at step 0 the state of a head starting at unit
+    3); steady step: every stage; epilogue: the last five units' later stages.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
     plus ~6 KiB, 178,176 at S = 4096, d = 128 (SBUF_BUDGET 196,608). PSUM, whole 2 KiB banks: scores, dP,
     dS^T, dQ (or a head's transposes) one each, dK and dV (`_banked_chunks`) one each at d = 128, two at
     d = 256: at most 8 of 8.
-
-    Counted (nki_emulator/_cost.py, one Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128,
-    S 1024): DMA 81.1 us, TensorE 68.3, VectorE 60.5, ScalarE 55.5; at K82s4's (B 1, 4 heads of 256, 1 kv
-    head): TensorE 94.7 against VectorE 64.5, DMA 56.7, ScalarE 52.9, GpSimd 42.6. Scheduled
-    (nki_emulator/_schedule.py): 98.2 and 114.9 us (150.7 and 184.8 with four stages, head after head).
     """
     batch, n_heads, seq_len, head_dim = q.shape
+    _assert_attention_limits(q, k, window)
     n_kv_heads = k.shape[1]
-    group = n_heads // n_kv_heads
-    n_tiles = seq_len // TILE
-    dtype = q.dtype
-    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
-    mask = _mask_operands(dtype, seq_len, window)
-    itemsize = 4 if dtype == nl.float32 else 2
-    streams, units, pair = [], [], {}
-    for index in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        b, kv_head = divmod(index, n_kv_heads)
-        if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=2) > SBUF_BUDGET:
-            streams.append(units)
-            units = []
-        for h in range(kv_head * group, (kv_head + 1) * group):
-            for start in range(0, seq_len, KEY_BLOCK):
-                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                tiles_stop = min(n_tiles, chunks.stop + window // TILE)
-                for i in range(chunks.start, tiles_stop):
-                    first = max(start, _first_key(i, window))
-                    units.append({"query_tile": i, "first": first, "opens_row": first == _first_key(i, window),
-                                  "width": min(start + KEY_BLOCK, (i + 1) * TILE) - first, "b": b, "kv_head": kv_head,
-                                  "h": h, "chunks": chunks, "block_last": i == tiles_stop - 1,
-                                  "head_first": start == 0 and i == 0})
-    streams.append(units)
-    for units in streams:
-        n = len(units)
-        for step in range(n + 5):
-            if 0 <= step - 5:
-                _attention_bwd_add_dq(units[step - 5], dq, scale)
-            for j in range(step + BWD_HEAD_AHEAD if step > 0 else 0, min(n, step + BWD_HEAD_AHEAD + 1)):
-                if units[j]["head_first"]:
-                    _attention_bwd_prepare(units[j], pair, q, k, v, out, d_out, lse, group)
-            if 0 <= step - 4 < n:
-                _attention_bwd_dq(units[step - 4])
-            if 0 <= step - 3 < n:
-                unit = units[step - 3]
-                unit["dscores_t_sbuf"] = nl.ndarray(unit["dscores_t"].shape, dtype=dtype, buffer=nl.sbuf)
-                _evict(unit["dscores_t_sbuf"], unit["dscores_t"], False)
-                if unit["block_last"]:
-                    _add_kv_grads(unit, dk, dv, scale, group)
-            if 0 <= step - 2 < n:
-                unit = units[step - 2]
-                if unit["query_tile"] == unit["chunks"].start:
-                    n_chunks = unit["chunks"].stop - unit["chunks"].start
-                    blocks = (_banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim))
-                unit["blocks"] = blocks
-                _attention_bwd_kv_grads(unit)
-            if 0 <= step - 1 < n:
-                _attention_bwd_softmax(units[step - 1], scale)
-            if step < n:
-                unit = units[step]
-                if not unit["head_first"]:
-                    for key in ("kv", "grads", "head", "dq_acc"):
-                        unit[key] = units[step - 1][key]
-                _attention_bwd_scores(unit, mask)
+    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
+                          mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
+    streams = _bwd_units(q, k, window)
+    for s in range(len(streams)):  # the schedule of the docstring's table
+        _pipeline(streams[s], ((_bwd_add_dq, 5), (_bwd_prepare, -BWD_HEAD_AHEAD), (_bwd_dq, 4), (_bwd_dscores_t, 3),
+                               (_bwd_kv_grads, 2), (_bwd_softmax, 1), (_bwd_scores, 0)), kernel)
     return dq, dk, dv
 
 
