@@ -2421,97 +2421,109 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    weighted = weight is not None
-    if weighted:
+    kernel = RmsNormBwd(dy=dy, x=x, dx=dx, eps=eps)
+    if weight is not None:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
-        weight_rows = _broadcast_to_partitions(weight)
-        ones_column = _constant_column(1.0)
-        column_spans = _spans(0, dim, BANK_FP32)
-        dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
-        for span in column_spans:
-            _, width = span
-            dweight_acc.append(nl.ndarray((1, width), nl.float32, buffer=nl.psum))
-
+        kernel.weight_rows = _broadcast_to_partitions(weight)
+        kernel.ones_column = _constant_column(1.0)
+        kernel.dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
+        for span in _spans(0, dim, BANK_FP32):
+            kernel.dweight_acc.append(nl.ndarray((1, span[1]), nl.float32, buffer=nl.psum))
     program_start, program_stop = _program_rows(n_rows)
-    spans = _spans(program_start, program_stop, TILE)
-    tiles = []
-    for step in range(len(spans) + 2):
-        if step < len(spans):
-            tiles.append(_rms_norm_bwd_statistics(dy, x, spans[step], eps, weight_rows if weighted else None))
-        if 0 <= step - 1 < len(spans):
-            _rms_norm_bwd_coefficient(tiles[step - 1], weight_rows if weighted else None)
-            if weighted:
-                for c in range(len(column_spans)):
-                    col, width = column_spans[c]
-                    nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:tiles[step - 1]["rows"]],
-                                   moving=tiles[step - 1]["normed_dy"][:, col:col + width],
-                                   accumulate=step - 1 > 0)
-        if 0 <= step - 2:
-            _rms_norm_bwd_store(tiles[step - 2], dx)
-
-    if not weighted:
+    spans, tiles = _spans(program_start, program_stop, TILE), []
+    for s in range(len(spans)):
+        tiles.append(RmsNormBwdTile(index=s, rows=slice(spans[s][0], spans[s][0] + spans[s][1])))
+    _pipeline(tiles, ((_rms_norm_bwd_statistics, 0), (_rms_norm_bwd_coefficient, 1), (_rms_norm_bwd_store, 2)),
+              kernel)
+    if weight is None:
         return dx  # one output: TorchNeuron hands it back bare
     partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
     if program_start == program_stop:  # this program got no rows
         nisa.memset(dst=partial, value=0.0)
     else:
-        for c in range(len(column_spans)):
-            col, width = column_spans[c]
-            nisa.tensor_copy(dst=partial[:, col:col + width], src=dweight_acc[c])
+        for c in range(len(kernel.dweight_acc)):
+            col = c * BANK_FP32
+            nisa.tensor_copy(dst=partial[:, col:col + kernel.dweight_acc[c].shape[1]], src=kernel.dweight_acc[c])
     nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
     return dx, dweight
 
 
-def _rms_norm_bwd_statistics(dy, x, span, eps, weight_rows):
-    """Stage 1 of a row tile of rms_norm_bwd_kernel (a dict): x and dy loaded, r (_reciprocal_rms), and the
-    product whose row sums give the coefficient of x: x dy, or with a weight g = r dy weight and x g / d."""
-    row, rows = span
-    dim = x.shape[1]
-    tile = {"rows": rows, "tile_rows": slice(row, row + rows)}
-    tile["x"] = _load_tile(x, tile["tile_rows"], slice(0, dim))
-    tile["dy"] = _load_tile(dy, tile["tile_rows"], slice(0, dim))
-    tile["out"] = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-    if weight_rows is None:
-        tile["product"] = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)  # x dy, then c x + dy
-        tile["rstd"] = _reciprocal_rms(tile["x"], eps, squares=tile["product"])
-        nisa.tensor_tensor(dst=tile["product"], data1=tile["x"], data2=tile["dy"], op=nl.multiply)
+class RmsNormBwd(_NKIObject):
+    """What every stage of rms_norm_bwd_kernel reads."""
+    dy = None
+    x = None
+    dx = None
+    eps = None
+    weight_rows = None  # with a weight: it on every partition, a column of ones and dweight's PSUM rows
+    ones_column = None
+    dweight_acc = None
+
+
+class RmsNormBwdTile(_NKIObject):
+    """A 128-row tile of rms_norm_bwd_kernel and what its stages make."""
+    index = None
+    rows = None  # a slice of the rows
+    x = None
+    dy = None
+    out = None  # dx's rows
+    product = None  # x dy, then c x + dy (with a weight: the squares, then x g / d)
+    rstd = None
+    g = None  # with a weight: r dy weight
+    normed_dy = None  # with a weight: dy x r, the weight gradient's rows
+
+
+def _rms_norm_bwd_statistics(tile, kernel):
+    """Stage 0 of a row tile: x and dy loaded, r (_reciprocal_rms), and the product whose row sums give the
+    coefficient of x: x dy, or with a weight g = r dy weight and x g / d."""
+    dim, count = kernel.x.shape[1], tile.rows.stop - tile.rows.start
+    tile.x = _load_tile(kernel.x, tile.rows, slice(0, dim))
+    tile.dy = _load_tile(kernel.dy, tile.rows, slice(0, dim))
+    tile.out = nl.ndarray((count, dim), kernel.x.dtype, buffer=nl.sbuf)
+    if kernel.weight_rows is None:
+        tile.product = nl.ndarray((count, dim), kernel.x.dtype, buffer=nl.sbuf)
+        tile.rstd = _reciprocal_rms(tile.x, kernel.eps, squares=tile.product)
+        nisa.tensor_tensor(dst=tile.product, data1=tile.x, data2=tile.dy, op=nl.multiply)
     else:
-        tile["product"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)  # the squares, then x g / d
-        tile["rstd"] = _reciprocal_rms(tile["x"], eps, squares=tile["product"])
-        tile["g"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=tile["g"], data=tile["dy"], op0=nl.multiply, operand0=tile["rstd"],
-                                  op1=nl.multiply, operand1=weight_rows[:rows])
-        nisa.scalar_tensor_tensor(dst=tile["product"], data=tile["x"], op0=nl.multiply, operand0=1.0 / dim,
-                                  op1=nl.multiply, operand1=tile["g"])
-    return tile
+        tile.product = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+        tile.rstd = _reciprocal_rms(tile.x, kernel.eps, squares=tile.product)
+        tile.g = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=tile.g, data=tile.dy, op0=nl.multiply, operand0=tile.rstd, op1=nl.multiply,
+                                  operand1=kernel.weight_rows[:count])
+        nisa.scalar_tensor_tensor(dst=tile.product, data=tile.x, op0=nl.multiply, operand0=1.0 / dim,
+                                  op1=nl.multiply, operand1=tile.g)
 
 
-def _rms_norm_bwd_coefficient(tile, weight_rows):
-    """Stage 2: the row sums (ScalarE's accumulator), c = -r^2 mean(x dy) (or of x g), and dx = r (dy + c x)
-    but for its last scale, or with a weight dx = c x + g and the weight gradient's dy x r."""
-    rows, dim = tile["rows"], tile["x"].shape[1]
-    neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy), -mean(x g)
-    nisa.activation_reduce(dst=tile["product"], op=nl.copy, data=tile["product"], reduce_op=nl.add,
-                           reduce_res=neg_mean, scale=-1.0 / dim if weight_rows is None else -1.0)
-    x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # c
-    nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=tile["rstd"], op1=nl.multiply,
-                       operand1=tile["rstd"])
-    if weight_rows is None:
-        nisa.tensor_scalar(dst=tile["out"], data=tile["x"], op0=nl.multiply, operand0=x_coef)
-        nisa.tensor_tensor(dst=tile["product"], data1=tile["out"], data2=tile["dy"], op=nl.add)
-    else:
-        nisa.scalar_tensor_tensor(dst=tile["out"], data=tile["x"], op0=nl.multiply, operand0=x_coef, op1=nl.add,
-                                  operand1=tile["g"])
-        tile["normed_dy"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=tile["normed_dy"], data=tile["x"], op0=nl.multiply, operand0=tile["rstd"],
-                                  op1=nl.multiply, operand1=tile["dy"])
+def _rms_norm_bwd_coefficient(tile, kernel):
+    """Stage 1: the row sums (ScalarE's accumulator), c = -r^2 mean(x dy) (or of x g), and dx = r (dy + c x)
+    but for its last scale, or with a weight dx = c x + g and the weight gradient's dy x r, summed over the
+    rows by a matmul with a column of ones into PSUM."""
+    count, dim = tile.rows.stop - tile.rows.start, kernel.x.shape[1]
+    neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy), -mean(x g)
+    nisa.activation_reduce(dst=tile.product, op=nl.copy, data=tile.product, reduce_op=nl.add,
+                           reduce_res=neg_mean, scale=-1.0 / dim if kernel.weight_rows is None else -1.0)
+    x_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)  # c
+    nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=tile.rstd, op1=nl.multiply,
+                       operand1=tile.rstd)
+    if kernel.weight_rows is None:
+        nisa.tensor_scalar(dst=tile.out, data=tile.x, op0=nl.multiply, operand0=x_coef)
+        nisa.tensor_tensor(dst=tile.product, data1=tile.out, data2=tile.dy, op=nl.add)
+        return
+    nisa.scalar_tensor_tensor(dst=tile.out, data=tile.x, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                              operand1=tile.g)
+    tile.normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=tile.normed_dy, data=tile.x, op0=nl.multiply, operand0=tile.rstd,
+                              op1=nl.multiply, operand1=tile.dy)
+    for c in range(len(kernel.dweight_acc)):
+        col = c * BANK_FP32
+        nisa.nc_matmul(dst=kernel.dweight_acc[c], stationary=kernel.ones_column[:count],
+                       moving=tile.normed_dy[:, col:col + kernel.dweight_acc[c].shape[1]], accumulate=tile.index > 0)
 
 
-def _rms_norm_bwd_store(tile, dx):
-    """Stage 3: without a weight ScalarE's r * (dy + c x) (its free scale); dx's rows to HBM."""
-    if "g" not in tile:
-        nisa.activation(dst=tile["out"], op=nl.copy, data=tile["product"], scale=tile["rstd"])
-    nisa.dma_copy(dst=dx[tile["tile_rows"], :], src=tile["out"])
+def _rms_norm_bwd_store(tile, kernel):
+    """Stage 2: without a weight ScalarE's r * (dy + c x) (its free scale); dx's rows to HBM."""
+    if tile.g is None:
+        nisa.activation(dst=tile.out, op=nl.copy, data=tile.product, scale=tile.rstd)
+    nisa.dma_copy(dst=kernel.dx[tile.rows, :], src=tile.out)
 
 
 def _broadcast_to_partitions(vector):
@@ -2707,44 +2719,56 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
     split = d_normed.dtype != total.dtype
     d_branch = nl.ndarray((n_rows, dim), d_normed.dtype, buffer=nl.shared_hbm) if split else None
+    kernel = AddRmsNormBwd(d_total=d_total, d_normed=d_normed, total=total, dx=dx, d_branch=d_branch, eps=eps)
     program_start, program_stop = _program_rows(n_rows)
-    spans = _spans(program_start, program_stop, TILE)
-    tiles = []
-    for step in range(len(spans) + 2):  # software-pipelined in three stages (docstring), as rms_norm's backward
-        if step < len(spans):
-            tiles.append(_add_rms_norm_bwd_statistics(d_total, d_normed, total, spans[step], eps))
-        if 0 <= step - 1 < len(spans):
-            _add_rms_norm_bwd_dx(tiles[step - 1], dim)
-        if 0 <= step - 2:
-            tile = tiles[step - 2]
-            nisa.dma_copy(dst=dx[tile["rows"], :], src=tile["out"])
-            if split:
-                out_branch = nl.ndarray(tile["out"].shape, d_normed.dtype, buffer=nl.sbuf)
-                nisa.activation(dst=out_branch, op=nl.copy, data=tile["out"])  # on ScalarE, which has one pass less
-                nisa.dma_copy(dst=d_branch[tile["rows"], :], src=out_branch)
+    spans, tiles = _spans(program_start, program_stop, TILE), []
+    for s in range(len(spans)):
+        tiles.append(AddRmsNormBwdTile(rows=slice(spans[s][0], spans[s][0] + spans[s][1])))
+    _pipeline(tiles, ((_add_rms_norm_bwd_statistics, 0), (_add_rms_norm_bwd_dx, 1), (_add_rms_norm_bwd_store, 2)),
+              kernel)
     if split:
         return dx, d_branch
     return dx  # one output: TorchNeuron hands it back bare
 
 
-def _add_rms_norm_bwd_statistics(d_total, d_normed, total, span, eps):
-    """Stage 1 of a row tile of add_rms_norm_bwd_kernel (a dict): s, dy (and d_total) loaded, r, s * dy."""
-    row, rows = span
-    dim = total.shape[1]
-    tile = {"rows": slice(row, row + rows), "scratch": nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)}
-    tile["s"] = _load_tile(total, tile["rows"], slice(0, dim))
-    tile["dy"] = _load_tile(d_normed, tile["rows"], slice(0, dim))
-    tile["d_total"] = _load_tile(d_total, tile["rows"], slice(0, dim)) if d_total is not None else None
-    tile["rstd"] = _reciprocal_rms(tile["s"], eps, squares=tile["scratch"])
-    nisa.tensor_tensor(dst=tile["scratch"], data1=tile["s"], data2=tile["dy"], op=nl.multiply)
-    return tile
+class AddRmsNormBwd(_NKIObject):
+    """What every stage of add_rms_norm_bwd_kernel reads."""
+    d_total = None  # None when nothing later read s
+    d_normed = None
+    total = None
+    dx = None
+    d_branch = None  # dx once more in y's dtype, where it differs from s's; else None
+    eps = None
 
 
-def _add_rms_norm_bwd_dx(tile, dim):
-    """Stage 2: the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy), and
+class AddRmsNormBwdTile(_NKIObject):
+    """A 128-row tile of add_rms_norm_bwd_kernel and what its stages make."""
+    rows = None  # a slice of the rows
+    s = None
+    dy = None
+    d_total = None
+    scratch = None  # fp32: s * dy, then s * coef + d_total
+    rstd = None
+    out = None  # dx's rows
+
+
+def _add_rms_norm_bwd_statistics(tile, kernel):
+    """Stage 0 of a row tile: s, dy (and d_total) loaded, r, s * dy."""
+    dim = kernel.total.shape[1]
+    tile.scratch = nl.ndarray((tile.rows.stop - tile.rows.start, dim), nl.float32, buffer=nl.sbuf)
+    tile.s = _load_tile(kernel.total, tile.rows, slice(0, dim))
+    tile.dy = _load_tile(kernel.d_normed, tile.rows, slice(0, dim))
+    if kernel.d_total is not None:
+        tile.d_total = _load_tile(kernel.d_total, tile.rows, slice(0, dim))
+    tile.rstd = _reciprocal_rms(tile.s, kernel.eps, squares=tile.scratch)
+    nisa.tensor_tensor(dst=tile.scratch, data1=tile.s, data2=tile.dy, op=nl.multiply)
+
+
+def _add_rms_norm_bwd_dx(tile, kernel):
+    """Stage 1: the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy), and
     dx = dy * r + (s * coef + d_total) (VectorE)."""
-    rstd, scratch, s_tile = tile["rstd"], tile["scratch"], tile["s"]
-    rows = s_tile.shape[0]
+    rstd, scratch, s_tile = tile.rstd, tile.scratch, tile.s
+    rows, dim = s_tile.shape[0], s_tile.shape[1]
     neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(s dy)
     nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
                            scale=-1.0 / dim)
@@ -2753,14 +2777,23 @@ def _add_rms_norm_bwd_dx(tile, dim):
     s_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -r^3 mean(s dy)
     nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                        operand1=r_squared)
-    if tile["d_total"] is None:
+    if tile.d_total is None:
         nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
     else:
         nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
-                                  operand1=tile["d_total"])
-    tile["out"] = nl.ndarray((rows, dim), s_tile.dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=tile["out"], data=tile["dy"], op0=nl.multiply, operand0=rstd, op1=nl.add,
+                                  operand1=tile.d_total)
+    tile.out = nl.ndarray((rows, dim), s_tile.dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=tile.out, data=tile.dy, op0=nl.multiply, operand0=rstd, op1=nl.add,
                               operand1=scratch)
+
+
+def _add_rms_norm_bwd_store(tile, kernel):
+    """Stage 2: dx's rows to HBM, and d_branch's, cast on ScalarE (which has one pass less)."""
+    nisa.dma_copy(dst=kernel.dx[tile.rows, :], src=tile.out)
+    if kernel.d_branch is not None:
+        out_branch = nl.ndarray(tile.out.shape, kernel.d_normed.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=out_branch, op=nl.copy, data=tile.out)
+        nisa.dma_copy(dst=kernel.d_branch[tile.rows, :], src=out_branch)
 
 
 # add_rms_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
@@ -3214,23 +3247,56 @@ def _load_rope_step(src, cos, sin, b, tokens, parts):
     return tiles[0], (tiles[1], tiles[2])
 
 
-def _rope_unit(x, cos, sin, steps, units, n_heads):
-    """Appends the next (step, head) unit of the rope_norm kernels' pipelines to `units` and returns it (a
-    dict: b, tokens, the tables, the head's slice of x); a step's first head loads x (all heads) and the
-    tables for the step."""
-    step, h = divmod(len(units), n_heads)
-    if h == 0:
-        b, start, parts, per_part = steps[step]
-        tokens = slice(start, start + parts * per_part)
-        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+class RopeNorm(_NKIObject):
+    """What every stage of the rope_norm kernels reads."""
+    x = None
+    cos = None
+    sin = None
+    dy = None  # the backward's
+    out = None  # y (forward) or dx (backward), in HBM
+    head_dim = None
+    eps = None
+
+
+class RopeUnit(_NKIObject):
+    """A (step, head) unit of the rope_norm kernels' pipelines and what its stages make."""
+    b = None
+    h = None
+    tokens = None  # a slice of the sequence
+    parts = None  # partitions: tokens // parts of them on each
+    previous = None  # the unit before: a step's later heads take its x and tables
+    x_all = None  # every head of the step's tokens, (parts, J, H * D), and their (cos, sin)
+    cos_sin = None
+    x = None  # the head's slice of x_all
+    z = None  # forward: rope(x), then its squares; backward: g = rope^-1(dy)
+    g = None
+    scratch = None  # backward: the squares, x g, then x c + g
+    out = None
+    mean_sq = None
+    rstd = None
+
+
+def _rope_units(steps, n_heads):
+    """The rope_norm kernels' units: each of the program's steps (_rope_steps), head by head."""
+    units = []
+    for s in range(len(steps)):
+        b, start, parts, per_part = steps[s]
+        for h in range(n_heads):
+            units.append(RopeUnit(b=b, h=h, tokens=slice(start, start + parts * per_part), parts=parts,
+                                  previous=units[-1] if len(units) > 0 else None))
+    return units
+
+
+def _rope_load(unit, kernel):
+    """A step's first head loads x (all heads) and the tables for the step; the others take them."""
+    if unit.h == 0:
+        loaded = _load_rope_step(kernel.x, kernel.cos, kernel.sin, unit.b, unit.tokens, unit.parts)
+        unit.x_all = loaded[0]
+        unit.cos_sin = loaded[1]
     else:
-        b, tokens, x_all, cos_sin = units[-1]["b"], units[-1]["tokens"], units[-1]["x_all"], units[-1]["cos_sin"]
-    dim = x.shape[2] // n_heads
-    units.append({"b": b, "tokens": tokens, "x_all": x_all, "cos_sin": cos_sin, "h": h,
-                  "x": x_all[:, :, h * dim:(h + 1) * dim]})
-    return units[-1]
-
-
+        unit.x_all = unit.previous.x_all
+        unit.cos_sin = unit.previous.cos_sin
+    unit.x = unit.x_all[:, :, unit.h * kernel.head_dim:(unit.h + 1) * kernel.head_dim]
 def _slot_mean_squares(slots, eps, squares):
     """mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile: ScalarE squares and sums each slot (into
     `squares`, slots of the same shapes, unread), the mean is one VectorE instruction for all the slots."""
@@ -3278,23 +3344,31 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    steps, units = _rope_steps(batch, seq_len, dim), []
-    for u in range(len(steps) * n_heads + 2):  # software-pipelined (docstring: Issue order)
-        if u < len(steps) * n_heads:
-            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
-            unit["z"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            unit["out"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            _rotate_head(unit["z"], unit["x"], unit["cos_sin"], False)
-        if 0 <= u - 1 < len(units):
-            unit = units[u - 1]
-            unit["mean_sq"] = _slot_mean_squares(_slots(unit["z"]), eps, _slots(unit["out"]))
-        if u >= 2:
-            unit = units[u - 2]
-            rstd, z_slots, out_slots = _slot_rsqrt(unit["mean_sq"]), _slots(unit["z"]), _slots(unit["out"])
-            for c in range(len(z_slots)):
-                nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-            nisa.dma_copy(dst=y[unit["b"], unit["h"], unit["tokens"], :], src=unit["out"])
+    kernel = RopeNorm(x=x, cos=cos, sin=sin, out=y, head_dim=dim, eps=eps)
+    units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
+    _pipeline(units, ((_rope_fwd_rotate, 0), (_rope_fwd_squares, 1), (_rope_fwd_store, 2)), kernel)
     return y
+
+
+def _rope_fwd_rotate(unit, kernel):
+    """Stage 0: the step's x and tables (_rope_load), the head rotated into z."""
+    _rope_load(unit, kernel)
+    unit.z = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    unit.out = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    _rotate_head(unit.z, unit.x, unit.cos_sin, False)
+
+
+def _rope_fwd_squares(unit, kernel):
+    """Stage 1: mean(z^2) + eps of each (token, head)."""
+    unit.mean_sq = _slot_mean_squares(_slots(unit.z), kernel.eps, _slots(unit.out))
+
+
+def _rope_fwd_store(unit, kernel):
+    """Stage 2: rstd, y = z * rstd (ScalarE's free scale), stored into y[b, h]."""
+    rstd, z_slots, out_slots = _slot_rsqrt(unit.mean_sq), _slots(unit.z), _slots(unit.out)
+    for c in range(len(z_slots)):
+        nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
+    nisa.dma_copy(dst=kernel.out[unit.b, unit.h, unit.tokens, :], src=unit.out)
 
 
 def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
@@ -3318,42 +3392,53 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     """
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    steps, units = _rope_steps(batch, seq_len, dim), []
-    for u in range(len(steps) * n_heads + 3):  # software-pipelined (docstring: Issue order)
-        if u < len(steps) * n_heads:
-            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
-            dy_head = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=dy_head, src=dy[unit["b"], unit["h"], unit["tokens"], :])
-            for name in ("g", "scratch", "out"):  # scratch: the squares, x g, then x c + g
-                unit[name] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            _rotate_head(unit["g"], dy_head, unit["cos_sin"], True)
-        if 0 <= u - 1 < len(units):
-            unit = units[u - 1]
-            unit["mean_sq"] = _slot_mean_squares(_slots(unit["x"]), eps, _slots(unit["scratch"]))
-            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["x"], data2=unit["g"], op=nl.multiply,
-                               engine=nisa.gpsimd_engine)
-        if 0 <= u - 2 < len(units):
-            unit = units[u - 2]
-            unit["rstd"] = _slot_rsqrt(unit["mean_sq"])
-            rstd = unit["rstd"]
-            x_slots, scratch_slots, out_slots = _slots(unit["x"]), _slots(unit["scratch"]), _slots(unit["out"])
-            neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
-            for c in range(len(x_slots)):
-                nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
-                                       reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-            x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
-            nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
-            nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
-            for c in range(len(x_slots)):
-                nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["out"], data2=unit["g"], op=nl.add)
-        if u >= 3:
-            unit = units[u - 3]
-            scratch_slots, out_slots = _slots(unit["scratch"]), _slots(unit["out"])
-            for c in range(len(scratch_slots)):
-                nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=unit["rstd"][:, c:c + 1])
-            nisa.dma_copy(dst=dx[unit["b"], unit["tokens"], unit["h"] * dim:(unit["h"] + 1) * dim], src=unit["out"])
+    kernel = RopeNorm(x=x, cos=cos, sin=sin, dy=dy, out=dx, head_dim=dim, eps=eps)
+    units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
+    _pipeline(units, ((_rope_bwd_rotate, 0), (_rope_bwd_squares, 1), (_rope_bwd_coefficient, 2),
+                      (_rope_bwd_store, 3)), kernel)
     return dx
+
+
+def _rope_bwd_rotate(unit, kernel):
+    """Stage 0: the step's x and tables (_rope_load), the head's dy, rotated back into g."""
+    _rope_load(unit, kernel)
+    dy_head = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=dy_head, src=kernel.dy[unit.b, unit.h, unit.tokens, :])
+    unit.g = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    unit.scratch = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    unit.out = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
+    _rotate_head(unit.g, dy_head, unit.cos_sin, True)
+
+
+def _rope_bwd_squares(unit, kernel):
+    """Stage 1: mean(x^2) + eps of each (token, head), and x g (GpSimd)."""
+    unit.mean_sq = _slot_mean_squares(_slots(unit.x), kernel.eps, _slots(unit.scratch))
+    nisa.tensor_tensor(dst=unit.scratch, data1=unit.x, data2=unit.g, op=nl.multiply, engine=nisa.gpsimd_engine)
+
+
+def _rope_bwd_coefficient(unit, kernel):
+    """Stage 2: r, the row sums of x g scaled by -1/D (ScalarE's accumulator), c = -r^2 mean(x g), x c + g."""
+    unit.rstd = _slot_rsqrt(unit.mean_sq)
+    x_slots, scratch_slots, out_slots = _slots(unit.x), _slots(unit.scratch), _slots(unit.out)
+    neg_mean = nl.ndarray(unit.rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+    for c in range(len(x_slots)):
+        nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
+                               reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / kernel.head_dim)
+    x_coef = nl.ndarray(unit.rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+    nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=unit.rstd, op=nl.multiply)
+    nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=unit.rstd, op=nl.multiply)
+    for c in range(len(x_slots)):
+        nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+    nisa.tensor_tensor(dst=unit.scratch, data1=unit.out, data2=unit.g, op=nl.add)
+
+
+def _rope_bwd_store(unit, kernel):
+    """Stage 3: dx = r (x c + g) (ScalarE's free scale), into the head's columns of dx."""
+    scratch_slots, out_slots = _slots(unit.scratch), _slots(unit.out)
+    for c in range(len(scratch_slots)):
+        nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=unit.rstd[:, c:c + 1])
+    dim = kernel.head_dim
+    nisa.dma_copy(dst=kernel.out[unit.b, unit.tokens, unit.h * dim:(unit.h + 1) * dim], src=unit.out)
 
 
 # rope_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
