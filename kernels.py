@@ -1931,20 +1931,19 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     """
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
-    gated = w_gate is not None
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
     grads = [nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm),  # dw_up
              nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm)]  # dw_down, transposed
-    if gated:
+    if w_gate is not None:
         grads.append(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm))  # dw_gate
-
     program_start, program_stop = _program_rows(n_tokens)
-    blocks = _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim))
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
-    partial = _partial_sums(program_start, program_stop, dim, len(chunks))
-    weights = [w_up, w_gate] if gated else [w_up]
-    if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
+    kernel = MlpBwd(dy=dy, x=x, up_saved=up_saved, gate_saved=gate_saved, activation=activation, dx=dx, grads=grads,
+                    weights=[w_up, w_gate] if w_gate is not None else [w_up], program_start=program_start,
+                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks),
+                    partial=_partial_sums(program_start, program_stop, dim, len(chunks)))
+    if len(kernel.blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for g in range(len(grads)):
@@ -1952,87 +1951,150 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
                 nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=zeros)
         chunks = []
     for k in range(len(chunks)):
-        first_tile, tiles = chunks[k]
-        units = first_tile * TILE
-        accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
+        kernel.chunk = k
+        kernel.units = chunks[k][0] * TILE
+        kernel.tiles = chunks[k][1]
+        kernel.accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
         for _ in grads:
-            accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
-        weight_rows = [[], []]  # the chunk's rows of w_up (and w_gate), tiles [128 units, d]
-        steps = []
-        block = _mlp_bwd_block(dy, x, blocks[0])
-        w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+            kernel.accumulators.append(_sbuf_tiles(kernel.tiles, (TILE, dim), nl.float32))
+        kernel.weight_rows = [[], []]  # the chunk's rows of w_up (and w_gate), tiles [128 units, d]
+        first_block = _mlp_bwd_block(dy, x, kernel.blocks[0])
+        kernel.w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
         for c in range(dim // TILE):
-            w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), slice(units, units + tiles * TILE)))
-        n_steps = len(blocks) * tiles
-        for s in range(n_steps + 2):  # software-pipelined (docstring: Issue order)
-            if s < n_steps:
-                b, j = divmod(s, tiles)
-                if j == 0 and b > 0:
-                    block = _mlp_bwd_block(dy, x, blocks[b])
-                saved = slice(units + j * TILE, units + (j + 1) * TILE)
-                if b == 0:  # loaded as the steps need them
-                    for w in range(len(weights)):
-                        weight_rows[w].append(_load_tile(weights[w], saved, slice(0, dim)))
-                d_act = _matmul_into_psum(_column_slices(w_down_cols, j * TILE, (j + 1) * TILE), block["dy_t"])
-                gate = _load_tile(gate_saved, saved, block["rows"]) if gated else None
-                act, scale, d_up, d_gate = _mlp_activation_backward(
-                    activation, _load_tile(up_saved, saved, block["rows"]), gate, d_act, x.dtype)
-                steps.append({"block": block, "act": act, "scale": scale, "d_pre": [d_up, d_gate]})
-            if 0 <= s - 1 < n_steps:
-                b, j = divmod(s - 1, tiles)
-                step, done = steps[s - 1], steps[s - 1]["block"]
-                step["flips"] = [_token_major(step["d_pre"][0], done["x"], 1.0),
-                                 _token_major(step["act"], done["dy"], step["scale"])]
-                for w in range(len(weights)):
-                    if w:
-                        step["flips"].append(_token_major(step["d_pre"][w], done["x"], 1.0))
-                    _accumulate_dx(done, step["d_pre"][w], weight_rows[w][j], accumulate=j > 0 or w > 0)
-                for p in range(len(done["pieces"]) if j == tiles - 1 else 0):  # the block's dx is complete
-                    offset, tokens = done["pieces"][p]
-                    rows = slice(done["rows"].start + offset, done["rows"].start + offset + tokens)
-                    _finish_rows(dx, partial, rows, program_start, done["dx_acc"][p], k, len(chunks), p)
-            if s >= 2:
-                b, j = divmod(s - 2, tiles)
-                step = steps[s - 2]
-                pieces = [step["block"]["x"], step["block"]["dy"], step["block"]["x"]]
-                for g in range(len(grads)):
-                    _accumulate_weight_grad(accumulators[g][j], step["flips"][g], pieces[g], b == 0)
-                    if b == len(blocks) - 1:  # complete
-                        nisa.dma_copy(dst=grads[g][program, units + j * TILE:units + (j + 1) * TILE, :],
-                                      src=accumulators[g][j])
-    if gated:
+            kernel.w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE),
+                                                 slice(kernel.units, kernel.units + kernel.tiles * TILE)))
+        steps = []
+        for s in range(len(kernel.blocks) * kernel.tiles):
+            b, j = divmod(s, kernel.tiles)
+            steps.append(MlpBwdStep(b=b, j=j, block=first_block if s == 0 else None,
+                                    previous=steps[-1] if len(steps) > 0 else None))
+        _pipeline(steps, ((_mlp_bwd_derivative, 0), (_mlp_bwd_dx, 1), (_mlp_bwd_weight_grads, 2)), kernel)
+    if w_gate is not None:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
 
 
+class MlpBwd(_NKIObject):
+    """What every stage of mlp_bwd_kernel reads; the chunk's fields change from chunk to chunk."""
+    dy = None
+    x = None
+    up_saved = None
+    gate_saved = None
+    activation = None
+    dx = None
+    grads = None  # dw_up, dw_down transposed (and dw_gate): (programs, hidden, d) fp32 in HBM
+    weights = None  # w_up (and w_gate)
+    program_start = None
+    blocks = None  # the program's (start, tokens) blocks
+    n_chunks = None
+    partial = None  # dx's fp32 partial sums between chunks (_partial_sums)
+    chunk = None  # the chunk's index, first hidden unit and 128-unit tiles
+    units = None
+    tiles = None
+    accumulators = None  # per gradient, the chunk's fp32 tiles [128 units, d]
+    weight_rows = None  # the chunk's rows of w_up (and w_gate), tiles [128 units, d], loaded by the first block
+    w_down_cols = None  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+
+
+class MlpBwdBlock(_NKIObject):
+    """A backward block of tokens (`_mlp_bwd_block`)."""
+    rows = None  # a slice of the tokens
+    dy = None  # 128-token row pieces
+    x = None
+    dy_t = None  # d/128 tiles [128, tokens]
+    pieces = None  # (offset, tokens) of the row pieces
+    columns = None  # (col, width) of the bank-wide column spans
+    dx_acc = None  # dx in PSUM: per piece, one tile per column span
+
+
+class MlpBwdStep(_NKIObject):
+    """A (block b, hidden tile j) step of a chunk and what its stages make."""
+    b = None
+    j = None
+    block = None  # MlpBwdBlock
+    previous = None  # the step before, whose block a block's later steps share
+    act = None  # the activation [128 hidden, tokens], times 1 / scale
+    scale = None
+    d_pre = None  # the pre-activations' gradients (up, gate)
+    flips = None  # token-major slices of d_up, act (and d_gate), the weight gradients' stationaries
+
+
+def _mlp_bwd_derivative(step, kernel):
+    """Stage 0: daT of hidden tile j on TensorE, and the activation's derivative from the saved pre-activation
+    (ScalarE, VectorE); a block's first step loads the block, the first block's steps the weight rows."""
+    if step.b > 0 and step.j == 0:
+        step.block = _mlp_bwd_block(kernel.dy, kernel.x, kernel.blocks[step.b])
+    elif step.block is None:
+        step.block = step.previous.block
+    saved = slice(kernel.units + step.j * TILE, kernel.units + (step.j + 1) * TILE)
+    if step.b == 0:  # loaded as the steps need them
+        for w in range(len(kernel.weights)):
+            kernel.weight_rows[w].append(_load_tile(kernel.weights[w], saved, slice(0, kernel.x.shape[1])))
+    d_act = _matmul_into_psum(_column_slices(kernel.w_down_cols, step.j * TILE, (step.j + 1) * TILE),
+                              step.block.dy_t)
+    gate = _load_tile(kernel.gate_saved, saved, step.block.rows) if kernel.gate_saved is not None else None
+    derivatives = _mlp_activation_backward(kernel.activation, _load_tile(kernel.up_saved, saved, step.block.rows),
+                                           gate, d_act, kernel.x.dtype)
+    step.act = derivatives[0]
+    step.scale = derivatives[1]
+    step.d_pre = [derivatives[2], derivatives[3]]
+
+
+def _mlp_bwd_dx(step, kernel):
+    """Stage 1: the flips (TensorE, evicted by ScalarE) and the dx matmuls; after a block's last hidden
+    tile its dx leaves PSUM (_finish_rows)."""
+    block = step.block
+    step.flips = [_token_major(step.d_pre[0], block.x, 1.0), _token_major(step.act, block.dy, step.scale)]
+    for w in range(len(kernel.weights)):
+        if w:
+            step.flips.append(_token_major(step.d_pre[w], block.x, 1.0))
+        _accumulate_dx(block, step.d_pre[w], kernel.weight_rows[w][step.j], accumulate=step.j > 0 or w > 0)
+    for p in range(len(block.pieces) if step.j == kernel.tiles - 1 else 0):  # the block's dx is complete
+        offset, tokens = block.pieces[p]
+        rows = slice(block.rows.start + offset, block.rows.start + offset + tokens)
+        _finish_rows(kernel.dx, kernel.partial, rows, kernel.program_start, block.dx_acc[p], kernel.chunk,
+                     kernel.n_chunks, p)
+
+
+def _mlp_bwd_weight_grads(step, kernel):
+    """Stage 2: the weight-gradient matmuls (TensorE) added into the chunk's fp32 tiles (VectorE); in the
+    last block each leaves for HBM as soon as it is complete."""
+    pieces = [step.block.x, step.block.dy, step.block.x]
+    rows = slice(kernel.units + step.j * TILE, kernel.units + (step.j + 1) * TILE)
+    for g in range(len(kernel.grads)):
+        _accumulate_weight_grad(kernel.accumulators[g][step.j], step.flips[g], pieces[g], step.b == 0)
+        if step.b == len(kernel.blocks) - 1:  # complete
+            nisa.dma_copy(dst=kernel.grads[g][nl.program_id(0), rows, :], src=kernel.accumulators[g][step.j])
+
+
 def _mlp_bwd_block(dy, x, span):
-    """A backward block (a dict): its dy and x as 128-token row pieces, dy.T (d/128 tiles [128, tokens],
+    """A backward block (MlpBwdBlock): its dy and x as 128-token row pieces, dy.T (d/128 tiles [128, tokens],
     TensorE transposes) and its dx accumulators in PSUM, one tile per 128-token piece and bank-wide column
     span (allocated here, first written by the block's first dx matmuls)."""
     block_start, block_tokens = span
     dim = x.shape[1]
-    block = {"rows": slice(block_start, block_start + block_tokens),
-             "dy": _load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
-             "x": _load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
-             "dy_t": _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
-             "pieces": _spans(0, block_tokens, TILE), "columns": _spans(0, dim, BANK_FP32), "dx_acc": []}
-    _transpose_pieces_into(block["dy_t"], 0, block["dy"])
-    for piece in block["pieces"]:
+    block = MlpBwdBlock(rows=slice(block_start, block_start + block_tokens),
+                        dy=_load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
+                        x=_load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
+                        dy_t=_sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
+                        pieces=_spans(0, block_tokens, TILE), columns=_spans(0, dim, BANK_FP32), dx_acc=[])
+    _transpose_pieces_into(block.dy_t, 0, block.dy)
+    for piece in block.pieces:
         row_of_banks = []
-        for columns in block["columns"]:
+        for columns in block.columns:
             row_of_banks.append(nl.ndarray((piece[1], columns[1]), nl.float32, buffer=nl.psum))
-        block["dx_acc"].append(row_of_banks)
+        block.dx_acc.append(row_of_banks)
     return block
 
 
 def _accumulate_dx(block, d_pre, weight_rows, accumulate):
     """The block's dx accumulators (PSUM) (+)= d_pre[128 hidden, piece's tokens].T @ weight_rows[128 hidden,
     column span]: one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the chunk's first."""
-    for p in range(len(block["pieces"])):
-        offset, tokens = block["pieces"][p]
-        for c in range(len(block["columns"])):
-            col, width = block["columns"][c]
-            nisa.nc_matmul(dst=block["dx_acc"][p][c], stationary=d_pre[:, offset:offset + tokens],
+    for p in range(len(block.pieces)):
+        offset, tokens = block.pieces[p]
+        for c in range(len(block.columns)):
+            col, width = block.columns[c]
+            nisa.nc_matmul(dst=block.dx_acc[p][c], stationary=d_pre[:, offset:offset + tokens],
                            moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
