@@ -1711,34 +1711,29 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
 
     Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and w_down[:, chunk].T as
     tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time as the chunk's first block
-    reaches them (issue order: TensorE starts on the first 512 units while the DMA brings the next, instead of
-    waiting for all the weights; before, 286.7 us scheduled at K82s4's forward, now 263.7, against a 249.2 us
-    overlap bound; at the baseline's, DMA-bound while the weights and the saved pre-activations share the queues,
-    117.8 -> 118.3). Per block of 512 tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank);
-    then for each hidden tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank
-    (stationary 128 x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into
-    SBUF in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand the down
-    projection wants, y[128 tokens, <=512 of d] += act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so
-    the hidden activation never goes to HBM (unless saved for the backward) and needs no transpose.
+    reaches them (TensorE starts on the first 512 units while the DMA brings the next). Per block of 512 tokens, x.T
+    (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden tile of the chunk hT =
+    w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank (stationary 128 x 128, moving 512 wide, contracting
+    d over 128-row tiles), activated straight out of PSUM into SBUF in the matmul dtype. act.T stays in SBUF for the
+    whole block: it is exactly the stationary operand the down projection wants, y[128 tokens, <=512 of d] +=
+    act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless
+    saved for the backward) and needs no transpose.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
-    of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
-    and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
-    and 32 tiles; planned 96,256 and 194,560 bytes, the emulator measures 76 and 170 KiB); d=1536,
-    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984
-    bytes usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
-    bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
-    any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
+    and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch and y's rows. bf16:
+    d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20 and 32 tiles); d=1536,
+    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984 bytes
+    usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes' bank and up to
+    four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward); any N.
 
     Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
     128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
     ScalarE and VectorE each at most two [128, 512] passes (the activation: relu2 relu on ScalarE and
     relu(u) * u on VectorE reading u from PSUM; leaky_relu2 a u on ScalarE's free scale, the max on
     VectorE, the square on ScalarE; the saved pre-activation's PSUM eviction on the less busy one).
-    The emulator's counts (bench.py --kernels: bf16, 1024 tokens, one Trn2 core, us busy per engine,
-    T/V/S/DMA) with the pre-activation saved: baseline relu2 98 / 40 / 36 / 54, K82s4 leaky_relu2
-    249 / 111 / 58 / 101: TensorE-bound, 87-88% of its time useful matmul (the rest: transposes).
     """
+    assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
+        "d and hidden must be multiples of 128, d at most 2048"
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
     gated = w_gate is not None
@@ -1899,15 +1894,13 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     dx leaves per block (_finish_rows: through an fp32 partial sum in HBM when there are several
     chunks); each chunk's weight gradients leave once, one DMA per 128-unit tile.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
-    (weights and fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d
-    itemsize / 128: the pipeline crosses blocks), the elementwise and flipped tiles of the three tiles in
-    flight, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk of 20 tiles (planned 190,976 bytes,
-    measured 167 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10 (planned 179 KiB, measured
-    163); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
-    5): within SBUF_BUDGET (196,608), under the 212,984 bytes usable on a Trn2 partition.
-    PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
-    _mlp_shape_problem (d <= 2048, multiples of 128); any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4) (weights and
+    fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d itemsize / 128: the
+    pipeline crosses blocks), the elementwise and flipped tiles of the three tiles in flight, dx's rows. bf16:
+    d=640, hidden=2560 (baseline) in one chunk of 20 tiles; d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10;
+    d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5): within SBUF_BUDGET (196,608), under the 212,984
+    bytes usable on a Trn2 partition. PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8.
+    Limits: those of _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
     Engines, per hidden tile and block (B tokens): TensorE 4 matmul groups of 2 B d 128 FLOPs (6 for
     SwiGLU), 4 B d / 128 cycles, plus 2 (3) B/128 flips; VectorE the weight-gradient additions, d
@@ -1915,20 +1908,22 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     passes of the activation's derivative (relu2: d_up = 2 relu(u) * daT reading daT from PSUM;
     leaky_relu2: three); ScalarE the flips' evictions and the activation's scaled copies. So VectorE
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
-    TensorE sets the pace. The emulator's counts for forward + backward (bench.py --kernels: bf16, 1024
-    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 166, K82s4
-    leaky_relu2 724 / 452 / 225 / 416: TensorE-bound, 89-91% of its time useful matmul.
+    TensorE sets the pace.
 
-    Issue order: per chunk, the (block, hidden tile) steps form one stream whose four stages (daT on
-    TensorE; the activation's derivative on ScalarE/VectorE; the flips and dx matmuls on TensorE, the flips'
-    evictions on ScalarE; the weight-gradient matmuls on TensorE and their accumulation on VectorE) are
-    software-pipelined as the attention kernels are: step t issues daT of tile t and its derivative beside
-    the flips and dx of tile t-1 and the weight gradients of tile t-2, so TensorE never waits on the chain of
-    the tile it just started. A block's dx leaves PSUM once its last tile's dx matmuls are issued, before the
-    next block's are first written; a weight gradient leaves for HBM in the last block as soon as it is
-    complete. Scheduled (nki_emulator/_schedule.py), the backward alone: baseline 401.7 us tile after tile,
-    now 211.5, against a 189.9 us overlap bound; K82s4 795.0 -> 504.7 against 474.5.
+    Schedule: per chunk, the (block b, hidden tile j) steps form one stream, issued by `_pipeline` (step t runs
+    each stage on step t - lag, in the table's order), so TensorE never waits on the chain it just started:
+
+        stage                   lag  engines
+        _mlp_bwd_derivative      0   PE (daT), ACT, DVE (the derivative); DMA (a block's first: the block)
+        _mlp_bwd_dx              1   PE (flips, dx), ACT (the flips' evictions); a block's last: dx out
+        _mlp_bwd_weight_grads    2   PE, DVE (first block: ACT); the last block: DMA of each gradient tile
+
+    Prologue: steps 0 and 1 of the chunk; steady step: every stage; epilogue: the last two steps' later stages.
+    A block's dx leaves PSUM once its last tile's dx matmuls are issued, before the next block's are first
+    written.
     """
+    assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
+        "d and hidden must be multiples of 128, d at most 2048"
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
     programs, program = nl.num_programs(), nl.program_id(0)
@@ -2426,13 +2421,13 @@ def rms_norm_fwd_kernel(x, weight, eps):
     call with a K=1 matmul against a row of ones. One read of x and one write of y: the HBM traffic of a
     copy. Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
 
-    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at
-    d = 2048. PSUM: only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial);
-    programs of an LNC launch split the rows.
-    Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd 256,
-    TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d
-    (d = 1024: ScalarE 0.91 us, DMA 1.78 us). With a weight VectorE makes 2d cycles, about DMA's time.
+    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at d = 2048. PSUM:
+    only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial); programs of an LNC launch
+    split the rows. Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd
+    256, TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d. With a weight
+    VectorE makes 2d cycles, about DMA's time.
     """
+    assert x.shape[1] <= RMS_NORM_MAX_DIM, "rows of at most 2048 values (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     weighted = weight is not None
@@ -2467,19 +2462,23 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     program's tiles in PSUM (fp32 operands: exact, and the matmul is only one row tall). One read of x
     and dy and one write of dx.
 
-    Issue order: the row tiles are software-pipelined in three stages (statistics; coefficient; last pass
-    and store): step s issues tile s's statistics beside tile s-1's coefficient and tile s-2's store, so
-    ScalarE and VectorE, each running its instructions in issue order, do not wait on one tile's chain of
-    dependencies (scheduled, nki_emulator/_schedule.py, one sequence of K82s4's d = 1024: 53.0 us tile
-    after tile, 29.8 pipelined, against a 21.4 us overlap bound; the baseline's d = 640: 37.6 -> 21.3).
+    Schedule: the row tiles go through `_pipeline` (step t runs each stage on tile t - lag, in the table's
+    order), so ScalarE and VectorE do not wait on one tile's chain of dependencies:
 
-    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates, three
-    tiles in flight: at most 40 d bytes (fp32 with a weight: the emulator measures 81,936 at d = 2048).
-    PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
-    Engines per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3
-    x 8 rows per queue x (2d + 512) bytes at 23 GB/s: d = 1024: ScalarE 2.67 us, VectorE 2.60, DMA 2.67;
-    d = 640: 1.71, 1.70, 1.87. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x DMA.
+        stage                        lag  engines
+        _rms_norm_bwd_statistics      0   DMA, ACT, DVE, Pool
+        _rms_norm_bwd_coefficient     1   ACT, DVE (with a weight: PE into PSUM)
+        _rms_norm_bwd_store           2   ACT, DMA
+
+    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two tiles' later stages.
+
+    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates, three tiles in
+    flight: at most 40 d bytes. PSUM: d / 512 banks for the weight gradient. Limits as for the forward. Engines per
+    tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3 x 8 rows per queue x
+    (2d + 512) bytes at 23 GB/s: about level. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x
+    DMA.
     """
+    assert x.shape[1] <= RMS_NORM_MAX_DIM, "rows of at most 2048 values (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
@@ -2730,9 +2729,10 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
     partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the compiler: under 64 KiB
     at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
-    pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
-    at the baseline shape, 1024 x 640, fp32 stream and bf16 branch: DMA 27 us, VectorE 11, ScalarE 9).
+    pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth.
     """
+    assert branch.shape == x.shape and x.shape[1] <= RMS_NORM_MAX_DIM, \
+        "x and branch must be (N, d) alike, d at most 2048 (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     total = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     normed = nl.ndarray((n_rows, dim), branch.dtype, buffer=nl.shared_hbm)
@@ -2766,17 +2766,22 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     per row by ScalarE's accumulator, scaled by -1/d; its product with r^3 ([rows, 1], tiny); then
     VectorE s * coef + d_total and dx = dy * r + that (two fused multiply-adds, fp32 inside).
 
-    Issue order: the row tiles are software-pipelined in three stages (statistics; dx; stores), as
-    rms_norm_bwd_kernel's (scheduled, one bf16 sequence: K82s4's 86.3 -> 66.0 us against a 52.8 us overlap
-    bound, the baseline's 58.4 -> 44.6 against 35.6).
+    Schedule: the row tiles go through `_pipeline` (step t runs each stage on tile t - lag, in order):
+
+        stage                            lag  engines
+        _add_rms_norm_bwd_statistics      0   DMA, ACT, DVE, Pool
+        _add_rms_norm_bwd_dx              1   ACT, DVE
+        _add_rms_norm_bwd_store           2   DMA (ACT: the branch's cast)
+
+    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two tiles' later stages.
 
     HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy, d_total, dx,
-    d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight: the emulator measures 73,748
-    bytes at d = 2048 in fp32. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and
-    ScalarE three (two with one dtype throughout), TensorE none; DMA, at 16 bytes a value for an fp32 stream and
-    bf16 branch, is the bottleneck, VectorE close behind (the emulator at 1024 x 640: DMA 36 us, VectorE 33, ScalarE
-    14).
+    d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight. PSUM: none. Limits as for the
+    forward. Per tile VectorE makes three passes and ScalarE three (two with one dtype throughout), TensorE none;
+    DMA, at 16 bytes a value for an fp32 stream and bf16 branch, is the bottleneck, VectorE close behind.
     """
+    assert d_normed.shape == total.shape and total.shape[1] <= RMS_NORM_MAX_DIM, \
+        "total and d_normed must be (N, d) alike, d at most 2048 (RMS_NORM_MAX_DIM)"
     n_rows, dim = total.shape
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
     split = d_normed.dtype != total.dtype
@@ -3023,6 +3028,7 @@ def softcap_cross_entropy_fwd_kernel(logits, targets, vocab, cap):
     TensorE none: ScalarE is the bottleneck, VectorE at 87% of it, the DMA of bf16 logits at a third (the
     emulator at 1024 x 8192). The running sums are [rows, 1] updates, one per chunk.
     """
+    assert cap > 0 and 0 < vocab <= logits.shape[1], "a softcap > 0 and a vocab within the logits' width"
     n_rows = logits.shape[0]
     nll = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
     lse = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
@@ -3088,6 +3094,7 @@ def softcap_cross_entropy_bwd_kernel(logits, targets, lse, d_nll, vocab, cap):
     (costed 2 each), TensorE none: VectorE is the bottleneck, ScalarE at 80% of it, the DMA at a fifth (the
     emulator at 1024 x 8192).
     """
+    assert cap > 0 and 0 < vocab <= logits.shape[1], "a softcap > 0 and a vocab within the logits' width"
     n_rows, padded = logits.shape
     d_logits = nl.ndarray((n_rows, padded), logits.dtype, buffer=nl.shared_hbm)
     columns = _vocab_iota()
@@ -3390,19 +3397,25 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate_head) into the head's own tile;
     ScalarE squares and sums each (token, head), VectorE and GpSimd make rstd, ScalarE writes z * rstd (its
     free scale); one DMA per head stores (128, 4, D) into y[b, h]: the layout change is the store's access
-    pattern. Issue order: the (step, head) units are software-pipelined in three stages (rotation; squares
-    and mean; rsqrt, scaling and store): unit u's rotation is issued beside unit u-1's squares and unit
-    u-2's store, so no engine waits on one head's chain (scheduled, nki_emulator/_schedule.py, one
-    sequence: baseline q 31.9 -> 22.2 us, K82s4 q 43.4 -> 30.9, against overlap bounds of 13.2 and 17.6,
-    which the per-head rsqrt raised from 11.5 and 17.2). Each head has its own tiles because the schedule
-    orders accesses to one tile by the byte range they span, and a head's slice of a (P, 4, H D) tile
-    spans its neighbours' bytes. HBM traffic: x read once, y written once (apart: the rotary's four bf16
-    passes and the norm's read and write). SBUF per partition: x of up to three steps and two head tiles per
-    unit in flight: the emulator measures 57,392 bytes at 8 heads of 256 in fp32 (53,252 at one head of 2048,
-    one token a partition: ROPE_WIDE_HEAD).
-    PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
-    k: 26 / 23 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
+    pattern. Each head has its own tiles because the schedule orders accesses to one tile by the byte range
+    they span, and a head's slice of a (P, 4, H D) tile spans its neighbours' bytes. HBM traffic: x read
+    once, y written once (apart: the rotary's four bf16 passes and the norm's read and write). SBUF per
+    partition: x of up to three steps and two head tiles per unit in flight (one token a partition above
+    ROPE_WIDE_HEAD). PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy. Limits
+    (asserted here): H D <= 2048, D even; any T.
+
+    Schedule: the (step, head) units (`_rope_units`) go through `_pipeline` (step t runs each stage on unit
+    t - lag, in order), so no engine waits on one head's chain:
+
+        stage                 lag  engines
+        _rope_fwd_rotate       0   DMA (a step's first head), Pool, DVE
+        _rope_fwd_squares      1   ACT, DVE
+        _rope_fwd_store        2   Pool, ACT, DMA
+
+    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two units' later stages.
     """
+    assert x.shape[2] <= ROPE_NORM_MAX_WIDTH and x.shape[2] // n_heads % 2 == 0, \
+        "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
@@ -3442,16 +3455,23 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     rotated back by GpSimd and VectorE; r from x (ScalarE squares and sums, VectorE's mean, GpSimd's
     rsqrt); GpSimd's x g, summed per token by ScalarE's accumulator scaled by -1/D; c in two tiny
     instructions; VectorE's x c and + g; ScalarE's r * that; one DMA stores the head's columns of dx.
-    Issue order: the units are software-pipelined in four stages (dy and its rotation; squares and x g;
-    c and x c + g; the last scale and the store), unit u's first beside unit u-3's last, as the forward
-    (scheduled, one sequence: baseline q 57.1 -> 37.2 us, K82s4 q 76.3 -> 47.8, against overlap bounds
-    of 23.0 and 32.0, which the per-head instructions and stores raised from 20.2 and 30.0). HBM traffic:
-    x and dy read, dx written, once each. SBUF per partition: three steps' x and up to nine head tiles in
-    flight (heads wider than ROPE_WIDE_HEAD go one token a partition for this: 4 tokens of one 2048-wide
-    fp32 head would need 229,424 bytes); the emulator measures 102,464 bytes at 8 heads of 256 in fp32,
-    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time
-    (the emulator, baseline q and k: 46 / 41 / 32 us). Limits as for the forward.
+    HBM traffic: x and dy read, dx written, once each. SBUF per partition: three steps' x and up to nine
+    head tiles in flight (heads wider than ROPE_WIDE_HEAD go one token a partition for this: 4 tokens of one
+    2048-wide fp32 head would need 229,424 bytes), within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and
+    VectorE about equally busy, ~1.4x the DMA time. Limits as for the forward (asserted here).
+
+    Schedule, as the forward's (`_pipeline`):
+
+        stage                     lag  engines
+        _rope_bwd_rotate           0   DMA, Pool, DVE
+        _rope_bwd_squares          1   ACT, DVE, Pool
+        _rope_bwd_coefficient      2   Pool, ACT, DVE
+        _rope_bwd_store            3   ACT, DMA
+
+    Prologue: steps 0 to 2; steady step: the four stages; epilogue: the last three units' later stages.
     """
+    assert dy.shape[1] * dy.shape[3] <= ROPE_NORM_MAX_WIDTH and dy.shape[3] % 2 == 0, \
+        "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
     kernel = RopeNorm(x=x, cos=cos, sin=sin, dy=dy, out=dx, head_dim=dim, eps=eps)
