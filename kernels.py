@@ -1122,8 +1122,8 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     Prologue: the first steps run only the stages whose tile exists (step 0: load and scores of tile 0);
     steady step: every stage, on the tiles t - lag; epilogue: the last tiles' later stages. Above 1024 the
     P^T copy and P @ V run a step after the scores, so a tile's four score banks are free before the next
-    tile's scores. Above S = 2048 a tile's groups carry the online softmax: tiles and their groups go in
-    order, unpipelined.
+    tile's scores. Above S = KEY_GROUP (2048) a tile's groups carry the online softmax: tiles and their
+    groups go in order, unpipelined.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
@@ -1142,13 +1142,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     lse = nl.ndarray((batch, n_heads, TILE, seq_len // TILE), dtype=nl.float32, buffer=nl.shared_hbm)
     kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale, mask=_mask_operands(q.dtype, seq_len, window))
     tiles = _fwd_query_tiles(q, k, window)
-    if seq_len <= 2 * KEY_BLOCK:  # the schedules of the docstring's table
-        _pipeline(tiles, ((_fwd_load, 0), (_fwd_scores, 0), (_fwd_store, 5), (_fwd_values, 4), (_fwd_probs_t, 3),
-                          (_fwd_transposes, 2), (_fwd_softmax, 1)), kernel)
-    elif seq_len <= KEY_GROUP:
-        _pipeline(tiles, ((_fwd_load, 0), (_fwd_store, 2), (_fwd_transposes, 1), (_fwd_probs_t, 1), (_fwd_values, 1),
-                          (_fwd_scores, 0), (_fwd_softmax, 0)), kernel)
-    else:  # a tile's groups carry its online softmax: in order
+    if seq_len > KEY_GROUP:  # a tile's groups carry its online softmax: in order
         for t in range(len(tiles)):
             _fwd_load(tiles[t], kernel)
             for group in range(len(tiles[t].groups)):
@@ -1159,6 +1153,12 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
                 _fwd_probs_t(tiles[t], kernel)
                 _fwd_values(tiles[t], kernel)
             _fwd_store(tiles[t], kernel)
+    elif seq_len <= 2 * KEY_BLOCK:  # one group a tile: the schedules of the docstring's table
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_scores, 0), (_fwd_store, 5), (_fwd_values, 4), (_fwd_probs_t, 3),
+                          (_fwd_transposes, 2), (_fwd_softmax, 1)), kernel)
+    else:
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_store, 2), (_fwd_transposes, 1), (_fwd_probs_t, 1), (_fwd_values, 1),
+                          (_fwd_scores, 0), (_fwd_softmax, 0)), kernel)
     return out, lse
 
 
