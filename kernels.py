@@ -3,13 +3,16 @@ The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, 
 next to them fused into kernels of its own: the residual add with the RMSNorm after it, the head's
 softcap with its cross-entropy, and RoPE with QK-norm.
 
-Read by op. First the operations model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`,
-`softcap_cross_entropy`, `rope_norm`) and their dispatch; then the hardware constants and the helpers the
-kernels share; then one section per op: its NKI kernels, the PyTorch op around them, its PyTorch fallback,
-its shape and cost rules, the small inputs its checks use, the plain ops its fallback is priced as, and
-last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` /
-`--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md,
-"Adding a kernel op", lists the steps for a new one.
+Read by op. First what every op shares: the declarations and the dispatch between NKI and PyTorch
+(`_use_nki`), the launch path (`_run_kernel`), the hardware constants, the helpers the kernels share and
+`_pipeline`, the one way the kernels software-pipeline. Then one section per op, read top to bottom: the
+function model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy`,
+`rope_norm`), its NKI kernels (their state in `nl.NKIObject` classes, each pipeline's schedule a table in
+its kernel's docstring), the PyTorch op around them, its PyTorch fallback, its shape and cost rules, the
+small inputs its checks use, the plain ops its fallback is priced as, and last its declaration
+(`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` / `--first_hour` /
+`--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md, "Adding a kernel
+op", lists the steps for a new one.
 
 Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
@@ -106,98 +109,6 @@ except ImportError:
 
 
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
-
-
-# -----------------------------------------------------------------------------
-# the operations model.py calls: each asks _use_nki, then runs its NKI path or its PyTorch path (both in
-# the op's own section below)
-
-
-def attention(q, k, v, mode="auto", window=None):
-    """Causal self-attention with grouped-query heads, optionally in a sliding window.
-
-    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
-    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
-    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
-    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
-    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
-    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
-    """
-    seq_len = q.size(-2)
-    if window is not None and window < 0:
-        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
-    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
-        window = None
-    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
-        return _attention_nki(q, k, v, window)
-    return _attention_torch(q, k, v, window)
-
-
-def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
-    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
-
-    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
-    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
-    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel)
-    take x as (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without
-    gradients (_mlp_shape_problem).
-    """
-    if activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
-    if (activation == "swiglu") != (w_gate is not None):
-        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
-    dtype = _matmul_dtype(x)
-    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
-                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
-        return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
-    return _mlp_torch(x, w_up, w_down, activation, w_gate)
-
-
-def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
-    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
-    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
-    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
-        return _rms_norm_nki(x, weight, eps)
-    return _rms_norm_torch(x, weight, eps)
-
-
-def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
-    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
-
-    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
-    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
-    dtype, which is what the matmul reading the norm would round it to anyway."""
-    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
-        return _add_rms_norm_nki(x, branch, eps)
-    return _add_rms_norm_torch(x, branch, eps, mode)
-
-
-def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
-    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
-
-    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
-    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
-    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
-    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
-    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
-    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
-                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
-        return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
-    return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
-
-
-def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
-    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
-
-    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
-    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
-    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
-    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
-    (its own op)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
-        return _rope_norm_nki(x, cos, sin, n_heads, eps)
-    return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
 
 
 # -----------------------------------------------------------------------------
@@ -702,6 +613,23 @@ def _reciprocal_rms(x_tile, eps, squares):
     return rstd
 
 
+def _pipeline(units, stages, kernel):
+    """Issue `units` through `stages` software-pipelined, the one convention of every pipelined kernel here:
+    at step t, each (stage, lag) of `stages` in its order runs stage(units[t - lag], kernel) where that unit
+    exists. A unit's stage k reads what its stage k - 1 made a step (or more) before, so no engine, each
+    running its instructions in issue order, waits on the chain it has just started (nki-library's
+    attention_cte.py pipelines its group loop by hand the same way). A negative lag runs a stage ahead."""
+    first, last = 0, 0
+    for entry in stages:
+        first, last = min(first, entry[1]), max(last, entry[1])
+    for step in range(first, len(units) + last):
+        for entry in stages:
+            stage, lag = entry
+            if 0 <= step - lag < len(units):
+                stage(units[step - lag], kernel)
+
+
+
 # =============================================================================
 # attention: causal flash attention with grouped-query heads
 #
@@ -712,6 +640,27 @@ def _reciprocal_rms(x_tile, eps, squares):
 # a head is kept two ways: *_rows (128, S/128, d), tile t on partition p = position t*128 + p (rows
 # straight from HBM, 128 per DMA), and *_cols, one (d_piece, S) tile per piece of the head dim (d on the
 # partitions, as TensorE contracts over partitions; made from the rows by TensorE transposes).
+
+
+def attention(q, k, v, mode="auto", window=None):
+    """Causal self-attention with grouped-query heads, optionally in a sliding window.
+
+    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
+    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
+    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
+    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
+    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
+    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
+    """
+    seq_len = q.size(-2)
+    if window is not None and window < 0:
+        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
+    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
+        window = None
+    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
+        return _attention_nki(q, k, v, window)
+    return _attention_torch(q, k, v, window)
+
 
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
@@ -774,22 +723,6 @@ def _assert_attention_limits(q, k, window):
         "head_dim up to 256, even above 128"
     assert seq_len % TILE == 0, "the sequence length must be a multiple of 128"
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
-
-
-def _pipeline(units, stages, kernel):
-    """Issue `units` through `stages` software-pipelined, the one convention of every pipelined kernel here:
-    at step t, each (stage, lag) of `stages` in its order runs stage(units[t - lag], kernel) where that unit
-    exists. A unit's stage k reads what its stage k - 1 made a step (or more) before, so no engine, each
-    running its instructions in issue order, waits on the chain it has just started (nki-library's
-    attention_cte.py pipelines its group loop by hand the same way). A negative lag runs a stage ahead."""
-    first, last = 0, 0
-    for entry in stages:
-        first, last = min(first, entry[1]), max(last, entry[1])
-    for step in range(first, len(units) + last):
-        for entry in stages:
-            stage, lag = entry
-            if 0 <= step - lag < len(units):
-                stage(units[step - lag], kernel)
 
 
 def _load_rows(src, b, h, dtype):
@@ -1695,6 +1628,27 @@ ATTENTION_OP = _declare(KernelOp(
 # (the weight gradients) accumulates over a block's tokens in PSUM, then in fp32 SBUF over the blocks,
 # and leaves the chip once per weight tile, at the end of its chunk.
 
+
+def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
+    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
+
+    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
+    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel)
+    take x as (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without
+    gradients (_mlp_shape_problem).
+    """
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
+    if (activation == "swiglu") != (w_gate is not None):
+        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
+    dtype = _matmul_dtype(x)
+    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
+        return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
+    return _mlp_torch(x, w_up, w_down, activation, w_gate)
+
+
 MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
 LEAKY_RELU2_SLOPE = 0.35  # leaky_relu2: (x if x > 0 else 0.35 x)^2
@@ -2407,6 +2361,15 @@ MLP_OP = _declare(KernelOp(
 # =============================================================================
 # rms_norm: y = x / sqrt(mean(x^2) + eps) * weight over the last dim, forward and backward
 
+
+def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
+    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
+    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
+    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
+        return _rms_norm_nki(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
 RMS_NORM_MAX_DIM = 2048  # the backward's weight gradient accumulates in PSUM, 512 per bank, 4 banks
 
 
@@ -2709,6 +2672,18 @@ RMS_NORM_OP = _declare(KernelOp(
 # extra round trip through HBM; backward, s's later gradient is added in the same pass)
 
 
+def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
+    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
+
+    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
+    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
+    dtype, which is what the matmul reading the norm would round it to anyway."""
+    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
+        return _add_rms_norm_nki(x, branch, eps)
+    return _add_rms_norm_torch(x, branch, eps, mode)
+
+
+
 def add_rms_norm_fwd_kernel(x, branch, eps):
     """Residual add and the RMSNorm after it, one pass over the rows.
 
@@ -2972,6 +2947,21 @@ ADD_RMS_NORM_OP = _declare(KernelOp(
 # softcap_cross_entropy: the head's loss, nll = logsumexp(cap tanh(z / cap)) - cap tanh(z_target / cap),
 # forward and backward (apart: several fp32 passes over the logits through HBM each way; fused: the logits
 # read once each way)
+
+
+def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
+    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
+
+    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
+    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
+    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
+    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
+    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
+    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
+                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
+        return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
+    return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
+
 
 VOCAB_CHUNK = 2048  # logits columns per step: 4 KiB rows of bf16 per DMA, ~40 KiB of SBUF per partition
 
@@ -3249,6 +3239,21 @@ SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
 
 # =============================================================================
 # rope_norm: RoPE + QK-norm from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
+
+
+def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
+    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
+
+    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
+    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
+    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
+    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
+    (its own op)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
+        return _rope_norm_nki(x, cos, sin, n_heads, eps)
+    return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
+
 
 ROPE_NORM_MAX_WIDTH = 2048  # H * D: three steps' (128, 4, H * D) fp32 x tiles in SBUF, beside the heads' tiles
 ROPE_WIDE_HEAD = 256  # widest head dim taken 4 tokens a partition (_rope_steps)
