@@ -3,16 +3,15 @@ The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, 
 next to them fused into kernels of its own: the residual add with the RMSNorm after it, the head's
 softcap with its cross-entropy, and RoPE with QK-norm.
 
-Read by op. First what every op shares: the declarations and the dispatch between NKI and PyTorch
-(`_use_nki`), the launch path (`_run_kernel`), the hardware constants, the helpers the kernels share and
-`_pipeline`, the one way the kernels software-pipeline. Then one section per op, read top to bottom: the
-function model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy`,
-`rope_norm`), its NKI kernels (their state in `nl.NKIObject` classes, each pipeline's schedule a table in
-its kernel's docstring), the PyTorch op around them, its PyTorch fallback, its shape and cost rules, the
-small inputs its checks use, the plain ops its fallback is priced as, and last its declaration
-(`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` / `--first_hour` /
-`--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md, "Adding a kernel
-op", lists the steps for a new one.
+Read by op. First what every op shares: the declarations and the dispatch between NKI and PyTorch (`_use_nki`), the
+launch path (`_run_kernel`), the hardware constants, the helpers the kernels share and `_pipeline`, the one way a
+kernel here software-pipelines (the attention forward does). Then one section per op, read top to bottom: the
+function model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy`, `rope_norm`), its
+NKI kernels (their state in `nl.NKIObject` classes, each pipeline's schedule a table in its kernel's docstring), the
+PyTorch op around them, its PyTorch fallback, its shape and cost rules, the small inputs its checks use, the plain
+ops its fallback is priced as, and last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record,
+`bench.py --check` / `--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists.
+docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
 
 Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
@@ -665,7 +664,6 @@ def attention(q, k, v, mode="auto", window=None):
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
-BWD_HEAD_AHEAD = 3  # backward units ahead that a head's state is made
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
@@ -1123,7 +1121,7 @@ class BwdPair(_NKIObject):
 
 
 class BwdHead(_NKIObject):
-    """A query head's state, made by `_bwd_prepare` BWD_HEAD_AHEAD steps before its first unit's scores."""
+    """A query head's state, made by `_bwd_prepare` for its first unit."""
     q_cols = None
     q_rows = None
     do_cols = None
@@ -1194,7 +1192,7 @@ def _bwd_units(q, k, window):
 
 
 def _bwd_prepare(unit, kernel):
-    """Stage -3 of a head's first unit: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
+    """Before a head's first unit: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
     otherwise, its sum on VectorE), and, for the pair's first head, the pair's."""
     if not unit.head_first:
         return
@@ -1366,22 +1364,11 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
     once final.
 
-    Schedule: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) form one stream (one per pair
-    where SBUF_BUDGET cannot hold two pairs), issued by `_pipeline` (step t runs each stage on unit t - lag,
-    in the table's order: the last stage first, so each PSUM tile is read before the next unit's is written):
-
-        stage              lag  engines
-        _bwd_add_dq         5   DVE (DMA: a tile's dQ after its diagonal block)
-        _bwd_prepare       -3   DMA, PE, DVE, ACT, Pool: a head's state, BWD_HEAD_AHEAD steps early, after
-                                the step's dQ add frees a bank for its transposes
-        _bwd_dq             4   PE
-        _bwd_dscores_t      3   DVE (a block's last unit: ACT, Pool, DMA for dK, dV)
-        _bwd_kv_grads       2   PE
-        _bwd_softmax        1   ACT, DVE
-        _bwd_scores         0   PE
-
-    Prologue: steps -3 .. -1 make the first head's state (and at step 0 the state of a head starting at unit
-    3); steady step: every stage; epilogue: the last five units' later stages.
+    Order: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) one after another, each through
+    its stages (`_bwd_prepare` on a head's first unit, `_bwd_scores`, `_bwd_softmax`, `_bwd_kv_grads`,
+    `_bwd_dscores_t`, `_bwd_dq`, `_bwd_add_dq`): the plain form. Under the compiler's list schedule a software
+    pipeline across units was within the model's error of it (docs/results.md), and nki-library's
+    attention_bwd.py loops in natural order too.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
@@ -1398,9 +1385,16 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
                           mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
     streams = _bwd_units(q, k, window)
-    for s in range(len(streams)):  # the schedule of the docstring's table
-        _pipeline(streams[s], ((_bwd_add_dq, 5), (_bwd_prepare, -BWD_HEAD_AHEAD), (_bwd_dq, 4), (_bwd_dscores_t, 3),
-                               (_bwd_kv_grads, 2), (_bwd_softmax, 1), (_bwd_scores, 0)), kernel)
+    for s in range(len(streams)):
+        for u in range(len(streams[s])):  # unit after unit (docstring: Order)
+            unit = streams[s][u]
+            _bwd_prepare(unit, kernel)
+            _bwd_scores(unit, kernel)
+            _bwd_softmax(unit, kernel)
+            _bwd_kv_grads(unit, kernel)
+            _bwd_dscores_t(unit, kernel)
+            _bwd_dq(unit, kernel)
+            _bwd_add_dq(unit, kernel)
     return dq, dk, dv
 
 
@@ -1864,17 +1858,11 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
     TensorE sets the pace.
 
-    Schedule: per chunk, the (block b, hidden tile j) steps form one stream, issued by `_pipeline` (step t runs
-    each stage on step t - lag, in the table's order), so TensorE never waits on the chain it just started:
-
-        stage                   lag  engines
-        _mlp_bwd_derivative      0   PE (daT), ACT, DVE (the derivative); DMA (a block's first: the block)
-        _mlp_bwd_dx              1   PE (flips, dx), ACT (the flips' evictions); a block's last: dx out
-        _mlp_bwd_weight_grads    2   PE, DVE (first block: ACT); the last block: DMA of each gradient tile
-
-    Prologue: steps 0 and 1 of the chunk; steady step: every stage; epilogue: the last two steps' later stages.
-    A block's dx leaves PSUM once its last tile's dx matmuls are issued, before the next block's are first
-    written.
+    Order: per chunk, the (block b, hidden tile j) steps one after another, each through `_mlp_bwd_derivative`
+    (daT on TensorE, the activation's derivative on ScalarE/VectorE), `_mlp_bwd_dx` (the flips and dx matmuls
+    on TensorE, the flips' evictions on ScalarE; a block's dx leaves PSUM after its last hidden tile) and
+    `_mlp_bwd_weight_grads` (TensorE, VectorE): the plain form (a software pipeline across steps was within
+    the model's error of it under the compiler's list schedule, docs/results.md).
     """
     assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
         "d and hidden must be multiples of 128, d at most 2048"
@@ -1917,7 +1905,10 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
             b, j = divmod(s, kernel.tiles)
             steps.append(MlpBwdStep(b=b, j=j, block=first_block if s == 0 else None,
                                     previous=steps[-1] if len(steps) > 0 else None))
-        _pipeline(steps, ((_mlp_bwd_derivative, 0), (_mlp_bwd_dx, 1), (_mlp_bwd_weight_grads, 2)), kernel)
+        for s in range(len(steps)):  # step after step (docstring: Order)
+            _mlp_bwd_derivative(steps[s], kernel)
+            _mlp_bwd_dx(steps[s], kernel)
+            _mlp_bwd_weight_grads(steps[s], kernel)
     if w_gate is not None:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
@@ -2425,129 +2416,79 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     program's tiles in PSUM (fp32 operands: exact, and the matmul is only one row tall). One read of x
     and dy and one write of dx.
 
-    Schedule: the row tiles go through `_pipeline` (step t runs each stage on tile t - lag, in the table's
-    order), so ScalarE and VectorE do not wait on one tile's chain of dependencies:
+    Order: tile after tile, the plain form (under the compiler's list schedule a software pipeline across
+    tiles was within the model's error of it, docs/results.md; nki-library's rmsnorm_quant.py goes tile
+    after tile too).
 
-        stage                        lag  engines
-        _rms_norm_bwd_statistics      0   DMA, ACT, DVE, Pool
-        _rms_norm_bwd_coefficient     1   ACT, DVE (with a weight: PE into PSUM)
-        _rms_norm_bwd_store           2   ACT, DMA
-
-    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two tiles' later stages.
-
-    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates, three tiles in
-    flight: at most 40 d bytes. PSUM: d / 512 banks for the weight gradient. Limits as for the forward. Engines per
-    tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3 x 8 rows per queue x
-    (2d + 512) bytes at 23 GB/s: about level. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x
-    DMA.
+    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates: at most 40 d bytes
+    with the compiler's buffering. PSUM: d / 512 banks for the weight gradient. Limits as for the forward. Engines
+    per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3 x 8 rows per queue
+    x (2d + 512) bytes at 23 GB/s: about level. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound,
+    ~3x DMA.
     """
     assert x.shape[1] <= RMS_NORM_MAX_DIM, "rows of at most 2048 values (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    kernel = RmsNormBwd(dy=dy, x=x, dx=dx, eps=eps)
     if weight is not None:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
-        kernel.weight_rows = _broadcast_to_partitions(weight)
-        kernel.ones_column = _constant_column(1.0)
-        kernel.dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
+        weight_rows = _broadcast_to_partitions(weight)
+        ones_column = _constant_column(1.0)
+        dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
         for span in _spans(0, dim, BANK_FP32):
-            kernel.dweight_acc.append(nl.ndarray((1, span[1]), nl.float32, buffer=nl.psum))
+            dweight_acc.append(nl.ndarray((1, span[1]), nl.float32, buffer=nl.psum))
     program_start, program_stop = _program_rows(n_rows)
-    spans, tiles = _spans(program_start, program_stop, TILE), []
+    spans = _spans(program_start, program_stop, TILE)
     for s in range(len(spans)):
-        tiles.append(RmsNormBwdTile(index=s, rows=slice(spans[s][0], spans[s][0] + spans[s][1])))
-    _pipeline(tiles, ((_rms_norm_bwd_statistics, 0), (_rms_norm_bwd_coefficient, 1), (_rms_norm_bwd_store, 2)),
-              kernel)
+        row, count = spans[s]
+        rows = slice(row, row + count)
+        # r (_reciprocal_rms) and the product whose row sums give the coefficient of x: x dy, or with a
+        # weight g = r dy weight and x g / d
+        x_tile, dy_tile = _load_tile(x, rows, slice(0, dim)), _load_tile(dy, rows, slice(0, dim))
+        out = nl.ndarray((count, dim), x.dtype, buffer=nl.sbuf)  # dx's rows
+        product = nl.ndarray((count, dim), x.dtype if weight is None else nl.float32, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(x_tile, eps, squares=product)
+        if weight is None:
+            nisa.tensor_tensor(dst=product, data1=x_tile, data2=dy_tile, op=nl.multiply)
+        else:
+            g = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=g, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=weight_rows[:count])
+            nisa.scalar_tensor_tensor(dst=product, data=x_tile, op0=nl.multiply, operand0=1.0 / dim,
+                                      op1=nl.multiply, operand1=g)
+        # the row sums (ScalarE's accumulator) and c = -r^2 mean(x dy) (or of x g)
+        neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=product, op=nl.copy, data=product, reduce_op=nl.add, reduce_res=neg_mean,
+                               scale=-1.0 / dim if weight is None else -1.0)
+        x_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                           operand1=rstd)
+        if weight is None:  # dx = r (dy + c x), the last scale ScalarE's
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef)
+            nisa.tensor_tensor(dst=product, data1=out, data2=dy_tile, op=nl.add)
+            nisa.activation(dst=out, op=nl.copy, data=product, scale=rstd)
+        else:  # dx = c x + g; the weight gradient's dy x r summed over the rows by a matmul with ones
+            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                                      operand1=g)
+            normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=dy_tile)
+            for c in range(len(dweight_acc)):
+                col = c * BANK_FP32
+                nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:count],
+                               moving=normed_dy[:, col:col + dweight_acc[c].shape[1]], accumulate=s > 0)
+        nisa.dma_copy(dst=dx[rows, :], src=out)
     if weight is None:
         return dx  # one output: TorchNeuron hands it back bare
     partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
     if program_start == program_stop:  # this program got no rows
         nisa.memset(dst=partial, value=0.0)
     else:
-        for c in range(len(kernel.dweight_acc)):
+        for c in range(len(dweight_acc)):
             col = c * BANK_FP32
-            nisa.tensor_copy(dst=partial[:, col:col + kernel.dweight_acc[c].shape[1]], src=kernel.dweight_acc[c])
+            nisa.tensor_copy(dst=partial[:, col:col + dweight_acc[c].shape[1]], src=dweight_acc[c])
     nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
     return dx, dweight
-
-
-class RmsNormBwd(_NKIObject):
-    """What every stage of rms_norm_bwd_kernel reads."""
-    dy = None
-    x = None
-    dx = None
-    eps = None
-    weight_rows = None  # with a weight: it on every partition, a column of ones and dweight's PSUM rows
-    ones_column = None
-    dweight_acc = None
-
-
-class RmsNormBwdTile(_NKIObject):
-    """A 128-row tile of rms_norm_bwd_kernel and what its stages make."""
-    index = None
-    rows = None  # a slice of the rows
-    x = None
-    dy = None
-    out = None  # dx's rows
-    product = None  # x dy, then c x + dy (with a weight: the squares, then x g / d)
-    rstd = None
-    g = None  # with a weight: r dy weight
-    normed_dy = None  # with a weight: dy x r, the weight gradient's rows
-
-
-def _rms_norm_bwd_statistics(tile, kernel):
-    """Stage 0 of a row tile: x and dy loaded, r (_reciprocal_rms), and the product whose row sums give the
-    coefficient of x: x dy, or with a weight g = r dy weight and x g / d."""
-    dim, count = kernel.x.shape[1], tile.rows.stop - tile.rows.start
-    tile.x = _load_tile(kernel.x, tile.rows, slice(0, dim))
-    tile.dy = _load_tile(kernel.dy, tile.rows, slice(0, dim))
-    tile.out = nl.ndarray((count, dim), kernel.x.dtype, buffer=nl.sbuf)
-    if kernel.weight_rows is None:
-        tile.product = nl.ndarray((count, dim), kernel.x.dtype, buffer=nl.sbuf)
-        tile.rstd = _reciprocal_rms(tile.x, kernel.eps, squares=tile.product)
-        nisa.tensor_tensor(dst=tile.product, data1=tile.x, data2=tile.dy, op=nl.multiply)
-    else:
-        tile.product = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
-        tile.rstd = _reciprocal_rms(tile.x, kernel.eps, squares=tile.product)
-        tile.g = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=tile.g, data=tile.dy, op0=nl.multiply, operand0=tile.rstd, op1=nl.multiply,
-                                  operand1=kernel.weight_rows[:count])
-        nisa.scalar_tensor_tensor(dst=tile.product, data=tile.x, op0=nl.multiply, operand0=1.0 / dim,
-                                  op1=nl.multiply, operand1=tile.g)
-
-
-def _rms_norm_bwd_coefficient(tile, kernel):
-    """Stage 1: the row sums (ScalarE's accumulator), c = -r^2 mean(x dy) (or of x g), and dx = r (dy + c x)
-    but for its last scale, or with a weight dx = c x + g and the weight gradient's dy x r, summed over the
-    rows by a matmul with a column of ones into PSUM."""
-    count, dim = tile.rows.stop - tile.rows.start, kernel.x.shape[1]
-    neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy), -mean(x g)
-    nisa.activation_reduce(dst=tile.product, op=nl.copy, data=tile.product, reduce_op=nl.add,
-                           reduce_res=neg_mean, scale=-1.0 / dim if kernel.weight_rows is None else -1.0)
-    x_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)  # c
-    nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=tile.rstd, op1=nl.multiply,
-                       operand1=tile.rstd)
-    if kernel.weight_rows is None:
-        nisa.tensor_scalar(dst=tile.out, data=tile.x, op0=nl.multiply, operand0=x_coef)
-        nisa.tensor_tensor(dst=tile.product, data1=tile.out, data2=tile.dy, op=nl.add)
-        return
-    nisa.scalar_tensor_tensor(dst=tile.out, data=tile.x, op0=nl.multiply, operand0=x_coef, op1=nl.add,
-                              operand1=tile.g)
-    tile.normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=tile.normed_dy, data=tile.x, op0=nl.multiply, operand0=tile.rstd,
-                              op1=nl.multiply, operand1=tile.dy)
-    for c in range(len(kernel.dweight_acc)):
-        col = c * BANK_FP32
-        nisa.nc_matmul(dst=kernel.dweight_acc[c], stationary=kernel.ones_column[:count],
-                       moving=tile.normed_dy[:, col:col + kernel.dweight_acc[c].shape[1]], accumulate=tile.index > 0)
-
-
-def _rms_norm_bwd_store(tile, kernel):
-    """Stage 2: without a weight ScalarE's r * (dy + c x) (its free scale); dx's rows to HBM."""
-    if tile.g is None:
-        nisa.activation(dst=tile.out, op=nl.copy, data=tile.product, scale=tile.rstd)
-    nisa.dma_copy(dst=kernel.dx[tile.rows, :], src=tile.out)
 
 
 def _broadcast_to_partitions(vector):
@@ -2741,17 +2682,11 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     per row by ScalarE's accumulator, scaled by -1/d; its product with r^3 ([rows, 1], tiny); then
     VectorE s * coef + d_total and dx = dy * r + that (two fused multiply-adds, fp32 inside).
 
-    Schedule: the row tiles go through `_pipeline` (step t runs each stage on tile t - lag, in order):
-
-        stage                            lag  engines
-        _add_rms_norm_bwd_statistics      0   DMA, ACT, DVE, Pool
-        _add_rms_norm_bwd_dx              1   ACT, DVE
-        _add_rms_norm_bwd_store           2   DMA (ACT: the branch's cast)
-
-    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two tiles' later stages.
+    Order: tile after tile, the plain form (a software pipeline across tiles was within the model's error
+    of it under the compiler's list schedule, docs/results.md).
 
     HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy, d_total, dx,
-    d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight. PSUM: none. Limits as for the
+    d_branch tiles and one fp32 scratch, at most 24 * d bytes. PSUM: none. Limits as for the
     forward. Per tile VectorE makes three passes and ScalarE three (two with one dtype throughout), TensorE none;
     DMA, at 16 bytes a value for an fp32 stream and bf16 branch, is the bottleneck, VectorE close behind.
     """
@@ -2761,81 +2696,40 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
     split = d_normed.dtype != total.dtype
     d_branch = nl.ndarray((n_rows, dim), d_normed.dtype, buffer=nl.shared_hbm) if split else None
-    kernel = AddRmsNormBwd(d_total=d_total, d_normed=d_normed, total=total, dx=dx, d_branch=d_branch, eps=eps)
     program_start, program_stop = _program_rows(n_rows)
-    spans, tiles = _spans(program_start, program_stop, TILE), []
-    for s in range(len(spans)):
-        tiles.append(AddRmsNormBwdTile(rows=slice(spans[s][0], spans[s][0] + spans[s][1])))
-    _pipeline(tiles, ((_add_rms_norm_bwd_statistics, 0), (_add_rms_norm_bwd_dx, 1), (_add_rms_norm_bwd_store, 2)),
-              kernel)
+    for span in _spans(program_start, program_stop, TILE):
+        row, count = span
+        rows = slice(row, row + count)
+        scratch = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)  # s * dy, then s * coef + d_total
+        s_tile, dy_tile = _load_tile(total, rows, slice(0, dim)), _load_tile(d_normed, rows, slice(0, dim))
+        d_total_tile = _load_tile(d_total, rows, slice(0, dim)) if d_total is not None else None
+        rstd = _reciprocal_rms(s_tile, eps, squares=scratch)
+        nisa.tensor_tensor(dst=scratch, data1=s_tile, data2=dy_tile, op=nl.multiply)
+        # the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy)
+        neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
+                               scale=-1.0 / dim)
+        r_squared = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=r_squared, data1=rstd, data2=rstd, op=nl.multiply)
+        s_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                           operand1=r_squared)
+        if d_total is None:
+            nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
+        else:
+            nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
+                                      operand1=d_total_tile)
+        out = nl.ndarray((count, dim), total.dtype, buffer=nl.sbuf)  # dx = dy * r + (s * coef + d_total)
+        nisa.scalar_tensor_tensor(dst=out, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.add,
+                                  operand1=scratch)
+        nisa.dma_copy(dst=dx[rows, :], src=out)
+        if split:
+            out_branch = nl.ndarray(out.shape, d_normed.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out_branch, op=nl.copy, data=out)  # on ScalarE, which has one pass less
+            nisa.dma_copy(dst=d_branch[rows, :], src=out_branch)
     if split:
         return dx, d_branch
     return dx  # one output: TorchNeuron hands it back bare
-
-
-class AddRmsNormBwd(_NKIObject):
-    """What every stage of add_rms_norm_bwd_kernel reads."""
-    d_total = None  # None when nothing later read s
-    d_normed = None
-    total = None
-    dx = None
-    d_branch = None  # dx once more in y's dtype, where it differs from s's; else None
-    eps = None
-
-
-class AddRmsNormBwdTile(_NKIObject):
-    """A 128-row tile of add_rms_norm_bwd_kernel and what its stages make."""
-    rows = None  # a slice of the rows
-    s = None
-    dy = None
-    d_total = None
-    scratch = None  # fp32: s * dy, then s * coef + d_total
-    rstd = None
-    out = None  # dx's rows
-
-
-def _add_rms_norm_bwd_statistics(tile, kernel):
-    """Stage 0 of a row tile: s, dy (and d_total) loaded, r, s * dy."""
-    dim = kernel.total.shape[1]
-    tile.scratch = nl.ndarray((tile.rows.stop - tile.rows.start, dim), nl.float32, buffer=nl.sbuf)
-    tile.s = _load_tile(kernel.total, tile.rows, slice(0, dim))
-    tile.dy = _load_tile(kernel.d_normed, tile.rows, slice(0, dim))
-    if kernel.d_total is not None:
-        tile.d_total = _load_tile(kernel.d_total, tile.rows, slice(0, dim))
-    tile.rstd = _reciprocal_rms(tile.s, kernel.eps, squares=tile.scratch)
-    nisa.tensor_tensor(dst=tile.scratch, data1=tile.s, data2=tile.dy, op=nl.multiply)
-
-
-def _add_rms_norm_bwd_dx(tile, kernel):
-    """Stage 1: the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy), and
-    dx = dy * r + (s * coef + d_total) (VectorE)."""
-    rstd, scratch, s_tile = tile.rstd, tile.scratch, tile.s
-    rows, dim = s_tile.shape[0], s_tile.shape[1]
-    neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(s dy)
-    nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
-                           scale=-1.0 / dim)
-    r_squared = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r_squared, data1=rstd, data2=rstd, op=nl.multiply)
-    s_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -r^3 mean(s dy)
-    nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
-                       operand1=r_squared)
-    if tile.d_total is None:
-        nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
-    else:
-        nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
-                                  operand1=tile.d_total)
-    tile.out = nl.ndarray((rows, dim), s_tile.dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=tile.out, data=tile.dy, op0=nl.multiply, operand0=rstd, op1=nl.add,
-                              operand1=scratch)
-
-
-def _add_rms_norm_bwd_store(tile, kernel):
-    """Stage 2: dx's rows to HBM, and d_branch's, cast on ScalarE (which has one pass less)."""
-    nisa.dma_copy(dst=kernel.dx[tile.rows, :], src=tile.out)
-    if kernel.d_branch is not None:
-        out_branch = nl.ndarray(tile.out.shape, kernel.d_normed.dtype, buffer=nl.sbuf)
-        nisa.activation(dst=out_branch, op=nl.copy, data=tile.out)
-        nisa.dma_copy(dst=kernel.d_branch[tile.rows, :], src=out_branch)
 
 
 # add_rms_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
@@ -3409,15 +3303,10 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     ROPE_WIDE_HEAD). PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy. Limits
     (asserted here): H D <= 2048, D even; any T.
 
-    Schedule: the (step, head) units (`_rope_units`) go through `_pipeline` (step t runs each stage on unit
-    t - lag, in order), so no engine waits on one head's chain:
-
-        stage                 lag  engines
-        _rope_fwd_rotate       0   DMA (a step's first head), Pool, DVE
-        _rope_fwd_squares      1   ACT, DVE
-        _rope_fwd_store        2   Pool, ACT, DMA
-
-    Prologue: steps 0 and 1; steady step: the three stages; epilogue: the last two units' later stages.
+    Order: the (step, head) units (`_rope_units`) one after another, each through `_rope_fwd_rotate`,
+    `_rope_fwd_squares` and `_rope_fwd_store`: the plain form (a software pipeline across units was within the
+    model's error of it under the compiler's list schedule, docs/results.md; nki-library's rope.py goes in
+    natural order). The per-head tiles are what made it fast, not the pipeline.
     """
     assert x.shape[2] <= ROPE_NORM_MAX_WIDTH and x.shape[2] // n_heads % 2 == 0, \
         "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
@@ -3426,7 +3315,10 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
     kernel = RopeNorm(x=x, cos=cos, sin=sin, out=y, head_dim=dim, eps=eps)
     units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
-    _pipeline(units, ((_rope_fwd_rotate, 0), (_rope_fwd_squares, 1), (_rope_fwd_store, 2)), kernel)
+    for u in range(len(units)):  # unit after unit (docstring: Order)
+        _rope_fwd_rotate(units[u], kernel)
+        _rope_fwd_squares(units[u], kernel)
+        _rope_fwd_store(units[u], kernel)
     return y
 
 
@@ -3465,15 +3357,8 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     2048-wide fp32 head would need 229,424 bytes), within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and
     VectorE about equally busy, ~1.4x the DMA time. Limits as for the forward (asserted here).
 
-    Schedule, as the forward's (`_pipeline`):
-
-        stage                     lag  engines
-        _rope_bwd_rotate           0   DMA, Pool, DVE
-        _rope_bwd_squares          1   ACT, DVE, Pool
-        _rope_bwd_coefficient      2   Pool, ACT, DVE
-        _rope_bwd_store            3   ACT, DMA
-
-    Prologue: steps 0 to 2; steady step: the four stages; epilogue: the last three units' later stages.
+    Order: unit after unit, as the forward's, each through `_rope_bwd_rotate`, `_rope_bwd_squares`,
+    `_rope_bwd_coefficient` and `_rope_bwd_store`.
     """
     assert dy.shape[1] * dy.shape[3] <= ROPE_NORM_MAX_WIDTH and dy.shape[3] % 2 == 0, \
         "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
@@ -3481,8 +3366,11 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
     kernel = RopeNorm(x=x, cos=cos, sin=sin, dy=dy, out=dx, head_dim=dim, eps=eps)
     units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
-    _pipeline(units, ((_rope_bwd_rotate, 0), (_rope_bwd_squares, 1), (_rope_bwd_coefficient, 2),
-                      (_rope_bwd_store, 3)), kernel)
+    for u in range(len(units)):  # unit after unit (docstring: Order)
+        _rope_bwd_rotate(units[u], kernel)
+        _rope_bwd_squares(units[u], kernel)
+        _rope_bwd_coefficient(units[u], kernel)
+        _rope_bwd_store(units[u], kernel)
     return dx
 
 
