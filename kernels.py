@@ -3215,56 +3215,6 @@ def _load_rope_step(src, cos, sin, b, tokens, parts):
     return tiles[0], (tiles[1], tiles[2])
 
 
-class RopeNorm(_NKIObject):
-    """What every stage of the rope_norm kernels reads."""
-    x = None
-    cos = None
-    sin = None
-    dy = None  # the backward's
-    out = None  # y (forward) or dx (backward), in HBM
-    head_dim = None
-    eps = None
-
-
-class RopeUnit(_NKIObject):
-    """A (step, head) unit of the rope_norm kernels' pipelines and what its stages make."""
-    b = None
-    h = None
-    tokens = None  # a slice of the sequence
-    parts = None  # partitions: tokens // parts of them on each
-    previous = None  # the unit before: a step's later heads take its x and tables
-    x_all = None  # every head of the step's tokens, (parts, J, H * D), and their (cos, sin)
-    cos_sin = None
-    x = None  # the head's slice of x_all
-    z = None  # forward: rope(x), then its squares; backward: g = rope^-1(dy)
-    g = None
-    scratch = None  # backward: the squares, x g, then x c + g
-    out = None
-    mean_sq = None
-    rstd = None
-
-
-def _rope_units(steps, n_heads):
-    """The rope_norm kernels' units: each of the program's steps (_rope_steps), head by head."""
-    units = []
-    for s in range(len(steps)):
-        b, start, parts, per_part = steps[s]
-        for h in range(n_heads):
-            units.append(RopeUnit(b=b, h=h, tokens=slice(start, start + parts * per_part), parts=parts,
-                                  previous=units[-1] if len(units) > 0 else None))
-    return units
-
-
-def _rope_load(unit, kernel):
-    """A step's first head loads x (all heads) and the tables for the step; the others take them."""
-    if unit.h == 0:
-        loaded = _load_rope_step(kernel.x, kernel.cos, kernel.sin, unit.b, unit.tokens, unit.parts)
-        unit.x_all = loaded[0]
-        unit.cos_sin = loaded[1]
-    else:
-        unit.x_all = unit.previous.x_all
-        unit.cos_sin = unit.previous.cos_sin
-    unit.x = unit.x_all[:, :, unit.h * kernel.head_dim:(unit.h + 1) * kernel.head_dim]
 def _slot_mean_squares(slots, eps, squares):
     """mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile: ScalarE squares and sums each slot (into
     `squares`, slots of the same shapes, unread), the mean is one VectorE instruction for all the slots."""
@@ -3303,44 +3253,30 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     ROPE_WIDE_HEAD). PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy. Limits
     (asserted here): H D <= 2048, D even; any T.
 
-    Order: the (step, head) units (`_rope_units`) one after another, each through `_rope_fwd_rotate`,
-    `_rope_fwd_squares` and `_rope_fwd_store`: the plain form (a software pipeline across units was within the
-    model's error of it under the compiler's list schedule, docs/results.md; nki-library's rope.py goes in
-    natural order). The per-head tiles are what made it fast, not the pipeline.
+    Order: step after step (`_rope_steps`), head after head: the plain form (a software pipeline across units was
+    within the model's error of it under the compiler's list schedule, docs/results.md; nki-library's rope.py goes
+    in natural order). The per-head tiles are what made it fast, not the pipeline.
     """
     assert x.shape[2] <= ROPE_NORM_MAX_WIDTH and x.shape[2] // n_heads % 2 == 0, \
         "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    kernel = RopeNorm(x=x, cos=cos, sin=sin, out=y, head_dim=dim, eps=eps)
-    units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
-    for u in range(len(units)):  # unit after unit (docstring: Order)
-        _rope_fwd_rotate(units[u], kernel)
-        _rope_fwd_squares(units[u], kernel)
-        _rope_fwd_store(units[u], kernel)
+    steps = _rope_steps(batch, seq_len, dim)
+    for s in range(len(steps)):
+        b, start, parts, per_part = steps[s]
+        tokens = slice(start, start + parts * per_part)
+        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        for h in range(n_heads):
+            z = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)  # rope(x), then its squares
+            out = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)
+            _rotate_head(z, x_all[:, :, h * dim:(h + 1) * dim], cos_sin, False)
+            rstd = _slot_rsqrt(_slot_mean_squares(_slots(z), eps, _slots(out)))
+            z_slots, out_slots = _slots(z), _slots(out)
+            for c in range(len(z_slots)):
+                nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
+            nisa.dma_copy(dst=y[b, h, tokens, :], src=out)
     return y
-
-
-def _rope_fwd_rotate(unit, kernel):
-    """Stage 0: the step's x and tables (_rope_load), the head rotated into z."""
-    _rope_load(unit, kernel)
-    unit.z = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    unit.out = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    _rotate_head(unit.z, unit.x, unit.cos_sin, False)
-
-
-def _rope_fwd_squares(unit, kernel):
-    """Stage 1: mean(z^2) + eps of each (token, head)."""
-    unit.mean_sq = _slot_mean_squares(_slots(unit.z), kernel.eps, _slots(unit.out))
-
-
-def _rope_fwd_store(unit, kernel):
-    """Stage 2: rstd, y = z * rstd (ScalarE's free scale), stored into y[b, h]."""
-    rstd, z_slots, out_slots = _slot_rsqrt(unit.mean_sq), _slots(unit.z), _slots(unit.out)
-    for c in range(len(z_slots)):
-        nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-    nisa.dma_copy(dst=kernel.out[unit.b, unit.h, unit.tokens, :], src=unit.out)
 
 
 def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
@@ -3357,63 +3293,51 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     2048-wide fp32 head would need 229,424 bytes), within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and
     VectorE about equally busy, ~1.4x the DMA time. Limits as for the forward (asserted here).
 
-    Order: unit after unit, as the forward's, each through `_rope_bwd_rotate`, `_rope_bwd_squares`,
-    `_rope_bwd_coefficient` and `_rope_bwd_store`.
+    Order: step after step, head after head, as the forward's.
     """
     assert dy.shape[1] * dy.shape[3] <= ROPE_NORM_MAX_WIDTH and dy.shape[3] % 2 == 0, \
         "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    kernel = RopeNorm(x=x, cos=cos, sin=sin, dy=dy, out=dx, head_dim=dim, eps=eps)
-    units = _rope_units(_rope_steps(batch, seq_len, dim), n_heads)
-    for u in range(len(units)):  # unit after unit (docstring: Order)
-        _rope_bwd_rotate(units[u], kernel)
-        _rope_bwd_squares(units[u], kernel)
-        _rope_bwd_coefficient(units[u], kernel)
-        _rope_bwd_store(units[u], kernel)
+    steps = _rope_steps(batch, seq_len, dim)
+    for s in range(len(steps)):
+        b, start, parts, per_part = steps[s]
+        tokens = slice(start, start + parts * per_part)
+        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        for h in range(n_heads):
+            dy_head = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dy_head, src=dy[b, h, tokens, :])
+            out = _rope_norm_bwd_head(x_all[:, :, h * dim:(h + 1) * dim], dy_head, cos_sin, eps)
+            nisa.dma_copy(dst=dx[b, tokens, h * dim:(h + 1) * dim], src=out)
     return dx
 
 
-def _rope_bwd_rotate(unit, kernel):
-    """Stage 0: the step's x and tables (_rope_load), the head's dy, rotated back into g."""
-    _rope_load(unit, kernel)
-    dy_head = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=dy_head, src=kernel.dy[unit.b, unit.h, unit.tokens, :])
-    unit.g = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    unit.scratch = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    unit.out = nl.ndarray(unit.x.shape, kernel.x.dtype, buffer=nl.sbuf)
-    _rotate_head(unit.g, dy_head, unit.cos_sin, True)
-
-
-def _rope_bwd_squares(unit, kernel):
-    """Stage 1: mean(x^2) + eps of each (token, head), and x g (GpSimd)."""
-    unit.mean_sq = _slot_mean_squares(_slots(unit.x), kernel.eps, _slots(unit.scratch))
-    nisa.tensor_tensor(dst=unit.scratch, data1=unit.x, data2=unit.g, op=nl.multiply, engine=nisa.gpsimd_engine)
-
-
-def _rope_bwd_coefficient(unit, kernel):
-    """Stage 2: r, the row sums of x g scaled by -1/D (ScalarE's accumulator), c = -r^2 mean(x g), x c + g."""
-    unit.rstd = _slot_rsqrt(unit.mean_sq)
-    x_slots, scratch_slots, out_slots = _slots(unit.x), _slots(unit.scratch), _slots(unit.out)
-    neg_mean = nl.ndarray(unit.rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+def _rope_norm_bwd_head(x_head, dy_head, cos_sin, eps):
+    """dx of one head of a step, (P, J, D) in x's dtype: g = rope^-1(dy) (GpSimd, VectorE); r from x (ScalarE
+    squares and sums, VectorE's mean, GpSimd's rsqrt); x g (GpSimd) summed per token by ScalarE's accumulator
+    scaled by -1/D; c = -r^2 mean(x g) in two tiny instructions; x c + g (VectorE); r times that (ScalarE)."""
+    shape, dtype, dim = x_head.shape, dy_head.dtype, x_head.shape[2]
+    g = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    scratch = nl.ndarray(shape, dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
+    out = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    _rotate_head(g, dy_head, cos_sin, True)
+    mean_sq = _slot_mean_squares(_slots(x_head), eps, _slots(scratch))
+    nisa.tensor_tensor(dst=scratch, data1=x_head, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
+    rstd = _slot_rsqrt(mean_sq)
+    x_slots, scratch_slots, out_slots = _slots(x_head), _slots(scratch), _slots(out)
+    neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
     for c in range(len(x_slots)):
         nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
-                               reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / kernel.head_dim)
-    x_coef = nl.ndarray(unit.rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
-    nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=unit.rstd, op=nl.multiply)
-    nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=unit.rstd, op=nl.multiply)
+                               reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+    x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+    nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
+    nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
     for c in range(len(x_slots)):
         nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-    nisa.tensor_tensor(dst=unit.scratch, data1=unit.out, data2=unit.g, op=nl.add)
-
-
-def _rope_bwd_store(unit, kernel):
-    """Stage 3: dx = r (x c + g) (ScalarE's free scale), into the head's columns of dx."""
-    scratch_slots, out_slots = _slots(unit.scratch), _slots(unit.out)
+    nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
     for c in range(len(scratch_slots)):
-        nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=unit.rstd[:, c:c + 1])
-    dim = kernel.head_dim
-    nisa.dma_copy(dst=kernel.out[unit.b, unit.tokens, unit.h * dim:(unit.h + 1) * dim], src=unit.out)
+        nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
+    return out
 
 
 # rope_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
