@@ -1844,7 +1844,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
 
     SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4) (weights and
     fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d itemsize / 128: the
-    pipeline crosses blocks), the elementwise and flipped tiles of the three tiles in flight, dx's rows. bf16:
+    compiler may overlap blocks), the elementwise and flipped tiles of three tiles, dx's rows. bf16:
     d=640, hidden=2560 (baseline) in one chunk of 20 tiles; d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10;
     d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5): within SBUF_BUDGET (196,608), under the 212,984
     bytes usable on a Trn2 partition. PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8.
@@ -1858,11 +1858,9 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
     TensorE sets the pace.
 
-    Order: per chunk, the (block b, hidden tile j) steps one after another, each through `_mlp_bwd_derivative`
-    (daT on TensorE, the activation's derivative on ScalarE/VectorE), `_mlp_bwd_dx` (the flips and dx matmuls
-    on TensorE, the flips' evictions on ScalarE; a block's dx leaves PSUM after its last hidden tile) and
-    `_mlp_bwd_weight_grads` (TensorE, VectorE): the plain form (a software pipeline across steps was within
-    the model's error of it under the compiler's list schedule, docs/results.md).
+    Order: per chunk, block after block, hidden tile after hidden tile (`_mlp_bwd_hidden_tile`): the plain
+    form (a software pipeline across the tiles was within the model's error of it under the compiler's list
+    schedule, docs/results.md).
     """
     assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
         "d and hidden must be multiples of 128, d at most 2048"
@@ -1900,22 +1898,17 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
         for c in range(dim // TILE):
             kernel.w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE),
                                                  slice(kernel.units, kernel.units + kernel.tiles * TILE)))
-        steps = []
-        for s in range(len(kernel.blocks) * kernel.tiles):
-            b, j = divmod(s, kernel.tiles)
-            steps.append(MlpBwdStep(b=b, j=j, block=first_block if s == 0 else None,
-                                    previous=steps[-1] if len(steps) > 0 else None))
-        for s in range(len(steps)):  # step after step (docstring: Order)
-            _mlp_bwd_derivative(steps[s], kernel)
-            _mlp_bwd_dx(steps[s], kernel)
-            _mlp_bwd_weight_grads(steps[s], kernel)
+        for b in range(len(kernel.blocks)):
+            block = first_block if b == 0 else _mlp_bwd_block(dy, x, kernel.blocks[b])
+            for j in range(kernel.tiles):  # tile after tile (docstring: Order)
+                _mlp_bwd_hidden_tile(kernel, block, b, j)
     if w_gate is not None:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
 
 
 class MlpBwd(_NKIObject):
-    """What every stage of mlp_bwd_kernel reads; the chunk's fields change from chunk to chunk."""
+    """What _mlp_bwd_hidden_tile reads; the chunk's fields change from chunk to chunk."""
     dy = None
     x = None
     up_saved = None
@@ -1947,64 +1940,36 @@ class MlpBwdBlock(_NKIObject):
     dx_acc = None  # dx in PSUM: per piece, one tile per column span
 
 
-class MlpBwdStep(_NKIObject):
-    """A (block b, hidden tile j) step of a chunk and what its stages make."""
-    b = None
-    j = None
-    block = None  # MlpBwdBlock
-    previous = None  # the step before, whose block a block's later steps share
-    act = None  # the activation [128 hidden, tokens], times 1 / scale
-    scale = None
-    d_pre = None  # the pre-activations' gradients (up, gate)
-    flips = None  # token-major slices of d_up, act (and d_gate), the weight gradients' stationaries
-
-
-def _mlp_bwd_derivative(step, kernel):
-    """Stage 0: daT of hidden tile j on TensorE, and the activation's derivative from the saved pre-activation
-    (ScalarE, VectorE); a block's first step loads the block, the first block's steps the weight rows."""
-    if step.b > 0 and step.j == 0:
-        step.block = _mlp_bwd_block(kernel.dy, kernel.x, kernel.blocks[step.b])
-    elif step.block is None:
-        step.block = step.previous.block
-    saved = slice(kernel.units + step.j * TILE, kernel.units + (step.j + 1) * TILE)
-    if step.b == 0:  # loaded as the steps need them
+def _mlp_bwd_hidden_tile(kernel, block, b, j):
+    """Hidden tile j of the chunk for block b (an MlpBwdBlock): daT on TensorE and the activation's derivative
+    from the saved pre-activation (ScalarE, VectorE); the flips (TensorE, evicted by ScalarE) and the dx
+    matmuls, and after the block's last tile its dx out of PSUM (_finish_rows); the weight-gradient matmuls
+    (TensorE) added into the chunk's fp32 tiles (VectorE), each leaving for HBM in the last block. The first
+    block loads the weight rows as its tiles need them."""
+    saved = slice(kernel.units + j * TILE, kernel.units + (j + 1) * TILE)
+    if b == 0:
         for w in range(len(kernel.weights)):
             kernel.weight_rows[w].append(_load_tile(kernel.weights[w], saved, slice(0, kernel.x.shape[1])))
-    d_act = _matmul_into_psum(_column_slices(kernel.w_down_cols, step.j * TILE, (step.j + 1) * TILE),
-                              step.block.dy_t)
-    gate = _load_tile(kernel.gate_saved, saved, step.block.rows) if kernel.gate_saved is not None else None
-    derivatives = _mlp_activation_backward(kernel.activation, _load_tile(kernel.up_saved, saved, step.block.rows),
-                                           gate, d_act, kernel.x.dtype)
-    step.act = derivatives[0]
-    step.scale = derivatives[1]
-    step.d_pre = [derivatives[2], derivatives[3]]
-
-
-def _mlp_bwd_dx(step, kernel):
-    """Stage 1: the flips (TensorE, evicted by ScalarE) and the dx matmuls; after a block's last hidden
-    tile its dx leaves PSUM (_finish_rows)."""
-    block = step.block
-    step.flips = [_token_major(step.d_pre[0], block.x, 1.0), _token_major(step.act, block.dy, step.scale)]
+    d_act = _matmul_into_psum(_column_slices(kernel.w_down_cols, j * TILE, (j + 1) * TILE), block.dy_t)
+    gate = _load_tile(kernel.gate_saved, saved, block.rows) if kernel.gate_saved is not None else None
+    up = _load_tile(kernel.up_saved, saved, block.rows)
+    act, scale, d_up, d_gate = _mlp_activation_backward(kernel.activation, up, gate, d_act, kernel.x.dtype)
+    d_pre = [d_up, d_gate]
+    flips = [_token_major(d_up, block.x, 1.0), _token_major(act, block.dy, scale)]
     for w in range(len(kernel.weights)):
         if w:
-            step.flips.append(_token_major(step.d_pre[w], block.x, 1.0))
-        _accumulate_dx(block, step.d_pre[w], kernel.weight_rows[w][step.j], accumulate=step.j > 0 or w > 0)
-    for p in range(len(block.pieces) if step.j == kernel.tiles - 1 else 0):  # the block's dx is complete
+            flips.append(_token_major(d_pre[w], block.x, 1.0))
+        _accumulate_dx(block, d_pre[w], kernel.weight_rows[w][j], accumulate=j > 0 or w > 0)
+    for p in range(len(block.pieces) if j == kernel.tiles - 1 else 0):  # the block's dx is complete
         offset, tokens = block.pieces[p]
         rows = slice(block.rows.start + offset, block.rows.start + offset + tokens)
         _finish_rows(kernel.dx, kernel.partial, rows, kernel.program_start, block.dx_acc[p], kernel.chunk,
                      kernel.n_chunks, p)
-
-
-def _mlp_bwd_weight_grads(step, kernel):
-    """Stage 2: the weight-gradient matmuls (TensorE) added into the chunk's fp32 tiles (VectorE); in the
-    last block each leaves for HBM as soon as it is complete."""
-    pieces = [step.block.x, step.block.dy, step.block.x]
-    rows = slice(kernel.units + step.j * TILE, kernel.units + (step.j + 1) * TILE)
+    pieces = [block.x, block.dy, block.x]
     for g in range(len(kernel.grads)):
-        _accumulate_weight_grad(kernel.accumulators[g][step.j], step.flips[g], pieces[g], step.b == 0)
-        if step.b == len(kernel.blocks) - 1:  # complete
-            nisa.dma_copy(dst=kernel.grads[g][nl.program_id(0), rows, :], src=kernel.accumulators[g][step.j])
+        _accumulate_weight_grad(kernel.accumulators[g][j], flips[g], pieces[g], b == 0)
+        if b == len(kernel.blocks) - 1:  # complete
+            nisa.dma_copy(dst=kernel.grads[g][nl.program_id(0), saved, :], src=kernel.accumulators[g][j])
 
 
 def _mlp_bwd_block(dy, x, span):
@@ -3158,7 +3123,7 @@ def _rope_steps(batch, seq_len, head_dim):
 
     At head_dim <= ROPE_WIDE_HEAD, 512 tokens go as (128, 4), 4 consecutive tokens per partition (one
     contiguous run in x, in each head of y and in the tables), where they make whole 128-token tiles; else
-    (and for wider heads, whose tiles in flight in the kernels' pipelines would not fit SBUF at 4 tokens a
+    (and for wider heads, whose tiles, three steps of them buffered, would not fit SBUF at 4 tokens a
     partition) 128-token tiles, one token per partition. The steps of all sequences are split evenly
     between the programs of an LNC launch."""
     per_part = 4 if head_dim <= ROPE_WIDE_HEAD else 1
