@@ -1163,18 +1163,13 @@ class BwdUnit(_NKIObject):
 
 def _bwd_units(q, k, window):
     """The program's units: (batch, kv head) pairs split over the LNC programs, their query heads, key blocks
-    of up to 512 keys and the query tiles that see them; one stream per pair where SBUF_BUDGET cannot hold
-    two pairs, else one for the program."""
-    n_heads, seq_len, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    of up to 512 keys and the query tiles that see them."""
+    n_heads, seq_len = q.shape[1], q.shape[2]
     n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
     group = n_heads // n_kv_heads
-    streams, units = [], []
+    units = []
     for index in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(index, n_kv_heads)
-        if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, 4 if q.dtype == nl.float32 else 2,
-                                                    pairs=2) > SBUF_BUDGET:
-            streams.append(units)
-            units = []
         pair = BwdPair()
         for h in range(kv_head * group, (kv_head + 1) * group):
             head = BwdHead()
@@ -1187,8 +1182,7 @@ def _bwd_units(q, k, window):
                                          width=min(start + KEY_BLOCK, (i + 1) * TILE) - first,
                                          opens_row=first == _first_key(i, window), block_last=i == tiles_stop - 1,
                                          head_first=start == 0 and i == 0, pair=pair, head=head, block=block))
-    streams.append(units)
-    return streams
+    return units
 
 
 def _bwd_prepare(unit, kernel):
@@ -1384,29 +1378,27 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
     kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
                           mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
-    streams = _bwd_units(q, k, window)
-    for s in range(len(streams)):
-        for u in range(len(streams[s])):  # unit after unit (docstring: Order)
-            unit = streams[s][u]
-            _bwd_prepare(unit, kernel)
-            _bwd_scores(unit, kernel)
-            _bwd_softmax(unit, kernel)
-            _bwd_kv_grads(unit, kernel)
-            _bwd_dscores_t(unit, kernel)
-            _bwd_dq(unit, kernel)
-            _bwd_add_dq(unit, kernel)
+    units = _bwd_units(q, k, window)
+    for u in range(len(units)):  # unit after unit (docstring: Order)
+        _bwd_prepare(units[u], kernel)
+        _bwd_scores(units[u], kernel)
+        _bwd_softmax(units[u], kernel)
+        _bwd_kv_grads(units[u], kernel)
+        _bwd_dscores_t(units[u], kernel)
+        _bwd_dq(units[u], kernel)
+        _bwd_add_dq(units[u], kernel)
     return dq, dk, dv
 
 
 # attention: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
-def _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=1):
+def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
     """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan), per S*d/128 elements: two
-    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), as the next head is made while the last
-    units of one finish; per (batch, kv head) pair K rows and cols, V cols, dK and dV rows (input dtype) and
-    their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
-    return seq_len * head_dim // TILE * (8 * itemsize + 8 + pairs * (5 * itemsize + 8)) + 6 * 1024
+    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), room for the compiler to make the next head
+    while the last units of one finish; a (batch, kv head) pair's K rows and cols, V cols, dK and dV rows
+    (input dtype) and their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
+    return seq_len * head_dim // TILE * (13 * itemsize + 16) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v, window=None):
