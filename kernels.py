@@ -1138,7 +1138,7 @@ class BwdKeyBlock(_NKIObject):
 
 
 class BwdUnit(_NKIObject):
-    """A (key block, 128-query tile) unit of the backward's stream, and what its stages make."""
+    """A (key block, 128-query tile) unit of the backward: where it is and the state it shares."""
     b = None
     kv_head = None
     h = None
@@ -1152,13 +1152,6 @@ class BwdUnit(_NKIObject):
     pair = None  # BwdPair
     head = None  # BwdHead
     block = None  # BwdKeyBlock
-    scores = None  # stage 1: S and dP in PSUM
-    dprobs = None
-    probs = None  # stage 2: P and dS in SBUF
-    dscores = None
-    dscores_t = None  # stage 3: dS^T in PSUM; stage 4: in SBUF
-    dscores_t_sbuf = None
-    dq_block = None  # stage 5: the block's dQ in PSUM
 
 
 def _bwd_units(q, k, window):
@@ -1223,59 +1216,65 @@ def _bwd_prepare(unit, kernel):
 
 
 def _bwd_scores(unit, kernel):
-    """Stage 0: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
-    head, pair, first, width = unit.head, unit.pair, unit.first, unit.width
-    queries = slice(unit.query_tile * TILE, (unit.query_tile + 1) * TILE)
-    unit.scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(unit.scores, head.q_cols, pair.k_cols, unit.query_tile, first, kernel.mask)
-    unit.dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    """A unit's S = q.T k and dP = dO @ V.T over the d pieces (TensorE, PSUM); P recomputed from lse,
+    exp(scale * s - lse) (ScalarE from PSUM); dS = P * (dP - D), the scale applied at the end (ScalarE takes
+    dP - D out of PSUM, so VectorE's product has both inputs in SBUF in the input dtype: its fast case, N
+    cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q into the key block's PSUM accumulators (one (128 keys,
+    d) slot per 128-key chunk, `_banked_chunks`, made by the block's first unit; queries are already on the
+    partitions; chunk c's sum starts at the query tile on its diagonal, the first that sees its keys).
+    Returns dS transposed by TensorE into PSUM, for dQ = dS @ K, which contracts over keys."""
+    head, pair, block, first, width, query_tile = unit.head, unit.pair, unit.block, unit.first, unit.width, \
+        unit.query_tile
+    queries, column, dtype = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1), \
+        kernel.q.dtype
+    scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    _scores(scores, head.q_cols, pair.k_cols, query_tile, first, kernel.mask)
+    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
     for piece in range(len(head.do_cols)):
-        nisa.nc_matmul(dst=unit.dprobs, stationary=head.do_cols[piece][:, queries],
+        nisa.nc_matmul(dst=dprobs, stationary=head.do_cols[piece][:, queries],
                        moving=pair.v_cols[piece][:, first:first + width], accumulate=piece > 0)
-
-
-def _bwd_softmax(unit, kernel):
-    """Stage 1: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
-    scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's product has both inputs in SBUF
-    in the input dtype (its fast case, N cycles, not 2N)."""
-    column, dtype = slice(unit.query_tile, unit.query_tile + 1), kernel.q.dtype
-    unit.probs = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=unit.probs, op=nl.exp, data=unit.scores, bias=unit.head.neg_lse[:, column],
-                    scale=kernel.scale)
-    shifted = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=shifted, op=nl.copy, data=unit.dprobs, bias=unit.head.neg_delta[:, column])
-    unit.dscores = nl.ndarray((TILE, unit.width), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=unit.dscores, data1=shifted, data2=unit.probs, op=nl.multiply)
-
-
-def _bwd_kv_grads(unit, kernel):
-    """Stage 2: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators (one (128 keys, d) slot per
-    128-key chunk, `_banked_chunks`, made by the block's first unit): queries are already on the partitions.
-    The sum of chunk c starts at the query tile on its diagonal, the first one that sees its keys. Then dS
-    transposed by TensorE for dQ = dS @ K, which contracts over keys."""
-    block, query_tile = unit.block, unit.query_tile
+    probs = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=head.neg_lse[:, column], scale=kernel.scale)
+    shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=head.neg_delta[:, column])
+    dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
     if query_tile == unit.chunks.start:
-        n_chunks = unit.chunks.stop - unit.chunks.start
-        block.dk = _banked_chunks(n_chunks, kernel.q.shape[3])
-        block.dv = _banked_chunks(n_chunks, kernel.q.shape[3])
-    skipped = unit.first // TILE - unit.chunks.start
-    for c in range(unit.width // TILE):
+        block.dk = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
+        block.dv = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
+    skipped = first // TILE - unit.chunks.start
+    for c in range(width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
-        started = query_tile > unit.first // TILE + c
-        nisa.nc_matmul(dst=block.dv[skipped + c], stationary=unit.probs[:, chunk],
-                       moving=unit.head.do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dst=block.dk[skipped + c], stationary=unit.dscores[:, chunk],
-                       moving=unit.head.q_rows[:, query_tile, :], accumulate=started)
-    unit.dscores_t = _transposed_chunks(unit.dscores)
+        started = query_tile > first // TILE + c
+        nisa.nc_matmul(dst=block.dv[skipped + c], stationary=probs[:, chunk], moving=head.do_rows[:, query_tile, :],
+                       accumulate=started)
+        nisa.nc_matmul(dst=block.dk[skipped + c], stationary=dscores[:, chunk], moving=head.q_rows[:, query_tile, :],
+                       accumulate=started)
+    return _transposed_chunks(dscores)
 
 
-def _bwd_dscores_t(unit, kernel):
-    """Stage 3: dS^T out of PSUM (VectorE); the block's last unit adds the block's dK and dV onto the pair's
-    (`_bwd_add_kv_grads`)."""
-    unit.dscores_t_sbuf = nl.ndarray(unit.dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
-    _evict(unit.dscores_t_sbuf, unit.dscores_t, False)
+def _bwd_dq(unit, kernel, dscores_t):
+    """dS^T out of PSUM (VectorE), and the block's last unit adds the block's dK and dV onto the pair's
+    (`_bwd_add_kv_grads`); then dQ of the tile from this block (TensorE, PSUM) added into the head's SBUF
+    accumulator (VectorE): after the tile's diagonal block, its last, scaled and stored."""
+    dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
+    _evict(dscores_t_sbuf, dscores_t, False)
     if unit.block_last:
         _bwd_add_kv_grads(unit, kernel)
+    k_rows, i = unit.pair.k_rows, unit.query_tile
+    dq_block = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(unit.width // TILE):
+        nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :], moving=k_rows[:, unit.first // TILE + c, :],
+                       accumulate=c > 0)
+    row = unit.head.dq_acc[:, i, :]
+    if unit.opens_row:
+        nisa.tensor_copy(dst=row, src=dq_block)
+    else:
+        nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
+    if unit.chunks.start <= i < unit.chunks.stop:
+        dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
+        nisa.dma_copy(dst=kernel.dq[unit.b, unit.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
 def _bwd_add_kv_grads(unit, kernel):
@@ -1297,30 +1296,6 @@ def _bwd_add_kv_grads(unit, kernel):
             if last:
                 nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][unit.b, unit.kv_head, c * TILE:(c + 1) * TILE, :],
                               src=target)
-
-
-def _bwd_dq(unit, kernel):
-    """Stage 4: dQ of the tile from this block (TensorE), in PSUM."""
-    k_rows = unit.pair.k_rows
-    unit.dq_block = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for c in range(unit.width // TILE):
-        nisa.nc_matmul(dst=unit.dq_block, stationary=unit.dscores_t_sbuf[:, c, :],
-                       moving=k_rows[:, unit.first // TILE + c, :], accumulate=c > 0)
-
-
-def _bwd_add_dq(unit, kernel):
-    """Stage 5: the block's dQ added into the head's SBUF accumulator (VectorE); after the tile's diagonal
-    block, its last, scaled and stored."""
-    i = unit.query_tile
-    row = unit.head.dq_acc[:, i, :]
-    if unit.opens_row:
-        nisa.tensor_copy(dst=row, src=unit.dq_block)
-    else:
-        nisa.tensor_tensor(dst=row, data1=row, data2=unit.dq_block, op=nl.add)
-    if unit.chunks.start <= i < unit.chunks.stop:
-        dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
-        nisa.dma_copy(dst=kernel.dq[unit.b, unit.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1358,11 +1333,10 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
     once final.
 
-    Order: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) one after another, each through
-    its stages (`_bwd_prepare` on a head's first unit, `_bwd_scores`, `_bwd_softmax`, `_bwd_kv_grads`,
-    `_bwd_dscores_t`, `_bwd_dq`, `_bwd_add_dq`): the plain form. Under the compiler's list schedule a software
-    pipeline across units was within the model's error of it (docs/results.md), and nki-library's
-    attention_bwd.py loops in natural order too.
+    Order: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) one after another, each through its work
+    (`_bwd_prepare` on a head's first unit, `_bwd_scores`, `_bwd_dq`): the plain form. Under the compiler's list
+    schedule a software pipeline across units was within the model's error of it (docs/results.md), and
+    nki-library's attention_bwd.py loops in natural order too.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
@@ -1381,12 +1355,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     units = _bwd_units(q, k, window)
     for u in range(len(units)):  # unit after unit (docstring: Order)
         _bwd_prepare(units[u], kernel)
-        _bwd_scores(units[u], kernel)
-        _bwd_softmax(units[u], kernel)
-        _bwd_kv_grads(units[u], kernel)
-        _bwd_dscores_t(units[u], kernel)
-        _bwd_dq(units[u], kernel)
-        _bwd_add_dq(units[u], kernel)
+        _bwd_dq(units[u], kernel, _bwd_scores(units[u], kernel))
     return dq, dk, dv
 
 
