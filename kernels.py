@@ -756,8 +756,10 @@ def _load_cols(src, b, h, dtype, on_scalar):
     """HBM src[b, h] (S, d) -> one (d_piece, S) cols tile per head-dim piece, for a head only ever
     contracted over d. 512 positions per DMA, row-major into (128, 4, d): partition p gets the 4
     consecutive positions 4p..4p+3, one contiguous 4d-element run on both sides (a quarter of the
-    descriptors of 128-row DMAs). TensorE transposes slot j into every 4th column of a PSUM bank
-    (positions 4p + j), so one copy out of the bank gives the columns in position order."""
+    descriptors of 128-row DMAs). TensorE transposes slot j into the j-th 128 columns of a PSUM bank (a
+    PSUM write starts 4-byte aligned, nl.tile_size.psum_min_align: slot j of interleaved bf16 columns
+    would start at byte 2j), and one copy out of the bank writes them to every 4th SBUF column
+    (positions 4p + j, a minor stride of 4 elements), so the columns come out in position order."""
     seq_len, head_dim = src.shape[2], src.shape[3]
     pieces = []
     for piece in _head_dim_pieces(head_dim):
@@ -769,10 +771,11 @@ def _load_cols(src, b, h, dtype, on_scalar):
         nisa.dma_copy(dst=rows, src=src[b, h, start:start + width, :])
         for p in range(len(pieces)):
             first, size = _head_dim_pieces(head_dim)[p]
-            transposed = nl.ndarray((size, TILE, per_partition), dtype=dtype, buffer=nl.psum)
+            transposed = nl.ndarray((size, per_partition, TILE), dtype=dtype, buffer=nl.psum)
             for j in range(per_partition):
-                nisa.nc_transpose(dst=transposed[:, :, j], data=rows[:, j, first:first + size])
-            _evict(pieces[p][:, start:start + width], transposed, on_scalar)
+                nisa.nc_transpose(dst=transposed[:, j, :], data=rows[:, j, first:first + size])
+            slot_major = pieces[p].ap([[seq_len, size], [1, per_partition], [per_partition, TILE]], offset=start)
+            _evict(slot_major, transposed, on_scalar)
     return tuple(pieces)
 
 
@@ -919,8 +922,10 @@ def _fwd_softmax(tile, kernel):
     if n_blocks == 1:
         nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-kernel.scale)
     else:
-        group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
+        group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)  # on GpSimd: VectorE is the busiest
+        for j in range(1, n_blocks):
+            nisa.tensor_tensor(dst=group_max, data1=block_max[:, 0:1] if j == 1 else group_max,
+                               data2=block_max[:, j:j + 1], op=nl.maximum, engine=nisa.gpsimd_engine)
         nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-kernel.scale)
     if tile.group == 0:
         tile.neg_max = group_neg_max

@@ -11,8 +11,10 @@ not in a tuple, as TorchNeuron does. ``with nki_emulator.counting() as counts:``
 :class:`Counts`); ``nki_emulator.estimate(counts.trace)`` prices it per engine (see :mod:`._cost`),
 ``nki_emulator.schedule(counts.trace)`` places it in time (see :mod:`._schedule`) and :mod:`.timeline` draws that
 schedule. ``set_target("trn1" | "trn2" | "trn3")`` (or env ``NKI_EMULATOR_TARGET``; default
-trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6")`` (or env
-``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. Memory model: see :mod:`._memory`.
+trn2) picks the generation whose limits apply; ``set_nki_version("0.4" | "0.5" | "0.6" | "0.7")`` (or env
+``NKI_EMULATOR_NKI_VERSION``; default the contest's 0.4) the NKI release whose documented rules apply. When a kernel
+runs, it and every helper it calls run under NKI 0.4's value model (see :mod:`._values`; ``VALUE_KINDS`` is its
+table); from "0.7" on, kernels run as plain Python. Memory model: see :mod:`._memory`.
 
 In tests, :func:`install` makes ``import nki`` give the real package when it imports, else this one.
 """
@@ -26,18 +28,21 @@ import numpy as np
 from . import isa, language, timeline, typing
 from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
                     matmul_cycles)
-from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
-from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_version, running, set_nki_version,
+from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
+from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_since, nki_version, running,
+                       set_nki_version,
                        set_target, target)
-from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, calibrated_seconds, central_estimate, schedule,
-                        schedule_figures)
+from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, PESSIMISTIC_ASSUMPTIONS, calibrated_seconds,
+                        central_estimate, pessimistic_estimate, schedule, schedule_figures)
 from ._subset import check_kernel
+from ._values import VALUE_KINDS, check_arguments, traced_callable
 
 __all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
            "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
-           "schedule", "schedule_figures", "central_estimate", "calibrated_seconds", "CENTRAL_ASSUMPTIONS",
-           "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS",
+           "schedule", "schedule_figures", "central_estimate", "pessimistic_estimate", "calibrated_seconds",
+           "CENTRAL_ASSUMPTIONS", "PESSIMISTIC_ASSUMPTIONS",
+           "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS", "VALUE_KINDS",
            "language", "isa", "typing", "dtype"]
 
 dtype = language.DType  # ``nki.dtype``: what kernel signatures annotate dtypes with (nki-library API docs)
@@ -67,21 +72,46 @@ class Kernel:
     programs of a logical NeuronCore (``nl.program_id(0)`` 0 then 1, one after the other) sharing
     their ``nl.shared_hbm`` tensors, as the two physical cores of LNC=2 do."""
 
-    def __init__(self, fn, lnc=1, grid=False):
-        check_kernel(fn)
+    def __init__(self, fn, lnc=1, grid=False, schedule_edges=None):
+        if not nki_since("0.7"):  # NKI 0.7 specialises a kernel by running it as Python: the whole language
+            check_kernel(fn)
         functools.update_wrapper(self, fn)
         self.fn, self.lnc, self.grid = fn, lnc, grid
+        self.schedule_edges = schedule_edges or {}  # label -> labels it must follow (with_schedule)
 
     def __getitem__(self, lnc):
         if isinstance(lnc, bool) or lnc not in (1, 2):
             raise NkiValidationError(f"kernel[lnc]: the launch bracket takes one number, the LNC degree 1 or 2; "
                                      f"got {lnc!r}")
-        return Kernel(self.fn, lnc, grid=True)
+        return Kernel(self.fn, lnc, grid=True, schedule_edges=self.schedule_edges)
+
+    def with_schedule(self, edges):
+        """``kernel.with_schedule([("plus1", "recip"), ("act2", ["act0", "act1"])])``: the kernel with extra
+        dependency edges for the compiler's scheduler: the instruction named by the first label (its ``name=``)
+        runs after each one named by the second (aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst,
+        "Adding dependency edges"; KLR/KLR/NKI/Simplify.lean l. 512-525 reads them as pairs of strings). The trace
+        carries them (Instruction.after) to nki_emulator/_schedule.py."""
+        merged = {label: list(after) for label, after in self.schedule_edges.items()}
+        for edge in edges:
+            if not (isinstance(edge, tuple) and len(edge) == 2 and isinstance(edge[0], str)
+                    and (isinstance(edge[1], str) or (isinstance(edge[1], list)
+                                                      and all(isinstance(e, str) for e in edge[1])))):
+                raise NkiValidationError(f"with_schedule: each edge is a pair (name, name or list of names) of "
+                                         f"instruction names (KLR Simplify.lean: 'Schedule edge must be a pair', "
+                                         f"'Schedule edge name must be a string'); got {edge!r}")
+            merged.setdefault(edge[0], []).extend([edge[1]] if isinstance(edge[1], str) else edge[1])
+        return Kernel(self.fn, self.lnc, self.grid, {label: tuple(after) for label, after in merged.items()})
 
     def _run_programs(self, args, kwargs):
         """Run the launch's programs (program 0 first, then the other where program 0 waits in a sendrecv or ends);
         the last program's return value is the kernel's."""
         launch = Launch()
+        launch.schedule_edges = self.schedule_edges
+        fn = self.fn
+        if not nki_since("0.7"):  # up to 0.6 the front end traces the kernel with its own values; 0.7 runs Python
+            check_arguments({**{f"argument {i}": a for i, a in enumerate(args)},
+                             **{f"argument {k!r}": v for k, v in kwargs.items()}})
+            fn = traced_callable(self.fn)
         results, errors = [None] * self.lnc, [None] * self.lnc
         holding = [threading.Event() for _ in range(self.lnc)]
 
@@ -91,7 +121,7 @@ class Kernel:
                 core = Core(program_id, self.lnc, self.grid, launch)
                 try:
                     with running(core):
-                        results[program_id] = self.fn(*args, **kwargs)
+                        results[program_id] = fn(*args, **kwargs)
                     check_capacity(core)
                 except BaseException as error:  # re-raised in the caller's thread below
                     errors[program_id] = error
@@ -168,12 +198,22 @@ def _to_host(result, torch_out):
         return tuple(_to_host(item, torch_out) for item in result)
     if not isinstance(result, NkiTensor):
         return result
-    if result.buffer not in HBM:
-        # nl.hbm (private HBM) outputs are returned too: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst
-        # l. 38-41 and the nonzero_with_count example, nki/api/nki/isa/__init__.py l. 2834-2838
-        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
-                                 f"this one is in {result.buffer.value}")
+    if result.buffer is not MemoryRegion.shared_hbm:
+        # From NKI 0.3.0 on (every release emulated): aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 205,
+        # a breaking change. The guides that return nl.hbm (how-to-scheduling-apis.rst l. 38, the kernel-optimization
+        # tutorial) date from Neuron 2.28 (NKI 0.2.0, commit 86a92868), before it; nki-library's kernels, which run on
+        # hardware, return every output in nl.shared_hbm.
+        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in nl.shared_hbm; this one is in "
+                                 f"{result.buffer.value} (NKI 0.3.0 on: \"Output tensors must use "
+                                 "buffer=nl.shared_hbm. Using nl.hbm causes compilation failures.\", aws-neuron-sdk "
+                                 "release-notes/components/nki.rst l. 205)")
     array = np.array(result._data)
+    unwritten = poison(result)
+    if unwritten is not None and array.dtype.kind not in "fV":
+        raise NkiValidationError(f"nki.jit: {np.count_nonzero(unwritten)} elements of the output "
+                                 f"{result._storage.label} were never written or were computed from memory never "
+                                 "written; a float output would carry them as NaN (aws-neuron-sdk 3afa0fdf "
+                                 f"nki/guides/nki_simulator.rst l. 212-221), a {array.dtype.name} one cannot")
     if not torch_out:
         return array
     import torch

@@ -83,6 +83,9 @@ CALIBRATED = {  # (generation, engine, "16-bit" or "32-bit" inputs, or None for 
 }
 SHORT_DMA_ROW_BYTES = 2048
 LAUNCH_S = 18e-6  # fused_mamba.rst, mamba_v1's profile: ~13 us before its first input DMA, ~5 us after its last
+# [PERF] Opt #5a: "the static instruction overhead in the order of ~100 cycles" of every VectorE, ScalarE and GpSimd
+# instruction, which [ISA]'s max(MIN_II, N) leaves out; AWS's number, not a fit (the central figure adds it)
+STATIC_CYCLES = 100
 CALIBRATION_ASSUMPTIONS = (
     "calibrated: 16-bit TensorE instructions take 1.17x the [ISA] cycles: AWS's fully optimised bf16 matmul, "
     "TensorE-bound, reached 85.24% hardware FLOPs utilization on trn1 (SDK 2.23 matrix-multiplication tutorial, "
@@ -95,6 +98,9 @@ CALIBRATION_ASSUMPTIONS = (
     "(trn1, rows of 4 KiB) moved 1.15 GB in 4.61 ms, faster than the model's 5.25 ms. On trn2 the model's DMA time "
     "matched the DMA-bound tiled fp32 matmul (rows of 512 B and 2 KiB; kernel-optimization version 2: 39.89 ms "
     "measured, 41.3 modelled): no trn2 factor",
+    "calibrated: every VectorE, ScalarE and GpSimd instruction costs STATIC_CYCLES = 100 engine cycles more than "
+    "[ISA]'s max(MIN_II, N): [PERF] Opt #5a's 'static instruction overhead in the order of ~100 cycles', taken as "
+    "AWS gives it, not fitted (the calibration table with and without it is in docs/results.md)",
     "calibrated: a kernel launch costs 18 us: in fused_mamba.rst's profile of mamba_v1 (172.93 us; "
     "nki/img/mamba_v1_profile.png) the first input DMA starts ~13 us in and the last output DMA ends ~5 us before "
     "the end, the NEFF start-up and tear-down the tutorial names; inside a compiled graph a kernel likely pays "
@@ -109,6 +115,11 @@ ASSUMPTIONS = CALIBRATION_ASSUMPTIONS + (
     "VectorE performance mode (trn2 on, [TRN2]) assumes the innermost free dimension is contiguous",
     "GpSimd tensor_tensor, tensor_copy, memset and tensor_scalar other than rsqrt: no documented cost; "
     "GPSIMD_START + N cycles per tensor input (its 128 lanes of 32-bit, one element per lane per cycle, [ARCH])",
+    "dma_compute: no documented cost; each of its sources streams its rows through the DMA queues as a dma_copy of "
+    "dst's rows would (k sources: k copies' time), the write overlapping the reads",
+    "shared_identity_matrix: a constant the compiler places ([ISA] nki.language stub: 'the same behavior to "
+    "shared_constant', which lives in HBM); counted as one DMA of its n rows into SBUF per call, though the compiler "
+    "may share one per dtype",
     "DMA: each partition row on the SBUF side is one descriptor, the rows are spread over the 16 queues, and "
     "each row costs (row bytes + 512) / (bytes/s per queue). [DMA] gives no per-descriptor number, only that "
     "rows of >= 2 KiB approach peak and >= 4 KiB saturate: the 512-byte overhead puts them at 80% and 89%",
@@ -178,9 +189,19 @@ def _scalar_cycles(i, generation):
 def _gpsimd_cycles(i, generation):
     if i.name in ("iota", "affine_select"):  # [ISA] GPSIMD_START + N
         return GPSIMD_START + i.free
+    if i.name == "local_gather":
+        return local_gather_cycles(i.free, int(i.ops[0].partition("=")[2]), _itemsize(i.dtypes[1]))
     if i.name == "tensor_scalar" and i.ops[0] == "rsqrt":  # [SHARED] 4x ScalarE's max(MIN_II, N)
         return 4 * max(MIN_II, i.free)
     return GPSIMD_START + i.free * max(1, len(i.dtypes) - 1)  # ASSUMPTION (see ASSUMPTIONS)
+
+
+def local_gather_cycles(elements, per_index, dtype_size, t=4):
+    """[ISA] local_gather: ``150 + (num_valid_indices * num_elem_per_idx) / C`` GpSimd cycles, ``C = ((28 + t *
+    num_elem_per_idx) / (t * num_elem_per_idx)) / min(4 / dtype_size, num_elem_per_idx)``, t = 4; ``elements`` is
+    num_valid_indices * num_elem_per_idx."""
+    c = ((28 + t * per_index) / (t * per_index)) / min(4 / dtype_size, per_index)
+    return GPSIMD_START + elements / c
 
 
 def _dma_seconds(i, spec):
@@ -188,6 +209,8 @@ def _dma_seconds(i, spec):
     seconds = math.ceil(i.partitions / spec.dma_queues) * (row_bytes + DMA_ROW_OVERHEAD_BYTES) / spec.dma_bytes_per_s
     if i.name == "dma_transpose":
         seconds /= DMA_TRANSPOSE_EFFICIENCY["sbuf" if i.buffers[1] == "sbuf" else "hbm"]
+    if i.name == "dma_compute":  # ASSUMPTION (see ASSUMPTIONS): each source streams through the queues as a copy
+        seconds *= len(i.dtypes) - 1
     return seconds
 
 
