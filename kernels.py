@@ -3,13 +3,15 @@ The operations a GPT spends its time in: causal attention, the MLP and RMSNorm, 
 next to them fused into kernels of its own: the residual add with the RMSNorm after it, the head's
 softcap with its cross-entropy, and RoPE with QK-norm.
 
-Read by op. First the operations model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`,
-`softcap_cross_entropy`, `rope_norm`) and their dispatch; then the hardware constants and the helpers the
-kernels share; then one section per op: its NKI kernels, the PyTorch op around them, its PyTorch fallback,
-its shape and cost rules, the small inputs its checks use, the plain ops its fallback is priced as, and
-last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record, `bench.py --check` /
-`--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists. docs/kernels.md,
-"Adding a kernel op", lists the steps for a new one.
+Read by op. First what every op shares: the declarations and the dispatch between NKI and PyTorch (`_use_nki`), the
+launch path (`_run_kernel`), the hardware constants, the helpers the kernels share and `_pipeline`, the one way a
+kernel here software-pipelines (the attention forward does). Then one section per op, read top to bottom: the
+function model.py calls (`attention`, `mlp`, `rms_norm`, `add_rms_norm`, `softcap_cross_entropy`, `rope_norm`), its
+NKI kernels (their state in `nl.NKIObject` classes, each pipeline's schedule a table in its kernel's docstring), the
+PyTorch op around them, its PyTorch fallback, its shape and cost rules, the small inputs its checks use, the plain
+ops its fallback is priced as, and last its declaration (`KernelOp`), from which `KERNEL_OPS`, the per-op record,
+`bench.py --check` / `--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists.
+docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
 
 Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
 picks its path with `_use_nki`:
@@ -96,6 +98,7 @@ except ImportError as error:  # not installed, or PyPI's placeholder package (it
 
 if NKI_IMPORT_ERROR is not None:
     nki = nl = nisa = None
+_NKIObject = object if nl is None else nl.NKIObject  # the base of the kernels' state classes (NKI 0.4's classes)
 
 
 try:
@@ -105,98 +108,6 @@ except ImportError:
 
 
 logger = logging.getLogger("kernels")  # by name: the one-file submission runs this code as __main__
-
-
-# -----------------------------------------------------------------------------
-# the operations model.py calls: each asks _use_nki, then runs its NKI path or its PyTorch path (both in
-# the op's own section below)
-
-
-def attention(q, k, v, mode="auto", window=None):
-    """Causal self-attention with grouped-query heads, optionally in a sliding window.
-
-    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
-    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
-    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
-    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
-    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
-    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
-    """
-    seq_len = q.size(-2)
-    if window is not None and window < 0:
-        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
-    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
-        window = None
-    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
-        return _attention_nki(q, k, v, window)
-    return _attention_torch(q, k, v, window)
-
-
-def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
-    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
-
-    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
-    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
-    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel)
-    take x as (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without
-    gradients (_mlp_shape_problem).
-    """
-    if activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
-    if (activation == "swiglu") != (w_gate is not None):
-        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
-    dtype = _matmul_dtype(x)
-    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
-                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
-        return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
-    return _mlp_torch(x, w_up, w_down, activation, w_gate)
-
-
-def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
-    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
-    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
-    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
-        return _rms_norm_nki(x, weight, eps)
-    return _rms_norm_torch(x, weight, eps)
-
-
-def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
-    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
-
-    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
-    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
-    dtype, which is what the matmul reading the norm would round it to anyway."""
-    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
-        return _add_rms_norm_nki(x, branch, eps)
-    return _add_rms_norm_torch(x, branch, eps, mode)
-
-
-def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
-    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
-
-    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
-    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
-    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
-    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
-    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
-    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
-                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
-        return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
-    return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
-
-
-def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
-    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
-
-    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
-    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
-    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
-    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
-    (its own op)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
-        return _rope_norm_nki(x, cos, sin, n_heads, eps)
-    return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
 
 
 # -----------------------------------------------------------------------------
@@ -701,6 +612,23 @@ def _reciprocal_rms(x_tile, eps, squares):
     return rstd
 
 
+def _pipeline(units, stages, kernel):
+    """Issue `units` through `stages` software-pipelined, the one convention of every pipelined kernel here:
+    at step t, each (stage, lag) of `stages` in its order runs stage(units[t - lag], kernel) where that unit
+    exists. A unit's stage k reads what its stage k - 1 made a step (or more) before, so no engine, each
+    running its instructions in issue order, waits on the chain it has just started (nki-library's
+    attention_cte.py pipelines its group loop by hand the same way). A negative lag runs a stage ahead."""
+    first, last = 0, 0
+    for entry in stages:
+        first, last = min(first, entry[1]), max(last, entry[1])
+    for step in range(first, len(units) + last):
+        for entry in stages:
+            stage, lag = entry
+            if 0 <= step - lag < len(units):
+                stage(units[step - lag], kernel)
+
+
+
 # =============================================================================
 # attention: causal flash attention with grouped-query heads
 #
@@ -712,10 +640,30 @@ def _reciprocal_rms(x_tile, eps, squares):
 # straight from HBM, 128 per DMA), and *_cols, one (d_piece, S) tile per piece of the head dim (d on the
 # partitions, as TensorE contracts over partitions; made from the rows by TensorE transposes).
 
+
+def attention(q, k, v, mode="auto", window=None):
+    """Causal self-attention with grouped-query heads, optionally in a sliding window.
+
+    q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head dividing n_head.
+    window: query i sees keys i - window .. i (FA3's window_size=(window, 0), as nanochat), None for all
+    keys up to i. Returns (B, n_head, T, head_dim). Softmax scale is 1/sqrt(head_dim). The NKI path takes T
+    a multiple of 128, head_dim <= 256, T x head_dim within the backward's SBUF plan and a window that is a
+    multiple of 128 (see `_attention_shape_problem`). The PyTorch path is SDPA (with a mask for a window),
+    except fp32 on CPU up to CPU_BLOCK_ATTENTION_MAX_LEN tokens, where `BlockCausalAttention` is faster.
+    """
+    seq_len = q.size(-2)
+    if window is not None and window < 0:
+        raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
+    if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
+        window = None
+    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
+        return _attention_nki(q, k, v, window)
+    return _attention_torch(q, k, v, window)
+
+
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
 KEY_GROUP = 4 * KEY_BLOCK  # keys whose scores share a row max: 4 of PSUM's 8 banks
 ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d) fp32 result is half a bank
-BWD_HEAD_AHEAD = 3  # backward units ahead that a head's state is made
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
@@ -730,14 +678,19 @@ def _head_dim_pieces(head_dim):
     return tuple(pieces)
 
 
+class AttentionMask(_NKIObject):
+    """The 128x128 tiles whose matmul identity.T @ bias adds a bias onto a partly visible key chunk's scores
+    in PSUM (`_mask_operands`), and the window they serve."""
+    identity = None
+    diagonal = None  # 0 where key <= query (free index <= partition), _MASKED_SCORE above
+    edge = None  # a window's first chunk: 0 where key >= query - window, _MASKED_SCORE below; None if no window cuts
+    window = None  # keys before the query each query sees, a multiple of 128
+
+
 def _mask_operands(dtype, seq_len, window):
-    """(identity, diagonal bias, edge bias, window): 128x128 tiles whose matmul identity.T @ bias is the bias
-    of a partly visible key chunk. The diagonal's: 0 where key <= query (free index <= partition),
-    _MASKED_SCORE above. The window's first chunk (keys from query tile t's first query - window, `window` a
-    multiple of 128), only where a window cuts: 0 where key >= query - window (free index >= partition),
-    _MASKED_SCORE below. TensorE adds a bias onto the scores in PSUM, so masking costs one small matmul
-    instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the engines that
-    are already the busiest."""
+    """The AttentionMask of a (seq_len, window) call. TensorE adds a bias onto the scores in PSUM, so masking
+    costs one small matmul instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM)
+    on the engines that are already the busiest."""
     identity = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
     nisa.affine_select(dst=identity, pattern=[[-1, TILE]], channel_multiplier=1,
                        on_true_tile=nl.ones((TILE, TILE), dtype=dtype), on_false_value=0.0, cmp_op=nl.equal)
@@ -751,12 +704,23 @@ def _mask_operands(dtype, seq_len, window):
         nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
                            on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
                            cmp_op=nl.greater_equal)
-    return identity, diagonal, edge, window
+    return AttentionMask(identity=identity, diagonal=diagonal, edge=edge, window=window)
 
 
 def _first_key(query_tile, window):
     """The first key query tile `query_tile` sees: its first query's window start, a chunk boundary."""
     return max(0, query_tile * TILE - window)
+
+
+def _assert_attention_limits(q, k, window):
+    """The kernels' limits, asserted at their entry (`_attention_shape_problem` says the same to the glue)."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    assert k.shape[0] == batch and k.shape[2] == seq_len and k.shape[3] == head_dim and n_heads % k.shape[1] == 0, \
+        "q (B, H, S, d) and k, v (B, Hkv, S, d) with Hkv dividing H"
+    assert head_dim <= ATTENTION_MAX_HEAD_DIM and head_dim % len(_head_dim_pieces(head_dim)) == 0, \
+        "head_dim up to 256, even above 128"
+    assert seq_len % TILE == 0, "the sequence length must be a multiple of 128"
+    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
 
 
 def _load_rows(src, b, h, dtype):
@@ -828,196 +792,233 @@ def _transposed_chunks(src):
 
 def _scores(scores, q_cols, k_cols, query_tile, start, mask):
     """scores (128 queries, width keys, PSUM fp32) = q.T @ k over the head-dim pieces, unscaled, for
-    query tile `query_tile` and the keys from `start` (mask: `_mask_operands`); on the block that holds the
-    diagonal (always its last 128 keys) the causal bias is accumulated onto those keys, on the block that
-    starts the tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`:
-    a mask adds into a slice of a tile the first matmul wrote, which accumulate=None would detect per
-    location by the ISA doc but per bank by the architecture guide."""
+    query tile `query_tile` and the keys from `start`; on the block that holds the diagonal (always its last
+    128 keys) the AttentionMask's causal bias is accumulated onto those keys, on the block that starts the
+    tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`: a mask adds
+    into a slice of a tile the first matmul wrote, which accumulate=None would detect per location by the
+    ISA doc but per bank by the architecture guide."""
     width = scores.shape[1]
     queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
     for piece in range(len(q_cols)):
         nisa.nc_matmul(dst=scores, stationary=q_cols[piece][:, queries], moving=k_cols[piece][:, start:start + width],
                        accumulate=piece > 0)
-    identity, diagonal, edge, window = mask
     if start + width == (query_tile + 1) * TILE:
-        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=identity, moving=diagonal, accumulate=True)
-    if start == query_tile * TILE - window:
-        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=identity, moving=edge, accumulate=True)
+        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=mask.identity, moving=mask.diagonal,
+                       accumulate=True)
+    if start == query_tile * TILE - mask.window:
+        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=mask.identity, moving=mask.edge, accumulate=True)
 
 
-def _attention_fwd_stream_tile(q, k, v, pairs, step, earlier, mask):
-    """The state (a dict: NKI has no classes) of tile `step` of the program's stream of query tiles through
-    the forward's stages: (batch, kv head) pairs outer, their query heads, then the heads' 128-query tiles.
-    Holds the keys the tile sees (blocks wholly above the diagonal or wholly before the window are never
-    computed), in groups of up to KEY_GROUP keys whose scores share a row max; its pair's K cols and V rows
-    (loaded by the pair's first tile), its head's Q cols and row statistics (neg_max, row_sum), (128, S/128)
-    fp32 each (loaded and made by the head's first tile), shared with the `earlier` tiles."""
-    n_tiles, n_kv_heads, dtype = q.shape[2] // TILE, k.shape[1], q.dtype
-    group = q.shape[1] // n_kv_heads
-    pair_index, rest = divmod(step, group * n_tiles)
-    b, kv_head = divmod(pairs[pair_index], n_kv_heads)
-    head, query_tile = divmod(rest, n_tiles)
-    h = kv_head * group + head
-    if rest == 0:
-        kv = (_load_cols(k, b, kv_head, dtype, True), _load_rows(v, b, kv_head, dtype))
+class AttentionFwd(_NKIObject):
+    """What every stage of flash_attention_fwd_kernel reads: its operands and outputs (HBM)."""
+    q = None
+    k = None
+    v = None
+    out = None
+    lse = None  # (B, H, 128, S/128) fp32
+    scale = None
+    mask = None  # AttentionMask
+
+
+class FwdQueryTile(_NKIObject):
+    """One 128-query tile of the forward's stream and what its stages make, stage by stage."""
+    b = None
+    h = None
+    kv_head = None
+    query_tile = None
+    previous = None  # the stream's tile before: its pair's K and V and its head's Q and statistics carry on
+    groups = None  # the first key of each group of up to KEY_GROUP keys the tile sees (blocks nobody sees skipped)
+    group = 0  # the group the stages work on
+    # the load: K cols and V rows by the pair's first tile, Q cols and the row statistics by the head's first
+    k_cols = None
+    v_rows = None
+    q_cols = None
+    neg_max_all = None  # (128, S/128) fp32: -scale * row max of every query of the head
+    sum_all = None  # (128, S/128) fp32: the row sums
+    # scores: one PSUM bank per block of up to 512 keys
+    starts = None
+    scores = None
+    # softmax: the running -scale * max and, past the first group, the online rescale alpha; P and its row sum
+    neg_max = None
+    alpha = None
+    probs = None
+    group_sum = None
+    # transposes and their copy: P^T in PSUM, then in SBUF
+    transposed = None
+    probs_t = None
+    # values: P @ V summed over the groups (PSUM for one group, else SBUF), and the row sum
+    out_acc = None
+    row_sum = None
+
+
+def _fwd_query_tiles(q, k, window):
+    """The program's stream of query tiles: (batch, kv head) pairs split over the programs of an LNC launch,
+    outer, then their query heads, then the heads' 128-query tiles."""
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
+    tiles = []
+    for pair in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(pair, n_kv_heads)
+        for h in range(kv_head * (n_heads // n_kv_heads), (kv_head + 1) * (n_heads // n_kv_heads)):
+            for query_tile in range(n_tiles):
+                groups = []
+                for group_start in range(_first_key(query_tile, window), (query_tile + 1) * TILE, KEY_GROUP):
+                    groups.append(group_start)
+                tiles.append(FwdQueryTile(b=b, h=h, kv_head=kv_head, query_tile=query_tile, groups=groups,
+                                          previous=tiles[-1] if len(tiles) > 0 else None))
+    return tiles
+
+
+def _fwd_load(tile, kernel):
+    """Stage 0: a pair's first tile loads its K cols and V rows, a head's first its Q cols and makes its
+    statistics' tiles; the others take them from the tile before."""
+    dtype, n_tiles = kernel.q.dtype, kernel.q.shape[2] // TILE
+    pair_first = tile.previous is None or tile.previous.kv_head != tile.kv_head or tile.previous.b != tile.b
+    if pair_first:
+        tile.k_cols = _load_cols(kernel.k, tile.b, tile.kv_head, dtype, True)
+        tile.v_rows = _load_rows(kernel.v, tile.b, tile.kv_head, dtype)
     else:
-        kv = earlier[-1]["kv"]
-    if query_tile == 0:
-        q_cols = _load_cols(q, b, h, dtype, True)
-        stats = (nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf),
-                 nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf))
+        tile.k_cols = tile.previous.k_cols
+        tile.v_rows = tile.previous.v_rows
+    if tile.query_tile == 0:
+        tile.q_cols = _load_cols(kernel.q, tile.b, tile.h, dtype, True)
+        tile.neg_max_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+        tile.sum_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     else:
-        q_cols, stats = earlier[-1]["q_cols"], earlier[-1]["stats"]
-    key_start, n_keys = _first_key(query_tile, mask[3]), (query_tile + 1) * TILE
-    groups = []
-    for group_start in range(key_start, n_keys, KEY_GROUP):
-        groups.append(group_start)
-    return {"b": b, "h": h, "query_tile": query_tile, "last_tile": query_tile == n_tiles - 1, "kv": kv,
-            "q_cols": q_cols, "stats": stats, "n_keys": n_keys, "groups": groups, "single_group": len(groups) == 1}
+        tile.q_cols = tile.previous.q_cols
+        tile.neg_max_all = tile.previous.neg_max_all
+        tile.sum_all = tile.previous.sum_all
 
 
-def _attention_fwd_scores(tile, group, mask):
+def _fwd_scores(tile, kernel):
     """Stage 1 of a group: its score blocks (up to 512 keys each, one PSUM bank) on TensorE."""
-    query_tile, group_start = tile["query_tile"], tile["groups"][group]
-    group_stop = min(group_start + KEY_GROUP, tile["n_keys"])
-    starts, scores = [], []
+    group_start = tile.groups[tile.group]
+    group_stop = min(group_start + KEY_GROUP, (tile.query_tile + 1) * TILE)
+    tile.starts = []
+    tile.scores = []
     for start in range(group_start, group_stop, KEY_BLOCK):
-        width = min(KEY_BLOCK, group_stop - start)
-        block = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-        _scores(block, tile["q_cols"], tile["kv"][0], query_tile, start, mask)
-        starts.append(start)
-        scores.append(block)
-    tile["starts"] = starts
-    tile["scores"] = scores
+        block = nl.ndarray((TILE, min(KEY_BLOCK, group_stop - start)), dtype=nl.float32, buffer=nl.psum)
+        _scores(block, tile.q_cols, tile.k_cols, tile.query_tile, start, kernel.mask)
+        tile.starts.append(start)
+        tile.scores.append(block)
 
 
-def _attention_fwd_softmax(tile, group, scale):
+def _fwd_softmax(tile, kernel):
     """Stage 2 of a group: the row max (VectorE), p = exp(scale * s - scale * max) on ScalarE reading PSUM,
     the row sum over the group's blocks built up in ScalarE's reduce registers and read once, with the last
-    block; past the first group, alpha = exp(scale * (old max - new max)) of the online softmax."""
-    neg_max_all, sum_all = tile["stats"]
-    dtype = tile["q_cols"][0].dtype
-    query_tile, scores = tile["query_tile"], tile["scores"]
-    single_group, last_group = tile["single_group"], group == len(tile["groups"]) - 1
-    column = slice(query_tile, query_tile + 1)
-    n_blocks = len(scores)
+    block; past the first group, alpha = exp(scale * (old max - new max)) of the online softmax. A single
+    group writes its statistics straight into the head's tiles."""
+    single_group, last_group = len(tile.groups) == 1, tile.group == len(tile.groups) - 1
+    column = slice(tile.query_tile, tile.query_tile + 1)
+    n_blocks = len(tile.scores)
     block_max = nl.ndarray((TILE, n_blocks), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(n_blocks):
         # on VectorE: ScalarE's reduce registers start a reduction from zero (the isa docstring of
         # activation_reduce), so their max of a row whose scores are all negative would be 0, and
         # exp(scale * s - 0) underflows to a zero row sum where the scores are very negative
-        nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=scores[j], axis=1)
-    group_neg_max = neg_max_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
-                                                                            buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=block_max[:, j:j + 1], op=nl.maximum, data=tile.scores[j], axis=1)
+    group_neg_max = tile.neg_max_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                                buffer=nl.sbuf)
     if n_blocks == 1:
-        nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
+        nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-kernel.scale)
     else:
         group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)  # on GpSimd: VectorE is the busiest
         for j in range(1, n_blocks):
             nisa.tensor_tensor(dst=group_max, data1=block_max[:, 0:1] if j == 1 else group_max,
                                data2=block_max[:, j:j + 1], op=nl.maximum, engine=nisa.gpsimd_engine)
-        nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
-    if group == 0:
-        neg_max = group_neg_max
+        nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-kernel.scale)
+    if tile.group == 0:
+        tile.neg_max = group_neg_max
     else:  # the online softmax across groups: alpha = exp(scale * (old max - new max))
-        new_neg_max = neg_max_all[:, column] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32,
-                                                                          buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=new_neg_max, data1=tile["neg_max"], data2=group_neg_max, op=nl.minimum)
-        tile["alpha"] = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=tile["alpha"], op=nl.exp, data=tile["neg_max"], bias=new_neg_max, scale=-1.0)
-        neg_max = new_neg_max
-    tile["neg_max"] = neg_max
-
-    group_sum = sum_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-    probs = []
+        new_neg_max = tile.neg_max_all[:, column] if last_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                                buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=new_neg_max, data1=tile.neg_max, data2=group_neg_max, op=nl.minimum)
+        tile.alpha = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=tile.alpha, op=nl.exp, data=tile.neg_max, bias=new_neg_max, scale=-1.0)
+        tile.neg_max = new_neg_max
+    tile.group_sum = tile.sum_all[:, column] if single_group else nl.ndarray((TILE, 1), dtype=nl.float32,
+                                                                            buffer=nl.sbuf)
+    tile.probs = []
     for j in range(n_blocks):
-        block_probs = nl.ndarray(scores[j].shape, dtype=dtype, buffer=nl.sbuf)
-        nisa.activation(dst=block_probs, op=nl.exp, data=scores[j], bias=neg_max, scale=scale, reduce_op=nl.add,
-                        reduce_res=group_sum if j == n_blocks - 1 else None,
+        block_probs = nl.ndarray(tile.scores[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=block_probs, op=nl.exp, data=tile.scores[j], bias=tile.neg_max, scale=kernel.scale,
+                        reduce_op=nl.add, reduce_res=tile.group_sum if j == n_blocks - 1 else None,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce if j == 0 else nisa.reduce_cmd.reduce)
-        probs.append(block_probs)
-    tile["probs"] = probs
-    tile["group_sum"] = group_sum
+        tile.probs.append(block_probs)
 
 
-def _attention_fwd_transposes(tile):
+def _fwd_transposes(tile, kernel):
     """Stage 3 of a group: p @ v contracts over keys, which must sit on the partitions: TensorE transposes
     p chunk by chunk into PSUM, one tile per block."""
-    transposed = []
-    for j in range(len(tile["probs"])):
-        transposed.append(_transposed_chunks(tile["probs"][j]))
-    tile["transposed"] = transposed
+    tile.transposed = []
+    for j in range(len(tile.probs)):
+        tile.transposed.append(_transposed_chunks(tile.probs[j]))
 
 
-def _attention_fwd_probs_t(tile):
+def _fwd_probs_t(tile, kernel):
     """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns)."""
-    tile["probs_t"] = []
-    for j in range(len(tile["transposed"])):
-        tile["probs_t"].append(nl.ndarray(tile["transposed"][j].shape, dtype=tile["q_cols"][0].dtype, buffer=nl.sbuf))
-        _evict(tile["probs_t"][j], tile["transposed"][j], (tile["query_tile"] + j) % 2 == 1)
+    tile.probs_t = []
+    for j in range(len(tile.transposed)):
+        tile.probs_t.append(nl.ndarray(tile.transposed[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf))
+        _evict(tile.probs_t[j], tile.transposed[j], (tile.query_tile + j) % 2 == 1)
 
 
-def _attention_fwd_values(tile, group):
+def _fwd_values(tile, kernel):
     """Stage 5 of a group: P @ V accumulated in one PSUM tile over the group; past the first group, what the
     earlier groups summed rescaled to the new max."""
-    query_tile, starts, probs_t = tile["query_tile"], tile["starts"], tile["probs_t"]
-    v_rows = tile["kv"][1]
-    head_dim = v_rows.shape[2]
-    last_group, group_sum = group == len(tile["groups"]) - 1, tile["group_sum"]
+    head_dim = tile.v_rows.shape[2]
     group_out = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.psum)
-    for j in range(len(probs_t)):
-        for c in range(probs_t[j].shape[1]):
-            nisa.nc_matmul(dst=group_out, stationary=probs_t[j][:, c, :], moving=v_rows[:, starts[j] // TILE + c, :],
-                           accumulate=j > 0 or c > 0)
-    if tile["single_group"]:
-        tile["out_acc"] = group_out
-        tile["row_sum"] = group_sum
-    elif group == 0:
-        tile["out_acc"] = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=tile["out_acc"], src=group_out)
-        tile["row_sum"] = group_sum
+    for j in range(len(tile.probs_t)):
+        for c in range(tile.probs_t[j].shape[1]):
+            nisa.nc_matmul(dst=group_out, stationary=tile.probs_t[j][:, c, :],
+                           moving=tile.v_rows[:, tile.starts[j] // TILE + c, :], accumulate=j > 0 or c > 0)
+    if len(tile.groups) == 1:
+        tile.out_acc = group_out
+        tile.row_sum = tile.group_sum
+    elif tile.group == 0:
+        tile.out_acc = nl.ndarray((TILE, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile.out_acc, src=group_out)
+        tile.row_sum = tile.group_sum
     else:  # rescale what the earlier groups summed to the new max
-        sum_all = tile["stats"][1]
-        new_sum = sum_all[:, query_tile:query_tile + 1] if last_group else \
-            nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=new_sum, data=tile["row_sum"], op0=nl.multiply, operand0=tile["alpha"],
-                                  op1=nl.add, operand1=group_sum)
-        tile["row_sum"] = new_sum
-        nisa.scalar_tensor_tensor(dst=tile["out_acc"], data=tile["out_acc"], op0=nl.multiply,
-                                  operand0=tile["alpha"], op1=nl.add, operand1=group_out)
+        new_sum = tile.sum_all[:, tile.query_tile:tile.query_tile + 1] if tile.group == len(tile.groups) - 1 \
+            else nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=new_sum, data=tile.row_sum, op0=nl.multiply, operand0=tile.alpha,
+                                  op1=nl.add, operand1=tile.group_sum)
+        tile.row_sum = new_sum
+        nisa.scalar_tensor_tensor(dst=tile.out_acc, data=tile.out_acc, op0=nl.multiply, operand0=tile.alpha,
+                                  op1=nl.add, operand1=group_out)
 
 
-def _attention_fwd_store(tile, out, lse):
+def _fwd_store(tile, kernel):
     """Stage 6 of a tile: out = acc * (1 / sum), its 128 rows to out[b, h]. No division on the hardware
     (nki.api.shared.rst's ISA operator table; the release notes' known issues): one VectorE reciprocal of the
     (128, 1) row sums, then a multiply from PSUM. The head's last tile also writes its lse = log(sum) -
     (-scale * max), one ScalarE and one VectorE instruction for the head."""
-    b, h, query_tile, head_dim = tile["b"], tile["h"], tile["query_tile"], tile["out_acc"].shape[1]
+    rows = slice(tile.query_tile * TILE, (tile.query_tile + 1) * TILE)
     inverse_sum = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inverse_sum, data=tile["row_sum"])
-    out_tile = nl.ndarray((TILE, head_dim), dtype=out.dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=out_tile, data=tile["out_acc"], op0=nl.multiply, operand0=inverse_sum)
-    nisa.dma_copy(dst=out[b, h, query_tile * TILE:(query_tile + 1) * TILE, :], src=out_tile)
-    if tile["last_tile"]:
-        neg_max_all, sum_all = tile["stats"]
-        log_sum = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=log_sum, op=nl.log, data=sum_all)  # sum >= 1: the max itself contributes exp(0)
-        lse_tile = nl.ndarray(sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=neg_max_all, op=nl.subtract)
-        nisa.dma_copy(dst=lse[b, h, :, :], src=lse_tile)
+    nisa.reciprocal(dst=inverse_sum, data=tile.row_sum)
+    out_tile = nl.ndarray((TILE, tile.out_acc.shape[1]), dtype=kernel.out.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out_tile, data=tile.out_acc, op0=nl.multiply, operand0=inverse_sum)
+    nisa.dma_copy(dst=kernel.out[tile.b, tile.h, rows, :], src=out_tile)
+    if tile.query_tile == kernel.q.shape[2] // TILE - 1:
+        log_sum = nl.ndarray(tile.sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=log_sum, op=nl.log, data=tile.sum_all)  # sum >= 1: the max itself contributes exp(0)
+        lse_tile = nl.ndarray(tile.sum_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lse_tile, data1=log_sum, data2=tile.neg_max_all, op=nl.subtract)
+        nisa.dma_copy(dst=kernel.lse[tile.b, tile.h, :, :], src=lse_tile)
 
 
 def flash_attention_fwd_kernel(q, k, v, scale, window):
     """Causal flash attention forward, grouped-query heads, optionally in a sliding window.
 
     Inputs (HBM), as the model holds them: q (B, H, S, d), k and v (B, Hkv, S, d); all bf16 (or all fp32:
-    then every matmul runs in fp32, 4x slower, for testing). d <= 256, even above 128 (one or two equal
-    pieces of <= 128 on the partitions), S a multiple of 128, Hkv divides H, query head h uses kv head
-    h // (H / Hkv); scale is the softmax scale; query i sees keys i - window .. i (FA3's window_size
-    (window, 0)), window a multiple of 128 (S or more: every key up to the query). Returns out (B, H, S, d)
-    in the input dtype and lse (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query
-    t*128 + p at [b, h, p, t], which the backward needs. S is limited by the backward's SBUF plan
-    (flash_attention_bwd_kernel).
+    then every matmul runs in fp32, 4x slower, for testing). scale is the softmax scale; query i sees keys
+    i - window .. i (FA3's window_size (window, 0)). Returns out (B, H, S, d) in the input dtype and lse
+    (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
+    the backward needs. Limits (asserted here): d <= 256, even above 128 (one or two equal pieces of <= 128
+    on the partitions); S a multiple of 128; Hkv divides H (query head h uses kv head h // (H / Hkv));
+    window a multiple of 128 (S or more: every key up to the query). S is also limited by the backward's
+    SBUF plan (flash_attention_bwd_kernel).
 
     Layouts change on chip, not in the PyTorch graph: q and k come in 512 positions per DMA
     (`_load_cols`) and TensorE transposes them into cols (d on the partitions, as the score matmul
@@ -1030,23 +1031,35 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     accumulating in a PSUM bank), the causal bias accumulated by TensorE onto the last 128 keys of the
     diagonal block only (blocks wholly above the diagonal are skipped); with a window, keys start at
     128i - window, the first 128 of them masked the same way (the blocks before are skipped). Per group of
-    up to 4 blocks (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce registers,
-    which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE reading PSUM
-    with the row sum accumulated in its reduce registers over the group's blocks, P cast to the input
-    dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one instruction,
-    VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as 128x128xd
-    matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE reciprocal of
-    the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the first
-    (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics
+    up to 4 blocks (2048 keys): one row max (a VectorE reduce per block, one combine; not ScalarE's reduce
+    registers, which start from zero and so would clamp an all-negative row's max to 0), exp on ScalarE
+    reading PSUM with the row sum accumulated in its reduce registers over the group's blocks, P cast to
+    the input dtype and transposed in 128x128 chunks on TensorE (each block's chunks copied out in one
+    instruction, VectorE and ScalarE by turns, which keeps the two engines level), then P @ V as
+    128x128xd matmuls accumulating in one PSUM tile over the group; out = acc * (1 / sum) (a VectorE
+    reciprocal of the row sums, then one multiply from PSUM: the hardware has no divide). Groups after the
+    first (S > 2048) rescale the running sum and output once each (online softmax). A head's row statistics
     stay in (128, S/128) tiles, so lse = log(sum) - (-scale * max) is one ScalarE and one VectorE
     instruction per head.
 
-    Issue order: the program's query tiles form one stream (pairs, heads, tiles; a pair's K and V and a
-    head's Q loaded by its first tile) through six stages (scores; row max and exp; P^T
-    transposes; P^T copy; P @ V; output and lse; above S = 1024 the copy and P @ V are one), pipelined at
-    S <= 2048: step t issues tile t's scores beside the later stages of the tiles before, so no engine (each
-    in issue order) waits on the chain it just started. Above, a tile's groups carry the online softmax and
-    the tiles go one after another.
+    Schedule: the program's query tiles form one stream (`_fwd_query_tiles`) through seven stages, each
+    unit a query tile, issued by `_pipeline` (step t runs each stage on tile t - lag, in the table's order):
+
+        S <= 1024                            1024 < S <= 2048
+        stage             lag  engines       stage             lag  engines
+        _fwd_load          0   DMA, PE, ACT  _fwd_load          0   DMA, PE, ACT
+        _fwd_scores        0   PE            _fwd_store         2   DVE, DMA (ACT: lse)
+        _fwd_store         5   DVE, DMA      _fwd_transposes    1   PE
+        _fwd_values        4   PE            _fwd_probs_t       1   DVE / ACT
+        _fwd_probs_t       3   DVE / ACT     _fwd_values        1   PE
+        _fwd_transposes    2   PE            _fwd_scores        0   PE
+        _fwd_softmax       1   DVE, ACT      _fwd_softmax       0   DVE, ACT
+
+    Prologue: the first steps run only the stages whose tile exists (step 0: load and scores of tile 0);
+    steady step: every stage, on the tiles t - lag; epilogue: the last tiles' later stages. Above 1024 the
+    P^T copy and P @ V run a step after the scores, so a tile's four score banks are free before the next
+    tile's scores. Above S = KEY_GROUP (2048) a tile's groups carry the online softmax: tiles and their
+    groups go in order, unpipelined.
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
@@ -1054,136 +1067,240 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     tiles' scores (2 banks each), one tile's P^T (a bank per 512 keys), the output tile and Q's layout
     transposes: at most 8 of the 8 banks; at S <= 2048 one tile's scores (4), then its P^T (4) once they are
     copied out, the output tile and the layout transposes: at most 6; above, a group's scores 4 banks, P^T,
-    the output tile and the layout transposes one each: at most 7.
-
-    Engine balance (nki_emulator/_cost.py, one Trn2 core, bf16). Per full 512-key block at d = 128
+    the output tile and the layout transposes one each: at most 7. Per full 512-key block at d = 128
     TensorE spends 640 ns (scores, P^T, P @ V), VectorE 533 on a row max, ScalarE 576 cycles on the exp, the
-    P^T copy 256 VectorE or 576 ScalarE cycles: split as above, both land near TensorE. Counted at the
-    baseline shape (B 1, 5 heads of 128, S 1024): TensorE 35.2 us, VectorE 42.5, ScalarE 39.7, DMA 33.0;
-    at K82s4's (4 heads of 256, 1 kv head): TensorE 44.4 against VectorE 38.3, ScalarE 33.5, DMA 23.9.
-    Scheduled (nki_emulator/_schedule.py): 72.0 and 64.8 us (75.6 and 70.4 with P^T copied in P @ V's
-    stage), against serial bounds of 150.9 and 140.6.
+    P^T copy 256 VectorE or 576 ScalarE cycles: split as above, both land near TensorE (docs/results.md has
+    the counts and schedules at the model's shapes).
     """
     batch, n_heads, seq_len, head_dim = q.shape
-    n_kv_heads = k.shape[1]
-    group = n_heads // n_kv_heads
-    n_tiles = seq_len // TILE
-    dtype = q.dtype
-    out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    lse = nl.ndarray((batch, n_heads, TILE, n_tiles), dtype=nl.float32, buffer=nl.shared_hbm)
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
-    mask = _mask_operands(dtype, seq_len, window)
-    # software-pipelined as nki-library's attention_cte.py group loop (docstring: Issue order)
-    split = 1 if seq_len <= 2 * KEY_BLOCK else 0
-    softmax_at, transposes_at = split, split + 1
-    values_at = transposes_at + 2 * split
-    store_at = values_at + 1
-    pairs = []
-    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        pairs.append(pair)
-    n_steps = len(pairs) * group * n_tiles
-    tiles = []
-    if seq_len <= KEY_GROUP:  # one group a tile
-        for step in range(n_steps + store_at):
-            if step < n_steps:
-                tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
-            if split and step < n_steps:
-                _attention_fwd_scores(tiles[step], 0, mask)
-            if 0 <= step - store_at:
-                _attention_fwd_store(tiles[step - store_at], out, lse)
-            if split and 0 <= step - values_at < n_steps:
-                _attention_fwd_values(tiles[step - values_at], 0)
-            if split and 0 <= step + split - values_at < n_steps:
-                _attention_fwd_probs_t(tiles[step + split - values_at])
-            if 0 <= step - transposes_at < n_steps:
-                _attention_fwd_transposes(tiles[step - transposes_at])
-            if not split and 0 <= step - values_at < n_steps:  # P^T leaves PSUM before the next scores
-                _attention_fwd_probs_t(tiles[step - values_at])
-                _attention_fwd_values(tiles[step - values_at], 0)
-            if not split and step < n_steps:
-                _attention_fwd_scores(tiles[step], 0, mask)
-            if 0 <= step - softmax_at < n_steps:
-                _attention_fwd_softmax(tiles[step - softmax_at], 0, scale)
-    else:  # a tile's groups carry its online softmax: in order
-        for step in range(n_steps):
-            tiles.append(_attention_fwd_stream_tile(q, k, v, pairs, step, tiles, mask))
-            for key_group in range(len(tiles[step]["groups"])):
-                _attention_fwd_scores(tiles[step], key_group, mask)
-                _attention_fwd_softmax(tiles[step], key_group, scale)
-                _attention_fwd_transposes(tiles[step])
-                _attention_fwd_probs_t(tiles[step])
-                _attention_fwd_values(tiles[step], key_group)
-            _attention_fwd_store(tiles[step], out, lse)
+    _assert_attention_limits(q, k, window)
+    out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((batch, n_heads, TILE, seq_len // TILE), dtype=nl.float32, buffer=nl.shared_hbm)
+    kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale, mask=_mask_operands(q.dtype, seq_len, window))
+    tiles = _fwd_query_tiles(q, k, window)
+    if seq_len > KEY_GROUP:  # a tile's groups carry its online softmax: in order
+        for t in range(len(tiles)):
+            _fwd_load(tiles[t], kernel)
+            for group in range(len(tiles[t].groups)):
+                tiles[t].group = group
+                _fwd_scores(tiles[t], kernel)
+                _fwd_softmax(tiles[t], kernel)
+                _fwd_transposes(tiles[t], kernel)
+                _fwd_probs_t(tiles[t], kernel)
+                _fwd_values(tiles[t], kernel)
+            _fwd_store(tiles[t], kernel)
+    elif seq_len <= 2 * KEY_BLOCK:  # one group a tile: the schedules of the docstring's table
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_scores, 0), (_fwd_store, 5), (_fwd_values, 4), (_fwd_probs_t, 3),
+                          (_fwd_transposes, 2), (_fwd_softmax, 1)), kernel)
+    else:
+        _pipeline(tiles, ((_fwd_load, 0), (_fwd_store, 2), (_fwd_transposes, 1), (_fwd_probs_t, 1), (_fwd_values, 1),
+                          (_fwd_scores, 0), (_fwd_softmax, 0)), kernel)
     return out, lse
 
 
-def _attention_bwd_scores(unit, mask):
-    """Stage 1: the scores S = q.T k and dP = dO @ V.T over the d pieces, on TensorE into PSUM."""
-    q_cols, do_cols, k_cols, v_cols = unit["head"][0], unit["head"][2], unit["kv"][0], unit["kv"][2]
-    query_tile, first, width = unit["query_tile"], unit["first"], unit["width"]
-    queries = slice(query_tile * TILE, (query_tile + 1) * TILE)
-    unit["scores"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(unit["scores"], q_cols, k_cols, query_tile, first, mask)
-    unit["dprobs"] = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    for piece in range(len(do_cols)):
-        nisa.nc_matmul(dst=unit["dprobs"], stationary=do_cols[piece][:, queries],
-                       moving=v_cols[piece][:, first:first + width], accumulate=piece > 0)
+class AttentionBwd(_NKIObject):
+    """What every stage of flash_attention_bwd_kernel reads: its operands and outputs (HBM)."""
+    q = None
+    k = None
+    v = None
+    out = None
+    d_out = None
+    lse = None
+    dq = None
+    dk = None
+    dv = None
+    scale = None
+    mask = None  # AttentionMask
+    group = None  # query heads per kv head
 
 
-def _attention_bwd_softmax(unit, scale):
-    """Stage 2: P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM), and dS = P * (dP - D), the
-    scale applied at the end: ScalarE takes dP - D out of PSUM, so VectorE's product has both inputs in SBUF
-    in the input dtype (its fast case, N cycles, not 2N)."""
-    neg_lse, neg_delta, dtype = unit["head"][4], unit["head"][5], unit["head"][1].dtype
-    column, width = slice(unit["query_tile"], unit["query_tile"] + 1), unit["width"]
-    unit["probs"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=unit["probs"], op=nl.exp, data=unit["scores"], bias=neg_lse[:, column], scale=scale)
+class BwdPair(_NKIObject):
+    """A (batch, kv head) pair's state, made by its first head's `_bwd_prepare`."""
+    k_cols = None
+    k_rows = None
+    v_cols = None
+    dk_rows = None  # dK and dV of the pair in the input dtype, (128, S/128, d), written by the group's last head
+    dv_rows = None
+    dk_sum = None  # with G > 1: the fp32 sums over the group's heads before the last
+    dv_sum = None
+
+
+class BwdHead(_NKIObject):
+    """A query head's state, made by `_bwd_prepare` for its first unit."""
+    q_cols = None
+    q_rows = None
+    do_cols = None
+    do_rows = None
+    neg_lse = None  # (128, S/128) fp32
+    neg_delta = None  # -D = -rowsum(dO * O), (128, S/128) fp32
+    dq_acc = None  # dQ's fp32 sum, (128, S/128, d)
+
+
+class BwdKeyBlock(_NKIObject):
+    """A key block's dK and dV accumulators in PSUM (`_banked_chunks`), made by its first unit's stage 2."""
+    dk = None
+    dv = None
+
+
+class BwdUnit(_NKIObject):
+    """A (key block, 128-query tile) unit of the backward: where it is and the state it shares."""
+    b = None
+    kv_head = None
+    h = None
+    query_tile = None
+    first = None  # the first key the tile sees in the block
+    width = None  # keys from `first` to the block's end or the diagonal
+    chunks = None  # the block's 128-key chunks, a slice
+    opens_row = None  # the tile's first block: its dQ sum starts here
+    block_last = None  # the block's last tile: its dK and dV are final
+    head_first = None  # the head's first unit: makes the head's state
+    pair = None  # BwdPair
+    head = None  # BwdHead
+    block = None  # BwdKeyBlock
+
+
+def _bwd_units(q, k, window):
+    """The program's units: (batch, kv head) pairs split over the LNC programs, their query heads, key blocks
+    of up to 512 keys and the query tiles that see them."""
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
+    group = n_heads // n_kv_heads
+    units = []
+    for index in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
+        b, kv_head = divmod(index, n_kv_heads)
+        pair = BwdPair()
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            head = BwdHead()
+            for start in range(0, seq_len, KEY_BLOCK):
+                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                tiles_stop, block = min(n_tiles, chunks.stop + window // TILE), BwdKeyBlock()
+                for i in range(chunks.start, tiles_stop):
+                    first = max(start, _first_key(i, window))
+                    units.append(BwdUnit(b=b, kv_head=kv_head, h=h, query_tile=i, first=first, chunks=chunks,
+                                         width=min(start + KEY_BLOCK, (i + 1) * TILE) - first,
+                                         opens_row=first == _first_key(i, window), block_last=i == tiles_stop - 1,
+                                         head_first=start == 0 and i == 0, pair=pair, head=head, block=block))
+    return units
+
+
+def _bwd_prepare(unit, kernel):
+    """Before a head's first unit: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
+    otherwise, its sum on VectorE), and, for the pair's first head, the pair's."""
+    if not unit.head_first:
+        return
+    q, head, pair, dtype = kernel.q, unit.head, unit.pair, kernel.q.dtype
+    rows = (TILE, q.shape[2] // TILE, q.shape[3])
+    if unit.h % kernel.group == 0:
+        pair.k_rows = _load_rows(kernel.k, unit.b, unit.kv_head, dtype)
+        pair.k_cols = _rows_to_cols(pair.k_rows, False)
+        pair.v_cols = _load_cols(kernel.v, unit.b, unit.kv_head, dtype, True)
+        grads = _sbuf_tiles(2, rows, dtype)
+        pair.dk_rows = grads[0]
+        pair.dv_rows = grads[1]
+        if kernel.group > 1:
+            sums = _sbuf_tiles(2, rows, nl.float32)
+            pair.dk_sum = sums[0]
+            pair.dv_sum = sums[1]
+    head.q_rows = _load_rows(q, unit.b, unit.h, dtype)
+    head.q_cols = _rows_to_cols(head.q_rows, False)
+    head.do_rows = _load_rows(kernel.d_out, unit.b, unit.h, dtype)
+    head.do_cols = _rows_to_cols(head.do_rows, True)
+    lse_tile = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lse_tile, src=kernel.lse[unit.b, unit.h, :, :])
+    head.neg_lse = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=head.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
+    out_rows = _load_rows(kernel.out, unit.b, unit.h, dtype)
+    head.neg_delta = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    for first in range(0, rows[1], 2):
+        tiles = slice(first, min(first + 2, rows[1]))
+        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=products, data1=head.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_reduce(dst=head.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
+    head.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
+
+
+def _bwd_scores(unit, kernel):
+    """A unit's S = q.T k and dP = dO @ V.T over the d pieces (TensorE, PSUM); P recomputed from lse,
+    exp(scale * s - lse) (ScalarE from PSUM); dS = P * (dP - D), the scale applied at the end (ScalarE takes
+    dP - D out of PSUM, so VectorE's product has both inputs in SBUF in the input dtype: its fast case, N
+    cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q into the key block's PSUM accumulators (one (128 keys,
+    d) slot per 128-key chunk, `_banked_chunks`, made by the block's first unit; queries are already on the
+    partitions; chunk c's sum starts at the query tile on its diagonal, the first that sees its keys).
+    Returns dS transposed by TensorE into PSUM, for dQ = dS @ K, which contracts over keys."""
+    head, pair, block, first, width, query_tile = unit.head, unit.pair, unit.block, unit.first, unit.width, \
+        unit.query_tile
+    queries, column, dtype = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1), \
+        kernel.q.dtype
+    scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    _scores(scores, head.q_cols, pair.k_cols, query_tile, first, kernel.mask)
+    dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
+    for piece in range(len(head.do_cols)):
+        nisa.nc_matmul(dst=dprobs, stationary=head.do_cols[piece][:, queries],
+                       moving=pair.v_cols[piece][:, first:first + width], accumulate=piece > 0)
+    probs = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=head.neg_lse[:, column], scale=kernel.scale)
     shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=shifted, op=nl.copy, data=unit["dprobs"], bias=neg_delta[:, column])
-    unit["dscores"] = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=unit["dscores"], data1=shifted, data2=unit["probs"], op=nl.multiply)
-
-
-def _attention_bwd_kv_grads(unit):
-    """Stage 3: dV += P.T @ dO, dK += dS.T @ Q into the block's PSUM accumulators dk_block, dv_block (one
-    (128 keys, d) slot per 128-key chunk of the block, `_banked_chunks`): queries are already on the
-    partitions. The sum of chunk c starts at the query tile on its diagonal, the first one that sees its
-    keys. Then dS transposed by TensorE for dQ = dS @ K, which contracts over keys."""
-    q_rows, do_rows, (dk_block, dv_block) = unit["head"][1], unit["head"][3], unit["blocks"]
-    query_tile, first = unit["query_tile"], unit["first"]
-    n_chunks, skipped = unit["width"] // TILE, first // TILE - unit["chunks"].start
-    for c in range(n_chunks):
+    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=head.neg_delta[:, column])
+    dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
+    if query_tile == unit.chunks.start:
+        block.dk = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
+        block.dv = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
+    skipped = first // TILE - unit.chunks.start
+    for c in range(width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > first // TILE + c
-        nisa.nc_matmul(dst=dv_block[skipped + c], stationary=unit["probs"][:, chunk],
-                       moving=do_rows[:, query_tile, :], accumulate=started)
-        nisa.nc_matmul(dst=dk_block[skipped + c], stationary=unit["dscores"][:, chunk],
-                       moving=q_rows[:, query_tile, :], accumulate=started)
-    unit["dscores_t"] = _transposed_chunks(unit["dscores"])
+        nisa.nc_matmul(dst=block.dv[skipped + c], stationary=probs[:, chunk], moving=head.do_rows[:, query_tile, :],
+                       accumulate=started)
+        nisa.nc_matmul(dst=block.dk[skipped + c], stationary=dscores[:, chunk], moving=head.q_rows[:, query_tile, :],
+                       accumulate=started)
+    return _transposed_chunks(dscores)
 
 
-def _attention_bwd_dq(unit):
-    """Stage 5 (after stage 4, dS^T out of PSUM on VectorE): dQ of the tile from this block (TensorE), in PSUM."""
-    k_rows, first = unit["kv"][1], unit["first"]
-    unit["dq_block"] = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for c in range(unit["width"] // TILE):
-        nisa.nc_matmul(dst=unit["dq_block"], stationary=unit["dscores_t_sbuf"][:, c, :],
-                       moving=k_rows[:, first // TILE + c, :], accumulate=c > 0)
-
-
-def _attention_bwd_add_dq(unit, dq, scale):
-    """Stage 6: the block's dQ added into the SBUF accumulator (VectorE); after the tile's diagonal block, its
-    last, scaled and stored."""
-    i = unit["query_tile"]
-    row = unit["dq_acc"][:, i, :]
-    if unit["opens_row"]:
-        nisa.tensor_copy(dst=row, src=unit["dq_block"])
+def _bwd_dq(unit, kernel, dscores_t):
+    """dS^T out of PSUM (VectorE), and the block's last unit adds the block's dK and dV onto the pair's
+    (`_bwd_add_kv_grads`); then dQ of the tile from this block (TensorE, PSUM) added into the head's SBUF
+    accumulator (VectorE): after the tile's diagonal block, its last, scaled and stored."""
+    dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
+    _evict(dscores_t_sbuf, dscores_t, False)
+    if unit.block_last:
+        _bwd_add_kv_grads(unit, kernel)
+    k_rows, i = unit.pair.k_rows, unit.query_tile
+    dq_block = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(unit.width // TILE):
+        nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :], moving=k_rows[:, unit.first // TILE + c, :],
+                       accumulate=c > 0)
+    row = unit.head.dq_acc[:, i, :]
+    if unit.opens_row:
+        nisa.tensor_copy(dst=row, src=dq_block)
     else:
-        nisa.tensor_tensor(dst=row, data1=row, data2=unit["dq_block"], op=nl.add)
-    if unit["chunks"].start <= i < unit["chunks"].stop:
-        dq_tile = nl.ndarray(row.shape, dtype=dq.dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=scale)
-        nisa.dma_copy(dst=dq[unit["b"], unit["h"], i * TILE:(i + 1) * TILE, :], src=dq_tile)
+        nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
+    if unit.chunks.start <= i < unit.chunks.stop:
+        dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
+        nisa.dma_copy(dst=kernel.dq[unit.b, unit.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
+
+
+def _bwd_add_kv_grads(unit, kernel):
+    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
+    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
+    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
+    pair, chunks = unit.pair, unit.chunks
+    first, last = unit.h % kernel.group == 0, unit.h % kernel.group == kernel.group - 1
+    for g in range(2):
+        rows, sums, block = (pair.dk_rows, pair.dv_rows)[g], (pair.dk_sum, pair.dv_sum)[g], (unit.block.dk,
+                                                                                             unit.block.dv)[g]
+        for c in range(chunks.start, chunks.stop):
+            target = rows[:, c, :] if last else sums[:, c, :]
+            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(kernel.scale, 1.0)[g])
+            if not first:
+                nisa.tensor_tensor(dst=target, data1=scaled, data2=sums[:, c, :], op=nl.add,
+                                   engine=nisa.engine.gpsimd)
+            if last:
+                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][unit.b, unit.kv_head, c * TILE:(c + 1) * TILE, :],
+                              src=target)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1200,68 +1317,14 @@ def _banked_chunks(n_chunks, head_dim):
     return slots
 
 
-def _attention_bwd_prepare(unit, pair, q, k, v, out, d_out, lse, group):
-    """The state of a head, made for its first unit: "head" (Q cols, Q rows, dO cols, dO rows, -lse, -D),
-    D = rowsum(dO * O), the last two (128, S/128) fp32, and "dq_acc", dQ's fp32 sum; the pair's first head
-    makes the pair's "kv" (K cols, K rows, V cols) and "grads" (dK, dV rows, with G > 1 their fp32 sums)
-    into the dict `pair`."""
-    b, h, dtype, n_tiles = unit["b"], unit["h"], q.dtype, q.shape[2] // TILE
-    rows = (TILE, n_tiles, q.shape[3])
-    if h % group == 0:
-        k_rows = _load_rows(k, b, unit["kv_head"], dtype)
-        pair["kv"] = (_rows_to_cols(k_rows, False), k_rows, _load_cols(v, b, unit["kv_head"], dtype, True))
-        pair["grads"] = _sbuf_tiles(2, rows, dtype) + _sbuf_tiles(2 if group > 1 else 0, rows, nl.float32)
-    q_rows = _load_rows(q, b, h, dtype)
-    q_cols = _rows_to_cols(q_rows, False)
-    do_rows = _load_rows(d_out, b, h, dtype)
-    do_cols = _rows_to_cols(do_rows, True)
-
-    lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
-    neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    # the product on GpSimd (idle otherwise), its sum on VectorE
-    out_rows = _load_rows(out, b, h, dtype)
-    neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
-    for first in range(0, n_tiles, 2):
-        tiles = slice(first, min(first + 2, n_tiles))
-        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=products, data1=do_rows[:, tiles, :], data2=out_rows[:, tiles, :], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_reduce(dst=neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
-    # one item at a time: NKI 0.4's dicts have no update (leanprover/KLR KLR/Trace/Term.lean l. 488-498)
-    unit["kv"] = pair["kv"]
-    unit["grads"] = pair["grads"]
-    unit["head"] = (q_cols, q_rows, do_cols, do_rows, neg_lse, neg_delta)
-    unit["dq_acc"] = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
-
-
-def _add_kv_grads(unit, dk, dv, scale, group):
-    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
-    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
-    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
-    first, last, chunks = unit["h"] % group == 0, unit["h"] % group == group - 1, unit["chunks"]
-    for g in range(2):
-        rows, block = unit["grads"][g], unit["blocks"][g]
-        for c in range(chunks.start, chunks.stop):
-            target = rows[:, c, :] if last else unit["grads"][g + 2][:, c, :]
-            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(scale, 1.0)[g])
-            if not first:
-                nisa.tensor_tensor(dst=target, data1=scaled, data2=unit["grads"][g + 2][:, c, :], op=nl.add,
-                                   engine=nisa.engine.gpsimd)
-            if last:
-                nisa.dma_copy(dst=(dk, dv)[g][unit["b"], unit["kv_head"], c * TILE:(c + 1) * TILE, :], src=target)
-
-
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
     Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d). Returns dq (B, H, S, d), dk and dv (B, Hkv, S, d) in the
-    input dtype, dk and dv summed over the G query heads of each kv head. Same limits as the forward, and
-    SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and 2048*128
-    in fp32 (`_attention_sbuf_bytes`).
+    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted
+    here), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and
+    2048*128 in fp32 (`_attention_sbuf_bytes`).
 
     Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
     scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows and cols, -lse,
@@ -1275,95 +1338,41 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
     once final.
 
-    Issue order: the program's units (pairs, heads, blocks, tiles) form one stream (one per pair where
-    SBUF_BUDGET cannot hold two pairs) through six stages: scores and dP; P, dP - D, dS; dV, dK, dS^T; dS^T
-    out of PSUM; dQ; its add. Unit u's stage k is issued at step u + k, the last first: each stage reads what
-    the step before made, no engine (each in issue order) waits on the chain it just started, and each PSUM
-    tile is read before the next unit's is written. A head's state is made BWD_HEAD_AHEAD steps early, after
-    the step's dQ add frees a bank for its transposes.
+    Order: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) one after another, each through its work
+    (`_bwd_prepare` on a head's first unit, `_bwd_scores`, `_bwd_dq`): the plain form. Under the compiler's list
+    schedule a software pipeline across units was within the model's error of it (docs/results.md), and
+    nki-library's attention_bwd.py loops in natural order too.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
     plus ~6 KiB, 178,176 at S = 4096, d = 128 (SBUF_BUDGET 196,608). PSUM, whole 2 KiB banks: scores, dP,
     dS^T, dQ (or a head's transposes) one each, dK and dV (`_banked_chunks`) one each at d = 128, two at
     d = 256: at most 8 of 8.
-
-    Counted (nki_emulator/_cost.py, one Trn2 core, bf16) at the baseline shape (B 1, 5 heads of 128,
-    S 1024): DMA 81.1 us, TensorE 68.3, VectorE 60.5, ScalarE 55.5; at K82s4's (B 1, 4 heads of 256, 1 kv
-    head): TensorE 94.7 against VectorE 64.5, DMA 56.7, ScalarE 52.9, GpSimd 42.6. Scheduled
-    (nki_emulator/_schedule.py): 98.2 and 114.9 us (150.7 and 184.8 with four stages, head after head).
     """
     batch, n_heads, seq_len, head_dim = q.shape
+    _assert_attention_limits(q, k, window)
     n_kv_heads = k.shape[1]
-    group = n_heads // n_kv_heads
-    n_tiles = seq_len // TILE
-    dtype = q.dtype
-    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm)
-    assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
-    mask = _mask_operands(dtype, seq_len, window)
-    itemsize = 4 if dtype == nl.float32 else 2
-    streams, units, pair = [], [], {}
-    for index in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
-        b, kv_head = divmod(index, n_kv_heads)
-        if len(units) > 0 and _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=2) > SBUF_BUDGET:
-            streams.append(units)
-            units = []
-        for h in range(kv_head * group, (kv_head + 1) * group):
-            for start in range(0, seq_len, KEY_BLOCK):
-                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                tiles_stop = min(n_tiles, chunks.stop + window // TILE)
-                for i in range(chunks.start, tiles_stop):
-                    first = max(start, _first_key(i, window))
-                    units.append({"query_tile": i, "first": first, "opens_row": first == _first_key(i, window),
-                                  "width": min(start + KEY_BLOCK, (i + 1) * TILE) - first, "b": b, "kv_head": kv_head,
-                                  "h": h, "chunks": chunks, "block_last": i == tiles_stop - 1,
-                                  "head_first": start == 0 and i == 0})
-    streams.append(units)
-    for units in streams:
-        n = len(units)
-        for step in range(n + 5):
-            if 0 <= step - 5:
-                _attention_bwd_add_dq(units[step - 5], dq, scale)
-            for j in range(step + BWD_HEAD_AHEAD if step > 0 else 0, min(n, step + BWD_HEAD_AHEAD + 1)):
-                if units[j]["head_first"]:
-                    _attention_bwd_prepare(units[j], pair, q, k, v, out, d_out, lse, group)
-            if 0 <= step - 4 < n:
-                _attention_bwd_dq(units[step - 4])
-            if 0 <= step - 3 < n:
-                unit = units[step - 3]
-                unit["dscores_t_sbuf"] = nl.ndarray(unit["dscores_t"].shape, dtype=dtype, buffer=nl.sbuf)
-                _evict(unit["dscores_t_sbuf"], unit["dscores_t"], False)
-                if unit["block_last"]:
-                    _add_kv_grads(unit, dk, dv, scale, group)
-            if 0 <= step - 2 < n:
-                unit = units[step - 2]
-                if unit["query_tile"] == unit["chunks"].start:
-                    n_chunks = unit["chunks"].stop - unit["chunks"].start
-                    blocks = (_banked_chunks(n_chunks, head_dim), _banked_chunks(n_chunks, head_dim))
-                unit["blocks"] = blocks
-                _attention_bwd_kv_grads(unit)
-            if 0 <= step - 1 < n:
-                _attention_bwd_softmax(units[step - 1], scale)
-            if step < n:
-                unit = units[step]
-                if not unit["head_first"]:
-                    for key in ("kv", "grads", "head", "dq_acc"):
-                        unit[key] = units[step - 1][key]
-                _attention_bwd_scores(unit, mask)
+    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
+    kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
+                          mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
+    units = _bwd_units(q, k, window)
+    for u in range(len(units)):  # unit after unit (docstring: Order)
+        _bwd_prepare(units[u], kernel)
+        _bwd_dq(units[u], kernel, _bwd_scores(units[u], kernel))
     return dq, dk, dv
 
 
 # attention: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
 
 
-def _attention_sbuf_bytes(seq_len, head_dim, itemsize, pairs=1):
+def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
     """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan), per S*d/128 elements: two
-    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), as the next head is made while the last
-    units of one finish; per (batch, kv head) pair K rows and cols, V cols, dK and dV rows (input dtype) and
-    their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
-    return seq_len * head_dim // TILE * (8 * itemsize + 8 + pairs * (5 * itemsize + 8)) + 6 * 1024
+    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), room for the compiler to make the next head
+    while the last units of one finish; a (batch, kv head) pair's K rows and cols, V cols, dK and dV rows
+    (input dtype) and their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
+    return seq_len * head_dim // TILE * (13 * itemsize + 16) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v, window=None):
@@ -1579,6 +1588,27 @@ ATTENTION_OP = _declare(KernelOp(
 # (the weight gradients) accumulates over a block's tokens in PSUM, then in fp32 SBUF over the blocks,
 # and leaves the chip once per weight tile, at the end of its chunk.
 
+
+def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
+    """y = act(x @ w_up.T) @ w_down.T, weights in nn.Linear layout (out_features, in_features).
+
+    activation: "relu2" (relu(h)^2), "leaky_relu2" (leaky_relu(h, LEAKY_RELU2_SLOPE)^2), "gelu" (tanh
+    approximation) or "swiglu" (silu(x @ w_gate.T) * (x @ w_up.T); needs w_gate). Matmuls run in the
+    autocast dtype where autocast is on, as F.linear's do. The NKI kernels (mlp_fwd_kernel, mlp_bwd_kernel)
+    take x as (tokens, d), d and hidden multiples of 128 with d <= 2048, the same shapes with and without
+    gradients (_mlp_shape_problem).
+    """
+    if activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
+    if (activation == "swiglu") != (w_gate is not None):
+        raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
+    dtype = _matmul_dtype(x)
+    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+                _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
+        return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
+    return _mlp_torch(x, w_up, w_down, activation, w_gate)
+
+
 MLP_ACTIVATIONS = ("relu2", "leaky_relu2", "gelu", "swiglu")
 MLP_BLOCK_TOKENS = 512  # tokens per forward block: the widest matmul moving operand
 LEAKY_RELU2_SLOPE = 0.35  # leaky_relu2: (x if x > 0 else 0.35 x)^2
@@ -1595,34 +1625,29 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
 
     Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and w_down[:, chunk].T as
     tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time as the chunk's first block
-    reaches them (issue order: TensorE starts on the first 512 units while the DMA brings the next, instead of
-    waiting for all the weights; before, 286.7 us scheduled at K82s4's forward, now 263.7, against a 249.2 us
-    overlap bound; at the baseline's, DMA-bound while the weights and the saved pre-activations share the queues,
-    117.8 -> 118.3). Per block of 512 tokens, x.T (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank);
-    then for each hidden tile of the chunk hT = w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank
-    (stationary 128 x 128, moving 512 wide, contracting d over 128-row tiles), activated straight out of PSUM into
-    SBUF in the matmul dtype. act.T stays in SBUF for the whole block: it is exactly the stationary operand the down
-    projection wants, y[128 tokens, <=512 of d] += act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so
-    the hidden activation never goes to HBM (unless saved for the backward) and needs no transpose.
+    reaches them (TensorE starts on the first 512 units while the DMA brings the next). Per block of 512 tokens, x.T
+    (d/128 tiles [128, 512], TensorE transposes, four per PSUM bank); then for each hidden tile of the chunk hT =
+    w_up.T[:, tile].T @ x.T, a [128 units, 512 tokens] PSUM bank (stationary 128 x 128, moving 512 wide, contracting
+    d over 128-row tiles), activated straight out of PSUM into SBUF in the matmul dtype. act.T stays in SBUF for the
+    whole block: it is exactly the stationary operand the down projection wants, y[128 tokens, <=512 of d] +=
+    act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless
+    saved for the backward) and needs no transpose.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize
-    of weights and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch
-    and y's rows. bf16: d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20
-    and 32 tiles; planned 96,256 and 194,560 bytes, the emulator measures 76 and 170 KiB); d=1536,
-    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984
-    bytes usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
-    bank and up to four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward);
-    any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
+    and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch and y's rows. bf16:
+    d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20 and 32 tiles); d=1536,
+    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984 bytes
+    usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes' bank and up to
+    four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward); any N.
 
     Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
     128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
     ScalarE and VectorE each at most two [128, 512] passes (the activation: relu2 relu on ScalarE and
     relu(u) * u on VectorE reading u from PSUM; leaky_relu2 a u on ScalarE's free scale, the max on
     VectorE, the square on ScalarE; the saved pre-activation's PSUM eviction on the less busy one).
-    The emulator's counts (bench.py --kernels: bf16, 1024 tokens, one Trn2 core, us busy per engine,
-    T/V/S/DMA) with the pre-activation saved: baseline relu2 98 / 40 / 36 / 54, K82s4 leaky_relu2
-    249 / 111 / 58 / 101: TensorE-bound, 87-88% of its time useful matmul (the rest: transposes).
     """
+    assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
+        "d and hidden must be multiples of 128, d at most 2048"
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
     gated = w_gate is not None
@@ -1783,15 +1808,13 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     dx leaves per block (_finish_rows: through an fp32 partial sum in HBM when there are several
     chunks); each chunk's weight gradients leave once, one DMA per 128-unit tile.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4)
-    (weights and fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d
-    itemsize / 128: the pipeline crosses blocks), the elementwise and flipped tiles of the three tiles in
-    flight, dx's rows. bf16: d=640, hidden=2560 (baseline) in one chunk of 20 tiles (planned 190,976 bytes,
-    measured 167 KiB); d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10 (planned 179 KiB, measured
-    163); d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of
-    5): within SBUF_BUDGET (196,608), under the 212,984 bytes usable on a Trn2 partition.
-    PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8. Limits: those of
-    _mlp_shape_problem (d <= 2048, multiples of 128); any N.
+    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4) (weights and
+    fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d itemsize / 128: the
+    compiler may overlap blocks), the elementwise and flipped tiles of three tiles, dx's rows. bf16:
+    d=640, hidden=2560 (baseline) in one chunk of 20 tiles; d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10;
+    d=1536, hidden=6144 (phase2) in 6 chunks of 8 (SwiGLU: 10 of 5): within SBUF_BUDGET (196,608), under the 212,984
+    bytes usable on a Trn2 partition. PSUM: dx (<= 4 banks), daT, the flips and one weight-gradient bank: 7 of 8.
+    Limits: those of _mlp_shape_problem (d <= 2048, multiples of 128); any N.
 
     Engines, per hidden tile and block (B tokens): TensorE 4 matmul groups of 2 B d 128 FLOPs (6 for
     SwiGLU), 4 B d / 128 cycles, plus 2 (3) B/128 flips; VectorE the weight-gradient additions, d
@@ -1799,36 +1822,29 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     passes of the activation's derivative (relu2: d_up = 2 relu(u) * daT reading daT from PSUM;
     leaky_relu2: three); ScalarE the flips' evictions and the activation's scaled copies. So VectorE
     runs at about 2 d + 3 B cycles against TensorE's 4 B d / 128 + 2 B at 2.5x its clock: for d >= 512
-    TensorE sets the pace. The emulator's counts for forward + backward (bench.py --kernels: bf16, 1024
-    tokens, one Trn2 core, us busy per engine, T/V/S/DMA): baseline relu2 288 / 147 / 128 / 166, K82s4
-    leaky_relu2 724 / 452 / 225 / 416: TensorE-bound, 89-91% of its time useful matmul.
+    TensorE sets the pace.
 
-    Issue order: per chunk, the (block, hidden tile) steps form one stream whose four stages (daT on
-    TensorE; the activation's derivative on ScalarE/VectorE; the flips and dx matmuls on TensorE, the flips'
-    evictions on ScalarE; the weight-gradient matmuls on TensorE and their accumulation on VectorE) are
-    software-pipelined as the attention kernels are: step t issues daT of tile t and its derivative beside
-    the flips and dx of tile t-1 and the weight gradients of tile t-2, so TensorE never waits on the chain of
-    the tile it just started. A block's dx leaves PSUM once its last tile's dx matmuls are issued, before the
-    next block's are first written; a weight gradient leaves for HBM in the last block as soon as it is
-    complete. Scheduled (nki_emulator/_schedule.py), the backward alone: baseline 401.7 us tile after tile,
-    now 211.5, against a 189.9 us overlap bound; K82s4 795.0 -> 504.7 against 474.5.
+    Order: per chunk, block after block, hidden tile after hidden tile (`_mlp_bwd_hidden_tile`): the plain
+    form (a software pipeline across the tiles was within the model's error of it under the compiler's list
+    schedule, docs/results.md).
     """
+    assert x.shape[1] % TILE == 0 and w_up.shape[0] % TILE == 0 and x.shape[1] <= 4 * BANK_FP32, \
+        "d and hidden must be multiples of 128, d at most 2048"
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
-    gated = w_gate is not None
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
     grads = [nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm),  # dw_up
              nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm)]  # dw_down, transposed
-    if gated:
+    if w_gate is not None:
         grads.append(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm))  # dw_gate
-
     program_start, program_stop = _program_rows(n_tokens)
-    blocks = _spans(program_start, program_stop, _mlp_bwd_block_tokens(dim))
     chunks = _even_spans(0, hidden // TILE, chunk_tiles)
-    partial = _partial_sums(program_start, program_stop, dim, len(chunks))
-    weights = [w_up, w_gate] if gated else [w_up]
-    if len(blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
+    kernel = MlpBwd(dy=dy, x=x, up_saved=up_saved, gate_saved=gate_saved, activation=activation, dx=dx, grads=grads,
+                    weights=[w_up, w_gate] if w_gate is not None else [w_up], program_start=program_start,
+                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks),
+                    partial=_partial_sums(program_start, program_stop, dim, len(chunks)))
+    if len(kernel.blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
         for g in range(len(grads)):
@@ -1836,87 +1852,120 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
                 nisa.dma_copy(dst=grads[g][program, j * TILE:(j + 1) * TILE, :], src=zeros)
         chunks = []
     for k in range(len(chunks)):
-        first_tile, tiles = chunks[k]
-        units = first_tile * TILE
-        accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
+        kernel.chunk = k
+        kernel.units = chunks[k][0] * TILE
+        kernel.tiles = chunks[k][1]
+        kernel.accumulators = []  # per gradient, the chunk's fp32 tiles [128 units, d]
         for _ in grads:
-            accumulators.append(_sbuf_tiles(tiles, (TILE, dim), nl.float32))
-        weight_rows = [[], []]  # the chunk's rows of w_up (and w_gate), tiles [128 units, d]
-        steps = []
-        block = _mlp_bwd_block(dy, x, blocks[0])
-        w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+            kernel.accumulators.append(_sbuf_tiles(kernel.tiles, (TILE, dim), nl.float32))
+        kernel.weight_rows = [[], []]  # the chunk's rows of w_up (and w_gate), tiles [128 units, d]
+        first_block = _mlp_bwd_block(dy, x, kernel.blocks[0])
+        kernel.w_down_cols = []  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
         for c in range(dim // TILE):
-            w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE), slice(units, units + tiles * TILE)))
-        n_steps = len(blocks) * tiles
-        for s in range(n_steps + 2):  # software-pipelined (docstring: Issue order)
-            if s < n_steps:
-                b, j = divmod(s, tiles)
-                if j == 0 and b > 0:
-                    block = _mlp_bwd_block(dy, x, blocks[b])
-                saved = slice(units + j * TILE, units + (j + 1) * TILE)
-                if b == 0:  # loaded as the steps need them
-                    for w in range(len(weights)):
-                        weight_rows[w].append(_load_tile(weights[w], saved, slice(0, dim)))
-                d_act = _matmul_into_psum(_column_slices(w_down_cols, j * TILE, (j + 1) * TILE), block["dy_t"])
-                gate = _load_tile(gate_saved, saved, block["rows"]) if gated else None
-                act, scale, d_up, d_gate = _mlp_activation_backward(
-                    activation, _load_tile(up_saved, saved, block["rows"]), gate, d_act, x.dtype)
-                steps.append({"block": block, "act": act, "scale": scale, "d_pre": [d_up, d_gate]})
-            if 0 <= s - 1 < n_steps:
-                b, j = divmod(s - 1, tiles)
-                step, done = steps[s - 1], steps[s - 1]["block"]
-                step["flips"] = [_token_major(step["d_pre"][0], done["x"], 1.0),
-                                 _token_major(step["act"], done["dy"], step["scale"])]
-                for w in range(len(weights)):
-                    if w:
-                        step["flips"].append(_token_major(step["d_pre"][w], done["x"], 1.0))
-                    _accumulate_dx(done, step["d_pre"][w], weight_rows[w][j], accumulate=j > 0 or w > 0)
-                for p in range(len(done["pieces"]) if j == tiles - 1 else 0):  # the block's dx is complete
-                    offset, tokens = done["pieces"][p]
-                    rows = slice(done["rows"].start + offset, done["rows"].start + offset + tokens)
-                    _finish_rows(dx, partial, rows, program_start, done["dx_acc"][p], k, len(chunks), p)
-            if s >= 2:
-                b, j = divmod(s - 2, tiles)
-                step = steps[s - 2]
-                pieces = [step["block"]["x"], step["block"]["dy"], step["block"]["x"]]
-                for g in range(len(grads)):
-                    _accumulate_weight_grad(accumulators[g][j], step["flips"][g], pieces[g], b == 0)
-                    if b == len(blocks) - 1:  # complete
-                        nisa.dma_copy(dst=grads[g][program, units + j * TILE:units + (j + 1) * TILE, :],
-                                      src=accumulators[g][j])
-    if gated:
+            kernel.w_down_cols.append(_load_tile(w_down, slice(c * TILE, (c + 1) * TILE),
+                                                 slice(kernel.units, kernel.units + kernel.tiles * TILE)))
+        for b in range(len(kernel.blocks)):
+            block = first_block if b == 0 else _mlp_bwd_block(dy, x, kernel.blocks[b])
+            for j in range(kernel.tiles):  # tile after tile (docstring: Order)
+                _mlp_bwd_hidden_tile(kernel, block, b, j)
+    if w_gate is not None:
         return dx, grads[0], grads[1], grads[2]
     return dx, grads[0], grads[1]
 
 
+class MlpBwd(_NKIObject):
+    """What _mlp_bwd_hidden_tile reads; the chunk's fields change from chunk to chunk."""
+    dy = None
+    x = None
+    up_saved = None
+    gate_saved = None
+    activation = None
+    dx = None
+    grads = None  # dw_up, dw_down transposed (and dw_gate): (programs, hidden, d) fp32 in HBM
+    weights = None  # w_up (and w_gate)
+    program_start = None
+    blocks = None  # the program's (start, tokens) blocks
+    n_chunks = None
+    partial = None  # dx's fp32 partial sums between chunks (_partial_sums)
+    chunk = None  # the chunk's index, first hidden unit and 128-unit tiles
+    units = None
+    tiles = None
+    accumulators = None  # per gradient, the chunk's fp32 tiles [128 units, d]
+    weight_rows = None  # the chunk's rows of w_up (and w_gate), tiles [128 units, d], loaded by the first block
+    w_down_cols = None  # w_down[:, chunk] as d/128 stationary tiles [128 of d, chunk units]
+
+
+class MlpBwdBlock(_NKIObject):
+    """A backward block of tokens (`_mlp_bwd_block`)."""
+    rows = None  # a slice of the tokens
+    dy = None  # 128-token row pieces
+    x = None
+    dy_t = None  # d/128 tiles [128, tokens]
+    pieces = None  # (offset, tokens) of the row pieces
+    columns = None  # (col, width) of the bank-wide column spans
+    dx_acc = None  # dx in PSUM: per piece, one tile per column span
+
+
+def _mlp_bwd_hidden_tile(kernel, block, b, j):
+    """Hidden tile j of the chunk for block b (an MlpBwdBlock): daT on TensorE and the activation's derivative
+    from the saved pre-activation (ScalarE, VectorE); the flips (TensorE, evicted by ScalarE) and the dx
+    matmuls, and after the block's last tile its dx out of PSUM (_finish_rows); the weight-gradient matmuls
+    (TensorE) added into the chunk's fp32 tiles (VectorE), each leaving for HBM in the last block. The first
+    block loads the weight rows as its tiles need them."""
+    saved = slice(kernel.units + j * TILE, kernel.units + (j + 1) * TILE)
+    if b == 0:
+        for w in range(len(kernel.weights)):
+            kernel.weight_rows[w].append(_load_tile(kernel.weights[w], saved, slice(0, kernel.x.shape[1])))
+    d_act = _matmul_into_psum(_column_slices(kernel.w_down_cols, j * TILE, (j + 1) * TILE), block.dy_t)
+    gate = _load_tile(kernel.gate_saved, saved, block.rows) if kernel.gate_saved is not None else None
+    up = _load_tile(kernel.up_saved, saved, block.rows)
+    act, scale, d_up, d_gate = _mlp_activation_backward(kernel.activation, up, gate, d_act, kernel.x.dtype)
+    d_pre = [d_up, d_gate]
+    flips = [_token_major(d_up, block.x, 1.0), _token_major(act, block.dy, scale)]
+    for w in range(len(kernel.weights)):
+        if w:
+            flips.append(_token_major(d_pre[w], block.x, 1.0))
+        _accumulate_dx(block, d_pre[w], kernel.weight_rows[w][j], accumulate=j > 0 or w > 0)
+    for p in range(len(block.pieces) if j == kernel.tiles - 1 else 0):  # the block's dx is complete
+        offset, tokens = block.pieces[p]
+        rows = slice(block.rows.start + offset, block.rows.start + offset + tokens)
+        _finish_rows(kernel.dx, kernel.partial, rows, kernel.program_start, block.dx_acc[p], kernel.chunk,
+                     kernel.n_chunks, p)
+    pieces = [block.x, block.dy, block.x]
+    for g in range(len(kernel.grads)):
+        _accumulate_weight_grad(kernel.accumulators[g][j], flips[g], pieces[g], b == 0)
+        if b == len(kernel.blocks) - 1:  # complete
+            nisa.dma_copy(dst=kernel.grads[g][nl.program_id(0), saved, :], src=kernel.accumulators[g][j])
+
+
 def _mlp_bwd_block(dy, x, span):
-    """A backward block (a dict): its dy and x as 128-token row pieces, dy.T (d/128 tiles [128, tokens],
+    """A backward block (MlpBwdBlock): its dy and x as 128-token row pieces, dy.T (d/128 tiles [128, tokens],
     TensorE transposes) and its dx accumulators in PSUM, one tile per 128-token piece and bank-wide column
     span (allocated here, first written by the block's first dx matmuls)."""
     block_start, block_tokens = span
     dim = x.shape[1]
-    block = {"rows": slice(block_start, block_start + block_tokens),
-             "dy": _load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
-             "x": _load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
-             "dy_t": _sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
-             "pieces": _spans(0, block_tokens, TILE), "columns": _spans(0, dim, BANK_FP32), "dx_acc": []}
-    _transpose_pieces_into(block["dy_t"], 0, block["dy"])
-    for piece in block["pieces"]:
+    block = MlpBwdBlock(rows=slice(block_start, block_start + block_tokens),
+                        dy=_load_row_pieces(dy, block_start, block_tokens, slice(0, dim)),
+                        x=_load_row_pieces(x, block_start, block_tokens, slice(0, dim)),
+                        dy_t=_sbuf_tiles(dim // TILE, (TILE, block_tokens), x.dtype),
+                        pieces=_spans(0, block_tokens, TILE), columns=_spans(0, dim, BANK_FP32), dx_acc=[])
+    _transpose_pieces_into(block.dy_t, 0, block.dy)
+    for piece in block.pieces:
         row_of_banks = []
-        for columns in block["columns"]:
+        for columns in block.columns:
             row_of_banks.append(nl.ndarray((piece[1], columns[1]), nl.float32, buffer=nl.psum))
-        block["dx_acc"].append(row_of_banks)
+        block.dx_acc.append(row_of_banks)
     return block
 
 
 def _accumulate_dx(block, d_pre, weight_rows, accumulate):
     """The block's dx accumulators (PSUM) (+)= d_pre[128 hidden, piece's tokens].T @ weight_rows[128 hidden,
     column span]: one hidden tile's share of dx = d_pre.T @ w. `accumulate` False only for the chunk's first."""
-    for p in range(len(block["pieces"])):
-        offset, tokens = block["pieces"][p]
-        for c in range(len(block["columns"])):
-            col, width = block["columns"][c]
-            nisa.nc_matmul(dst=block["dx_acc"][p][c], stationary=d_pre[:, offset:offset + tokens],
+    for p in range(len(block.pieces)):
+        offset, tokens = block.pieces[p]
+        for c in range(len(block.columns)):
+            col, width = block.columns[c]
+            nisa.nc_matmul(dst=block.dx_acc[p][c], stationary=d_pre[:, offset:offset + tokens],
                            moving=weight_rows[:, col:col + width], accumulate=accumulate)
 
 
@@ -2234,6 +2283,15 @@ MLP_OP = _declare(KernelOp(
 # =============================================================================
 # rms_norm: y = x / sqrt(mean(x^2) + eps) * weight over the last dim, forward and backward
 
+
+def rms_norm(x, weight=None, eps=1e-6, mode="auto"):
+    """RMSNorm over the last dim, statistics in fp32 whatever the input dtype; weight None or (d,).
+    The NKI kernels (rms_norm_fwd_kernel, rms_norm_bwd_kernel) take x as (rows, d)."""
+    if _use_nki(RMS_NORM_OP.name, mode, x.device.type, _rms_norm_shape_problem(x)):
+        return _rms_norm_nki(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
 RMS_NORM_MAX_DIM = 2048  # the backward's weight gradient accumulates in PSUM, 512 per bank, 4 banks
 
 
@@ -2248,13 +2306,13 @@ def rms_norm_fwd_kernel(x, weight, eps):
     call with a K=1 matmul against a row of ones. One read of x and one write of y: the HBM traffic of a
     copy. Nothing is saved for the backward, which recomputes rstd from the x it reads anyway.
 
-    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at
-    d = 2048. PSUM: only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial);
-    programs of an LNC launch split the rows.
-    Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd 256,
-    TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d
-    (d = 1024: ScalarE 0.91 us, DMA 1.78 us). With a weight VectorE makes 2d cycles, about DMA's time.
+    SBUF per partition: x and y tiles (2 * d * itemsize), plus 4d for the weight: under 24 KiB at d = 2048. PSUM:
+    only the one-off broadcast. Limits: d <= 2048; any N (the last tile may be partial); programs of an LNC launch
+    split the rows. Engines per 128-row tile (cycles, bf16, no weight): ScalarE d + 64, VectorE d/4 + 64, GpSimd
+    256, TensorE idle, DMA 2 x 8 rows per queue x (2d + 512) bytes at 23 GB/s: DMA-bound at every d. With a weight
+    VectorE makes 2d cycles, about DMA's time.
     """
+    assert x.shape[1] <= RMS_NORM_MAX_DIM, "rows of at most 2048 values (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     y = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     weighted = weight is not None
@@ -2289,113 +2347,79 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
     program's tiles in PSUM (fp32 operands: exact, and the matmul is only one row tall). One read of x
     and dy and one write of dx.
 
-    Issue order: the row tiles are software-pipelined in three stages (statistics; coefficient; last pass
-    and store): step s issues tile s's statistics beside tile s-1's coefficient and tile s-2's store, so
-    ScalarE and VectorE, each running its instructions in issue order, do not wait on one tile's chain of
-    dependencies (scheduled, nki_emulator/_schedule.py, one sequence of K82s4's d = 1024: 53.0 us tile
-    after tile, 29.8 pipelined, against a 21.4 us overlap bound; the baseline's d = 640: 37.6 -> 21.3).
+    Order: tile after tile, the plain form (under the compiler's list schedule a software pipeline across
+    tiles was within the model's error of it, docs/results.md; nki-library's rmsnorm_quant.py goes tile
+    after tile too).
 
-    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates, three
-    tiles in flight: at most 40 d bytes (fp32 with a weight: the emulator measures 81,936 at d = 2048).
-    PSUM: d / 512 banks for the weight gradient. Limits as for the forward.
-    Engines per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3
-    x 8 rows per queue x (2d + 512) bytes at 23 GB/s: d = 1024: ScalarE 2.67 us, VectorE 2.60, DMA 2.67;
-    d = 640: 1.71, 1.70, 1.87. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound, ~3x DMA.
+    SBUF per partition: per tile x, dy, dx and one (three with a weight) [128, d] intermediates: at most 40 d bytes
+    with the compiler's buffering. PSUM: d / 512 banks for the weight gradient. Limits as for the forward. Engines
+    per tile (cycles, bf16, no weight): ScalarE 3d + 128, VectorE 2.25 d + 192, GpSimd 256, DMA 3 x 8 rows per queue
+    x (2d + 512) bytes at 23 GB/s: about level. With a weight VectorE makes 4 passes of 2d cycles: VectorE-bound,
+    ~3x DMA.
     """
+    assert x.shape[1] <= RMS_NORM_MAX_DIM, "rows of at most 2048 values (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     programs, program = nl.num_programs(), nl.program_id(0)
     dx = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
-    weighted = weight is not None
-    if weighted:
+    if weight is not None:
         dweight = nl.ndarray((programs, dim), nl.float32, buffer=nl.shared_hbm)
         weight_rows = _broadcast_to_partitions(weight)
         ones_column = _constant_column(1.0)
-        column_spans = _spans(0, dim, BANK_FP32)
         dweight_acc = []  # one PSUM bank row per 512 columns, accumulated over the program's row tiles
-        for span in column_spans:
-            _, width = span
-            dweight_acc.append(nl.ndarray((1, width), nl.float32, buffer=nl.psum))
-
+        for span in _spans(0, dim, BANK_FP32):
+            dweight_acc.append(nl.ndarray((1, span[1]), nl.float32, buffer=nl.psum))
     program_start, program_stop = _program_rows(n_rows)
     spans = _spans(program_start, program_stop, TILE)
-    tiles = []
-    for step in range(len(spans) + 2):
-        if step < len(spans):
-            tiles.append(_rms_norm_bwd_statistics(dy, x, spans[step], eps, weight_rows if weighted else None))
-        if 0 <= step - 1 < len(spans):
-            _rms_norm_bwd_coefficient(tiles[step - 1], weight_rows if weighted else None)
-            if weighted:
-                for c in range(len(column_spans)):
-                    col, width = column_spans[c]
-                    nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:tiles[step - 1]["rows"]],
-                                   moving=tiles[step - 1]["normed_dy"][:, col:col + width],
-                                   accumulate=step - 1 > 0)
-        if 0 <= step - 2:
-            _rms_norm_bwd_store(tiles[step - 2], dx)
-
-    if not weighted:
+    for s in range(len(spans)):
+        row, count = spans[s]
+        rows = slice(row, row + count)
+        # r (_reciprocal_rms) and the product whose row sums give the coefficient of x: x dy, or with a
+        # weight g = r dy weight and x g / d
+        x_tile, dy_tile = _load_tile(x, rows, slice(0, dim)), _load_tile(dy, rows, slice(0, dim))
+        out = nl.ndarray((count, dim), x.dtype, buffer=nl.sbuf)  # dx's rows
+        product = nl.ndarray((count, dim), x.dtype if weight is None else nl.float32, buffer=nl.sbuf)
+        rstd = _reciprocal_rms(x_tile, eps, squares=product)
+        if weight is None:
+            nisa.tensor_tensor(dst=product, data1=x_tile, data2=dy_tile, op=nl.multiply)
+        else:
+            g = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=g, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=weight_rows[:count])
+            nisa.scalar_tensor_tensor(dst=product, data=x_tile, op0=nl.multiply, operand0=1.0 / dim,
+                                      op1=nl.multiply, operand1=g)
+        # the row sums (ScalarE's accumulator) and c = -r^2 mean(x dy) (or of x g)
+        neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=product, op=nl.copy, data=product, reduce_op=nl.add, reduce_res=neg_mean,
+                               scale=-1.0 / dim if weight is None else -1.0)
+        x_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                           operand1=rstd)
+        if weight is None:  # dx = r (dy + c x), the last scale ScalarE's
+            nisa.tensor_scalar(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef)
+            nisa.tensor_tensor(dst=product, data1=out, data2=dy_tile, op=nl.add)
+            nisa.activation(dst=out, op=nl.copy, data=product, scale=rstd)
+        else:  # dx = c x + g; the weight gradient's dy x r summed over the rows by a matmul with ones
+            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                                      operand1=g)
+            normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                                      operand1=dy_tile)
+            for c in range(len(dweight_acc)):
+                col = c * BANK_FP32
+                nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:count],
+                               moving=normed_dy[:, col:col + dweight_acc[c].shape[1]], accumulate=s > 0)
+        nisa.dma_copy(dst=dx[rows, :], src=out)
+    if weight is None:
         return dx  # one output: TorchNeuron hands it back bare
     partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
     if program_start == program_stop:  # this program got no rows
         nisa.memset(dst=partial, value=0.0)
     else:
-        for c in range(len(column_spans)):
-            col, width = column_spans[c]
-            nisa.tensor_copy(dst=partial[:, col:col + width], src=dweight_acc[c])
+        for c in range(len(dweight_acc)):
+            col = c * BANK_FP32
+            nisa.tensor_copy(dst=partial[:, col:col + dweight_acc[c].shape[1]], src=dweight_acc[c])
     nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
     return dx, dweight
-
-
-def _rms_norm_bwd_statistics(dy, x, span, eps, weight_rows):
-    """Stage 1 of a row tile of rms_norm_bwd_kernel (a dict): x and dy loaded, r (_reciprocal_rms), and the
-    product whose row sums give the coefficient of x: x dy, or with a weight g = r dy weight and x g / d."""
-    row, rows = span
-    dim = x.shape[1]
-    tile = {"rows": rows, "tile_rows": slice(row, row + rows)}
-    tile["x"] = _load_tile(x, tile["tile_rows"], slice(0, dim))
-    tile["dy"] = _load_tile(dy, tile["tile_rows"], slice(0, dim))
-    tile["out"] = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)
-    if weight_rows is None:
-        tile["product"] = nl.ndarray((rows, dim), x.dtype, buffer=nl.sbuf)  # x dy, then c x + dy
-        tile["rstd"] = _reciprocal_rms(tile["x"], eps, squares=tile["product"])
-        nisa.tensor_tensor(dst=tile["product"], data1=tile["x"], data2=tile["dy"], op=nl.multiply)
-    else:
-        tile["product"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)  # the squares, then x g / d
-        tile["rstd"] = _reciprocal_rms(tile["x"], eps, squares=tile["product"])
-        tile["g"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=tile["g"], data=tile["dy"], op0=nl.multiply, operand0=tile["rstd"],
-                                  op1=nl.multiply, operand1=weight_rows[:rows])
-        nisa.scalar_tensor_tensor(dst=tile["product"], data=tile["x"], op0=nl.multiply, operand0=1.0 / dim,
-                                  op1=nl.multiply, operand1=tile["g"])
-    return tile
-
-
-def _rms_norm_bwd_coefficient(tile, weight_rows):
-    """Stage 2: the row sums (ScalarE's accumulator), c = -r^2 mean(x dy) (or of x g), and dx = r (dy + c x)
-    but for its last scale, or with a weight dx = c x + g and the weight gradient's dy x r."""
-    rows, dim = tile["rows"], tile["x"].shape[1]
-    neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(x dy), -mean(x g)
-    nisa.activation_reduce(dst=tile["product"], op=nl.copy, data=tile["product"], reduce_op=nl.add,
-                           reduce_res=neg_mean, scale=-1.0 / dim if weight_rows is None else -1.0)
-    x_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # c
-    nisa.tensor_scalar(dst=x_coef, data=neg_mean, op0=nl.multiply, operand0=tile["rstd"], op1=nl.multiply,
-                       operand1=tile["rstd"])
-    if weight_rows is None:
-        nisa.tensor_scalar(dst=tile["out"], data=tile["x"], op0=nl.multiply, operand0=x_coef)
-        nisa.tensor_tensor(dst=tile["product"], data1=tile["out"], data2=tile["dy"], op=nl.add)
-    else:
-        nisa.scalar_tensor_tensor(dst=tile["out"], data=tile["x"], op0=nl.multiply, operand0=x_coef, op1=nl.add,
-                                  operand1=tile["g"])
-        tile["normed_dy"] = nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=tile["normed_dy"], data=tile["x"], op0=nl.multiply, operand0=tile["rstd"],
-                                  op1=nl.multiply, operand1=tile["dy"])
-
-
-def _rms_norm_bwd_store(tile, dx):
-    """Stage 3: without a weight ScalarE's r * (dy + c x) (its free scale); dx's rows to HBM."""
-    if tile.get("g") is None:  # `in` on a dict is not NKI 0.4's (leanprover/KLR KLR/Trace/Python.lean l. 58-66)
-        nisa.activation(dst=tile["out"], op=nl.copy, data=tile["product"], scale=tile["rstd"])
-    nisa.dma_copy(dst=dx[tile["tile_rows"], :], src=tile["out"])
 
 
 def _broadcast_to_partitions(vector):
@@ -2520,6 +2544,18 @@ RMS_NORM_OP = _declare(KernelOp(
 # extra round trip through HBM; backward, s's later gradient is added in the same pass)
 
 
+def add_rms_norm(x, branch, eps=1e-6, mode="auto"):
+    """(s, rms_norm(s)) with s = x + branch: a residual add and the RMSNorm (no weight) of its sum.
+
+    One pass over the rows on NKI (add_rms_norm_fwd_kernel, add_rms_norm_bwd_kernel take them as (rows, d)).
+    The norm comes back in x's dtype on the PyTorch path, in branch's on NKI: under autocast the matmul
+    dtype, which is what the matmul reading the norm would round it to anyway."""
+    if _use_nki(ADD_RMS_NORM_OP.name, mode, x.device.type, _add_rms_norm_shape_problem(x, branch)):
+        return _add_rms_norm_nki(x, branch, eps)
+    return _add_rms_norm_torch(x, branch, eps, mode)
+
+
+
 def add_rms_norm_fwd_kernel(x, branch, eps):
     """Residual add and the RMSNorm after it, one pass over the rows.
 
@@ -2540,9 +2576,10 @@ def add_rms_norm_fwd_kernel(x, branch, eps):
     partition: x, branch, s, y tiles (at most 4 * 4d bytes), double-buffered by the compiler: under 64 KiB
     at d = 2048. PSUM: none. Limits: d <= 2048; any N (the last tile may be
     partial); the programs of an LNC launch split the rows. TensorE is idle; per tile VectorE makes one
-    pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth (the emulator
-    at the baseline shape, 1024 x 640, fp32 stream and bf16 branch: DMA 27 us, VectorE 11, ScalarE 9).
+    pass and ScalarE two, both under the tile's DMA time, so the kernel runs at HBM bandwidth.
     """
+    assert branch.shape == x.shape and x.shape[1] <= RMS_NORM_MAX_DIM, \
+        "x and branch must be (N, d) alike, d at most 2048 (RMS_NORM_MAX_DIM)"
     n_rows, dim = x.shape
     total = nl.ndarray((n_rows, dim), x.dtype, buffer=nl.shared_hbm)
     normed = nl.ndarray((n_rows, dim), branch.dtype, buffer=nl.shared_hbm)
@@ -2576,75 +2613,54 @@ def add_rms_norm_bwd_kernel(d_total, d_normed, total, eps):
     per row by ScalarE's accumulator, scaled by -1/d; its product with r^3 ([rows, 1], tiny); then
     VectorE s * coef + d_total and dx = dy * r + that (two fused multiply-adds, fp32 inside).
 
-    Issue order: the row tiles are software-pipelined in three stages (statistics; dx; stores), as
-    rms_norm_bwd_kernel's (scheduled, one bf16 sequence: K82s4's 86.3 -> 66.0 us against a 52.8 us overlap
-    bound, the baseline's 58.4 -> 44.6 against 35.6).
+    Order: tile after tile, the plain form (a software pipeline across tiles was within the model's error
+    of it under the compiler's list schedule, docs/results.md).
 
     HBM traffic: read s, dy and d_total, write dx (and d_branch) once each. SBUF per partition: s, dy, d_total, dx,
-    d_branch tiles and one fp32 scratch, at most 24 * d bytes, three tiles in flight: the emulator measures 73,748
-    bytes at d = 2048 in fp32. PSUM: none. Limits as for the forward. Per tile VectorE makes three passes and
-    ScalarE three (two with one dtype throughout), TensorE none; DMA, at 16 bytes a value for an fp32 stream and
-    bf16 branch, is the bottleneck, VectorE close behind (the emulator at 1024 x 640: DMA 36 us, VectorE 33, ScalarE
-    14).
+    d_branch tiles and one fp32 scratch, at most 24 * d bytes. PSUM: none. Limits as for the
+    forward. Per tile VectorE makes three passes and ScalarE three (two with one dtype throughout), TensorE none;
+    DMA, at 16 bytes a value for an fp32 stream and bf16 branch, is the bottleneck, VectorE close behind.
     """
+    assert d_normed.shape == total.shape and total.shape[1] <= RMS_NORM_MAX_DIM, \
+        "total and d_normed must be (N, d) alike, d at most 2048 (RMS_NORM_MAX_DIM)"
     n_rows, dim = total.shape
     dx = nl.ndarray((n_rows, dim), total.dtype, buffer=nl.shared_hbm)
     split = d_normed.dtype != total.dtype
     d_branch = nl.ndarray((n_rows, dim), d_normed.dtype, buffer=nl.shared_hbm) if split else None
     program_start, program_stop = _program_rows(n_rows)
-    spans = _spans(program_start, program_stop, TILE)
-    tiles = []
-    for step in range(len(spans) + 2):  # software-pipelined in three stages (docstring), as rms_norm's backward
-        if step < len(spans):
-            tiles.append(_add_rms_norm_bwd_statistics(d_total, d_normed, total, spans[step], eps))
-        if 0 <= step - 1 < len(spans):
-            _add_rms_norm_bwd_dx(tiles[step - 1], dim)
-        if 0 <= step - 2:
-            tile = tiles[step - 2]
-            nisa.dma_copy(dst=dx[tile["rows"], :], src=tile["out"])
-            if split:
-                out_branch = nl.ndarray(tile["out"].shape, d_normed.dtype, buffer=nl.sbuf)
-                nisa.activation(dst=out_branch, op=nl.copy, data=tile["out"])  # on ScalarE, which has one pass less
-                nisa.dma_copy(dst=d_branch[tile["rows"], :], src=out_branch)
+    for span in _spans(program_start, program_stop, TILE):
+        row, count = span
+        rows = slice(row, row + count)
+        scratch = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)  # s * dy, then s * coef + d_total
+        s_tile, dy_tile = _load_tile(total, rows, slice(0, dim)), _load_tile(d_normed, rows, slice(0, dim))
+        d_total_tile = _load_tile(d_total, rows, slice(0, dim)) if d_total is not None else None
+        rstd = _reciprocal_rms(s_tile, eps, squares=scratch)
+        nisa.tensor_tensor(dst=scratch, data1=s_tile, data2=dy_tile, op=nl.multiply)
+        # the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy)
+        neg_mean = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
+                               scale=-1.0 / dim)
+        r_squared = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=r_squared, data1=rstd, data2=rstd, op=nl.multiply)
+        s_coef = nl.ndarray((count, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                           operand1=r_squared)
+        if d_total is None:
+            nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
+        else:
+            nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
+                                      operand1=d_total_tile)
+        out = nl.ndarray((count, dim), total.dtype, buffer=nl.sbuf)  # dx = dy * r + (s * coef + d_total)
+        nisa.scalar_tensor_tensor(dst=out, data=dy_tile, op0=nl.multiply, operand0=rstd, op1=nl.add,
+                                  operand1=scratch)
+        nisa.dma_copy(dst=dx[rows, :], src=out)
+        if split:
+            out_branch = nl.ndarray(out.shape, d_normed.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out_branch, op=nl.copy, data=out)  # on ScalarE, which has one pass less
+            nisa.dma_copy(dst=d_branch[rows, :], src=out_branch)
     if split:
         return dx, d_branch
     return dx  # one output: TorchNeuron hands it back bare
-
-
-def _add_rms_norm_bwd_statistics(d_total, d_normed, total, span, eps):
-    """Stage 1 of a row tile of add_rms_norm_bwd_kernel (a dict): s, dy (and d_total) loaded, r, s * dy."""
-    row, rows = span
-    dim = total.shape[1]
-    tile = {"rows": slice(row, row + rows), "scratch": nl.ndarray((rows, dim), nl.float32, buffer=nl.sbuf)}
-    tile["s"] = _load_tile(total, tile["rows"], slice(0, dim))
-    tile["dy"] = _load_tile(d_normed, tile["rows"], slice(0, dim))
-    tile["d_total"] = _load_tile(d_total, tile["rows"], slice(0, dim)) if d_total is not None else None
-    tile["rstd"] = _reciprocal_rms(tile["s"], eps, squares=tile["scratch"])
-    nisa.tensor_tensor(dst=tile["scratch"], data1=tile["s"], data2=tile["dy"], op=nl.multiply)
-    return tile
-
-
-def _add_rms_norm_bwd_dx(tile, dim):
-    """Stage 2: the row sums of s * dy (ScalarE's accumulator), the coefficient -r^3 mean(s dy), and
-    dx = dy * r + (s * coef + d_total) (VectorE)."""
-    rstd, scratch, s_tile = tile["rstd"], tile["scratch"], tile["s"]
-    rows = s_tile.shape[0]
-    neg_mean = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -mean(s dy)
-    nisa.activation_reduce(dst=scratch, op=nl.copy, data=scratch, reduce_op=nl.add, reduce_res=neg_mean,
-                           scale=-1.0 / dim)
-    r_squared = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r_squared, data1=rstd, data2=rstd, op=nl.multiply)
-    s_coef = nl.ndarray((rows, 1), nl.float32, buffer=nl.sbuf)  # -r^3 mean(s dy)
-    nisa.tensor_scalar(dst=s_coef, data=neg_mean, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
-                       operand1=r_squared)
-    if tile["d_total"] is None:
-        nisa.tensor_scalar(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef)
-    else:
-        nisa.scalar_tensor_tensor(dst=scratch, data=s_tile, op0=nl.multiply, operand0=s_coef, op1=nl.add,
-                                  operand1=tile["d_total"])
-    tile["out"] = nl.ndarray((rows, dim), s_tile.dtype, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=tile["out"], data=tile["dy"], op0=nl.multiply, operand0=rstd, op1=nl.add,
-                              operand1=scratch)
 
 
 # add_rms_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
@@ -2757,6 +2773,21 @@ ADD_RMS_NORM_OP = _declare(KernelOp(
 # forward and backward (apart: several fp32 passes over the logits through HBM each way; fused: the logits
 # read once each way)
 
+
+def softcap_cross_entropy(logits, targets, cap, vocab_size, reduction="mean", mode="auto"):
+    """Cross-entropy of softcapped logits, cap * tanh(logits / cap) (no cap when cap is 0).
+
+    As F.cross_entropy(..., ignore_index=-1) gives it: the mean over kept targets, or with reduction="none"
+    each position's loss (0 where ignored). logits (..., V_padded) as the head makes them, of which only the
+    first vocab_size columns count (the rest are padding and get a zero gradient); targets (...), -1 = ignore.
+    On NKI (softcap_cross_entropy_fwd_kernel / _bwd_kernel, rows (N, V_padded)) the logits are read once
+    forward and once backward, never converted to fp32 in HBM; the statistics are fp32 either way."""
+    if _use_nki(SOFTCAP_CROSS_ENTROPY_OP.name, mode, logits.device.type,
+                _softcap_cross_entropy_shape_problem(logits, targets, cap, vocab_size)):
+        return _softcap_cross_entropy_nki(logits, targets, cap, vocab_size, reduction)
+    return _softcap_cross_entropy_torch(logits, targets, cap, vocab_size, reduction)
+
+
 VOCAB_CHUNK = 2048  # logits columns per step: 4 KiB rows of bf16 per DMA, ~40 KiB of SBUF per partition
 
 
@@ -2812,6 +2843,7 @@ def softcap_cross_entropy_fwd_kernel(logits, targets, vocab, cap):
     TensorE none: ScalarE is the bottleneck, VectorE at 87% of it, the DMA of bf16 logits at a third (the
     emulator at 1024 x 8192). The running sums are [rows, 1] updates, one per chunk.
     """
+    assert cap > 0 and 0 < vocab <= logits.shape[1], "a softcap > 0 and a vocab within the logits' width"
     n_rows = logits.shape[0]
     nll = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
     lse = nl.ndarray((n_rows, 1), nl.float32, buffer=nl.shared_hbm)
@@ -2877,6 +2909,7 @@ def softcap_cross_entropy_bwd_kernel(logits, targets, lse, d_nll, vocab, cap):
     (costed 2 each), TensorE none: VectorE is the bottleneck, ScalarE at 80% of it, the DMA at a fifth (the
     emulator at 1024 x 8192).
     """
+    assert cap > 0 and 0 < vocab <= logits.shape[1], "a softcap > 0 and a vocab within the logits' width"
     n_rows, padded = logits.shape
     d_logits = nl.ndarray((n_rows, padded), logits.dtype, buffer=nl.shared_hbm)
     columns = _vocab_iota()
@@ -3032,6 +3065,21 @@ SOFTCAP_CROSS_ENTROPY_OP = _declare(KernelOp(
 # =============================================================================
 # rope_norm: RoPE + QK-norm from the projection's (B, T, H*D) rows into attention's (B, H, T, D) heads
 
+
+def rope_norm(x, cos, sin, n_heads, eps=1e-6, mode="auto"):
+    """rms_norm(rotary(heads)) of x (B, T, n_heads * D): RoPE, then QK-norm, into (B, n_heads, T, D).
+
+    x (B, T, n_heads * D) as a q or k projection makes it; cos, sin (T, D / 2). Returns (B, n_heads, T, D)
+    contiguous in x's dtype, attention's layout. On NKI (rope_norm_fwd_kernel, rope_norm_bwd_kernel) one pass
+    over x each way, the layout changed by the kernel's stores; the PyTorch path views x as heads, rotates
+    the pairs (x[..., i], x[..., i + D/2]) (the "half split" convention) and norms them through `rms_norm`
+    (its own op)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if _use_nki(ROPE_NORM_OP.name, mode, x.device.type, _rope_norm_shape_problem(x, cos, n_heads)):
+        return _rope_norm_nki(x, cos, sin, n_heads, eps)
+    return _rope_norm_torch(x, cos, sin, n_heads, eps, mode)
+
+
 ROPE_NORM_MAX_WIDTH = 2048  # H * D: three steps' (128, 4, H * D) fp32 x tiles in SBUF, beside the heads' tiles
 ROPE_WIDE_HEAD = 256  # widest head dim taken 4 tokens a partition (_rope_steps)
 
@@ -3041,7 +3089,7 @@ def _rope_steps(batch, seq_len, head_dim):
 
     At head_dim <= ROPE_WIDE_HEAD, 512 tokens go as (128, 4), 4 consecutive tokens per partition (one
     contiguous run in x, in each head of y and in the tables), where they make whole 128-token tiles; else
-    (and for wider heads, whose tiles in flight in the kernels' pipelines would not fit SBUF at 4 tokens a
+    (and for wider heads, whose tiles, three steps of them buffered, would not fit SBUF at 4 tokens a
     partition) 128-token tiles, one token per partition. The steps of all sequences are split evenly
     between the programs of an LNC launch."""
     per_part = 4 if head_dim <= ROPE_WIDE_HEAD else 1
@@ -3098,23 +3146,6 @@ def _load_rope_step(src, cos, sin, b, tokens, parts):
     return tiles[0], (tiles[1], tiles[2])
 
 
-def _rope_unit(x, cos, sin, steps, units, n_heads):
-    """Appends the next (step, head) unit of the rope_norm kernels' pipelines to `units` and returns it (a
-    dict: b, tokens, the tables, the head's slice of x); a step's first head loads x (all heads) and the
-    tables for the step."""
-    step, h = divmod(len(units), n_heads)
-    if h == 0:
-        b, start, parts, per_part = steps[step]
-        tokens = slice(start, start + parts * per_part)
-        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
-    else:
-        b, tokens, x_all, cos_sin = units[-1]["b"], units[-1]["tokens"], units[-1]["x_all"], units[-1]["cos_sin"]
-    dim = x.shape[2] // n_heads
-    units.append({"b": b, "tokens": tokens, "x_all": x_all, "cos_sin": cos_sin, "h": h,
-                  "x": x_all[:, :, h * dim:(h + 1) * dim]})
-    return units[-1]
-
-
 def _slot_mean_squares(slots, eps, squares):
     """mean(x^2) + eps of each slot, a fp32 (P, len(slots)) tile: ScalarE squares and sums each slot (into
     `squares`, slots of the same shapes, unread), the mean is one VectorE instruction for all the slots."""
@@ -3146,38 +3177,36 @@ def rope_norm_fwd_kernel(x, cos, sin, n_heads, eps):
     cos and sin, for all heads; per head VectorE and GpSimd rotate (_rotate_head) into the head's own tile;
     ScalarE squares and sums each (token, head), VectorE and GpSimd make rstd, ScalarE writes z * rstd (its
     free scale); one DMA per head stores (128, 4, D) into y[b, h]: the layout change is the store's access
-    pattern. Issue order: the (step, head) units are software-pipelined in three stages (rotation; squares
-    and mean; rsqrt, scaling and store): unit u's rotation is issued beside unit u-1's squares and unit
-    u-2's store, so no engine waits on one head's chain (scheduled, nki_emulator/_schedule.py, one
-    sequence: baseline q 31.9 -> 22.2 us, K82s4 q 43.4 -> 30.9, against overlap bounds of 13.2 and 17.6,
-    which the per-head rsqrt raised from 11.5 and 17.2). Each head has its own tiles because the schedule
-    orders accesses to one tile by the byte range they span, and a head's slice of a (P, 4, H D) tile
-    spans its neighbours' bytes. HBM traffic: x read once, y written once (apart: the rotary's four bf16
-    passes and the norm's read and write). SBUF per partition: x of up to three steps and two head tiles per
-    unit in flight: the emulator measures 57,392 bytes at 8 heads of 256 in fp32 (53,252 at one head of 2048,
-    one token a partition: ROPE_WIDE_HEAD).
-    PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy (the emulator, baseline q and
-    k: 26 / 23 / 21 / 21 us). Limits: H D <= 2048, D even; any T.
+    pattern. Each head has its own tiles because the schedule orders accesses to one tile by the byte range
+    they span, and a head's slice of a (P, 4, H D) tile spans its neighbours' bytes. HBM traffic: x read
+    once, y written once (apart: the rotary's four bf16 passes and the norm's read and write). SBUF per
+    partition: x of up to three steps and two head tiles per unit in flight (one token a partition above
+    ROPE_WIDE_HEAD). PSUM, TensorE: none. GpSimd, VectorE, ScalarE and DMA about equally busy. Limits
+    (asserted here): H D <= 2048, D even; any T.
+
+    Order: step after step (`_rope_steps`), head after head: the plain form (a software pipeline across units was
+    within the model's error of it under the compiler's list schedule, docs/results.md; nki-library's rope.py goes
+    in natural order). The per-head tiles are what made it fast, not the pipeline.
     """
+    assert x.shape[2] <= ROPE_NORM_MAX_WIDTH and x.shape[2] // n_heads % 2 == 0, \
+        "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, seq_len, width = x.shape
     dim = width // n_heads
     y = nl.ndarray((batch, n_heads, seq_len, dim), x.dtype, buffer=nl.shared_hbm)
-    steps, units = _rope_steps(batch, seq_len, dim), []
-    for u in range(len(steps) * n_heads + 2):  # software-pipelined (docstring: Issue order)
-        if u < len(steps) * n_heads:
-            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
-            unit["z"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            unit["out"] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            _rotate_head(unit["z"], unit["x"], unit["cos_sin"], False)
-        if 0 <= u - 1 < len(units):
-            unit = units[u - 1]
-            unit["mean_sq"] = _slot_mean_squares(_slots(unit["z"]), eps, _slots(unit["out"]))
-        if u >= 2:
-            unit = units[u - 2]
-            rstd, z_slots, out_slots = _slot_rsqrt(unit["mean_sq"]), _slots(unit["z"]), _slots(unit["out"])
+    steps = _rope_steps(batch, seq_len, dim)
+    for s in range(len(steps)):
+        b, start, parts, per_part = steps[s]
+        tokens = slice(start, start + parts * per_part)
+        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        for h in range(n_heads):
+            z = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)  # rope(x), then its squares
+            out = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)
+            _rotate_head(z, x_all[:, :, h * dim:(h + 1) * dim], cos_sin, False)
+            rstd = _slot_rsqrt(_slot_mean_squares(_slots(z), eps, _slots(out)))
+            z_slots, out_slots = _slots(z), _slots(out)
             for c in range(len(z_slots)):
                 nisa.activation(dst=out_slots[c], op=nl.copy, data=z_slots[c], scale=rstd[:, c:c + 1])
-            nisa.dma_copy(dst=y[unit["b"], unit["h"], unit["tokens"], :], src=unit["out"])
+            nisa.dma_copy(dst=y[b, h, tokens, :], src=out)
     return y
 
 
@@ -3190,54 +3219,56 @@ def rope_norm_bwd_kernel(dy, x, cos, sin, eps):
     rotated back by GpSimd and VectorE; r from x (ScalarE squares and sums, VectorE's mean, GpSimd's
     rsqrt); GpSimd's x g, summed per token by ScalarE's accumulator scaled by -1/D; c in two tiny
     instructions; VectorE's x c and + g; ScalarE's r * that; one DMA stores the head's columns of dx.
-    Issue order: the units are software-pipelined in four stages (dy and its rotation; squares and x g;
-    c and x c + g; the last scale and the store), unit u's first beside unit u-3's last, as the forward
-    (scheduled, one sequence: baseline q 57.1 -> 37.2 us, K82s4 q 76.3 -> 47.8, against overlap bounds
-    of 23.0 and 32.0, which the per-head instructions and stores raised from 20.2 and 30.0). HBM traffic:
-    x and dy read, dx written, once each. SBUF per partition: three steps' x and up to nine head tiles in
-    flight (heads wider than ROPE_WIDE_HEAD go one token a partition for this: 4 tokens of one 2048-wide
-    fp32 head would need 229,424 bytes); the emulator measures 102,464 bytes at 8 heads of 256 in fp32,
-    within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and VectorE about equally busy, ~1.4x the DMA time
-    (the emulator, baseline q and k: 46 / 41 / 32 us). Limits as for the forward.
+    HBM traffic: x and dy read, dx written, once each. SBUF per partition: three steps' x and up to nine
+    head tiles in flight (heads wider than ROPE_WIDE_HEAD go one token a partition for this: 4 tokens of one
+    2048-wide fp32 head would need 229,424 bytes), within SBUF_BUDGET. PSUM, TensorE: none. GpSimd and
+    VectorE about equally busy, ~1.4x the DMA time. Limits as for the forward (asserted here).
+
+    Order: step after step, head after head, as the forward's.
     """
+    assert dy.shape[1] * dy.shape[3] <= ROPE_NORM_MAX_WIDTH and dy.shape[3] % 2 == 0, \
+        "n_heads * head_dim at most 2048 (ROPE_NORM_MAX_WIDTH), head_dim even"
     batch, n_heads, seq_len, dim = dy.shape
     dx = nl.ndarray((batch, seq_len, n_heads * dim), x.dtype, buffer=nl.shared_hbm)
-    steps, units = _rope_steps(batch, seq_len, dim), []
-    for u in range(len(steps) * n_heads + 3):  # software-pipelined (docstring: Issue order)
-        if u < len(steps) * n_heads:
-            unit = _rope_unit(x, cos, sin, steps, units, n_heads)
-            dy_head = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=dy_head, src=dy[unit["b"], unit["h"], unit["tokens"], :])
-            for name in ("g", "scratch", "out"):  # scratch: the squares, x g, then x c + g
-                unit[name] = nl.ndarray(unit["x"].shape, x.dtype, buffer=nl.sbuf)
-            _rotate_head(unit["g"], dy_head, unit["cos_sin"], True)
-        if 0 <= u - 1 < len(units):
-            unit = units[u - 1]
-            unit["mean_sq"] = _slot_mean_squares(_slots(unit["x"]), eps, _slots(unit["scratch"]))
-            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["x"], data2=unit["g"], op=nl.multiply,
-                               engine=nisa.gpsimd_engine)
-        if 0 <= u - 2 < len(units):
-            unit = units[u - 2]
-            unit["rstd"] = _slot_rsqrt(unit["mean_sq"])
-            rstd = unit["rstd"]
-            x_slots, scratch_slots, out_slots = _slots(unit["x"]), _slots(unit["scratch"]), _slots(unit["out"])
-            neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
-            for c in range(len(x_slots)):
-                nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
-                                       reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
-            x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
-            nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
-            nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
-            for c in range(len(x_slots)):
-                nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
-            nisa.tensor_tensor(dst=unit["scratch"], data1=unit["out"], data2=unit["g"], op=nl.add)
-        if u >= 3:
-            unit = units[u - 3]
-            scratch_slots, out_slots = _slots(unit["scratch"]), _slots(unit["out"])
-            for c in range(len(scratch_slots)):
-                nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=unit["rstd"][:, c:c + 1])
-            nisa.dma_copy(dst=dx[unit["b"], unit["tokens"], unit["h"] * dim:(unit["h"] + 1) * dim], src=unit["out"])
+    steps = _rope_steps(batch, seq_len, dim)
+    for s in range(len(steps)):
+        b, start, parts, per_part = steps[s]
+        tokens = slice(start, start + parts * per_part)
+        x_all, cos_sin = _load_rope_step(x, cos, sin, b, tokens, parts)
+        for h in range(n_heads):
+            dy_head = nl.ndarray((parts, per_part, dim), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=dy_head, src=dy[b, h, tokens, :])
+            out = _rope_norm_bwd_head(x_all[:, :, h * dim:(h + 1) * dim], dy_head, cos_sin, eps)
+            nisa.dma_copy(dst=dx[b, tokens, h * dim:(h + 1) * dim], src=out)
     return dx
+
+
+def _rope_norm_bwd_head(x_head, dy_head, cos_sin, eps):
+    """dx of one head of a step, (P, J, D) in x's dtype: g = rope^-1(dy) (GpSimd, VectorE); r from x (ScalarE
+    squares and sums, VectorE's mean, GpSimd's rsqrt); x g (GpSimd) summed per token by ScalarE's accumulator
+    scaled by -1/D; c = -r^2 mean(x g) in two tiny instructions; x c + g (VectorE); r times that (ScalarE)."""
+    shape, dtype, dim = x_head.shape, dy_head.dtype, x_head.shape[2]
+    g = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    scratch = nl.ndarray(shape, dtype, buffer=nl.sbuf)  # the squares, x g, then x c + g
+    out = nl.ndarray(shape, dtype, buffer=nl.sbuf)
+    _rotate_head(g, dy_head, cos_sin, True)
+    mean_sq = _slot_mean_squares(_slots(x_head), eps, _slots(scratch))
+    nisa.tensor_tensor(dst=scratch, data1=x_head, data2=g, op=nl.multiply, engine=nisa.gpsimd_engine)
+    rstd = _slot_rsqrt(mean_sq)
+    x_slots, scratch_slots, out_slots = _slots(x_head), _slots(scratch), _slots(out)
+    neg_mean = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # -mean(x g)
+    for c in range(len(x_slots)):
+        nisa.activation_reduce(dst=scratch_slots[c], op=nl.copy, data=scratch_slots[c], reduce_op=nl.add,
+                               reduce_res=neg_mean[:, c:c + 1], scale=-1.0 / dim)
+    x_coef = nl.ndarray(rstd.shape, nl.float32, buffer=nl.sbuf)  # c = -r^2 mean(x g)
+    nisa.tensor_tensor(dst=x_coef, data1=neg_mean, data2=rstd, op=nl.multiply)
+    nisa.tensor_tensor(dst=x_coef, data1=x_coef, data2=rstd, op=nl.multiply)
+    for c in range(len(x_slots)):
+        nisa.tensor_scalar(dst=out_slots[c], data=x_slots[c], op0=nl.multiply, operand0=x_coef[:, c:c + 1])
+    nisa.tensor_tensor(dst=scratch, data1=out, data2=g, op=nl.add)
+    for c in range(len(scratch_slots)):
+        nisa.activation(dst=out_slots[c], op=nl.copy, data=scratch_slots[c], scale=rstd[:, c:c + 1])
+    return out
 
 
 # rope_norm: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks

@@ -93,34 +93,6 @@ def test_attention_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch):
         kernels.attention(q, k, v, mode="nki").float().sum().backward()
 
 
-def test_attention_backward_streams_pairs_only_where_sbuf_holds_two(monkeypatch):
-    """Two (batch, kv head) pairs a program: one pipelined stream where SBUF_BUDGET holds two pairs' state,
-    else a stream per pair, within the one-pair plan and with the same gradients. Twin: streamed, they hold more."""
-    seq_len, head_dim = 512, 64  # 4 pairs: 2 in each program of an LNC=2 launch
-    q, k, v = random(1, 4, seq_len, head_dim), random(1, 4, seq_len, head_dim), random(1, 4, seq_len, head_dim)
-
-    def gradients():
-        for t in (q, k, v):
-            t.grad = None
-        kernels.attention(q, k, v, mode="nki").float().square().sum().backward()
-        return [t.grad for t in (q, k, v)]
-
-    one_pair = kernels._attention_sbuf_bytes(seq_len, head_dim, 2)
-    assert kernels._attention_sbuf_bytes(seq_len, head_dim, 2, pairs=2) <= kernels.SBUF_BUDGET
-    with on_chip_peaks() as streamed_peaks:
-        streamed = gradients()
-    monkeypatch.setattr(kernels, "SBUF_BUDGET", one_pair)
-    limit_sbuf(monkeypatch, one_pair)
-    with on_chip_peaks() as peaks:
-        for a, b in zip(gradients(), streamed):
-            assert torch.equal(a, b)
-    assert peaks["sbuf"] < streamed_peaks["sbuf"]
-    monkeypatch.undo()
-    limit_sbuf(monkeypatch, peaks["sbuf"])
-    with pytest.raises(nki_emulator.NkiValidationError, match="SBUF"):
-        gradients()
-
-
 def test_the_sbuf_budget_is_within_the_usable_sbuf_of_a_trn2():
     assert kernels.SBUF_BUDGET <= kernels.SBUF_USABLE_BYTES["trn2"]
     assert kernels._attention_sbuf_bytes(4096, 128, 2) <= kernels.SBUF_BUDGET  # the longest S it promises
