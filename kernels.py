@@ -1099,7 +1099,8 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
 
 
 class AttentionBwd(_NKIObject):
-    """What every stage of flash_attention_bwd_kernel reads: its operands and outputs (HBM)."""
+    """flash_attention_bwd_kernel's state: its operands and outputs (HBM), then the tiles of the (batch, kv head)
+    pair, the query head and the key block its loops are at, each replaced as the loops move on."""
     q = None
     k = None
     v = None
@@ -1112,10 +1113,9 @@ class AttentionBwd(_NKIObject):
     scale = None
     mask = None  # AttentionMask
     group = None  # query heads per kv head
-
-
-class BwdPair(_NKIObject):
-    """A (batch, kv head) pair's state, made by its first head's `_bwd_prepare`."""
+    # the pair's, made by `_bwd_prepare` before its first head
+    b = None
+    kv_head = None
     k_cols = None
     k_rows = None
     v_cols = None
@@ -1123,10 +1123,8 @@ class BwdPair(_NKIObject):
     dv_rows = None
     dk_sum = None  # with G > 1: the fp32 sums over the group's heads before the last
     dv_sum = None
-
-
-class BwdHead(_NKIObject):
-    """A query head's state, made by `_bwd_prepare` for its first unit."""
+    # the query head's, made by `_bwd_prepare`
+    h = None
     q_cols = None
     q_rows = None
     do_cols = None
@@ -1134,163 +1132,120 @@ class BwdHead(_NKIObject):
     neg_lse = None  # (128, S/128) fp32
     neg_delta = None  # -D = -rowsum(dO * O), (128, S/128) fp32
     dq_acc = None  # dQ's fp32 sum, (128, S/128, d)
+    # the key block's: its 128-key chunks (a slice), its dK and dV accumulators in PSUM (`_banked_chunks`, made
+    # by the block's first `_bwd_scores`)
+    chunks = None
+    block_dk = None
+    block_dv = None
 
 
-class BwdKeyBlock(_NKIObject):
-    """A key block's dK and dV accumulators in PSUM (`_banked_chunks`), made by its first unit's stage 2."""
-    dk = None
-    dv = None
-
-
-class BwdUnit(_NKIObject):
-    """A (key block, 128-query tile) unit of the backward: where it is and the state it shares."""
-    b = None
-    kv_head = None
-    h = None
-    query_tile = None
-    first = None  # the first key the tile sees in the block
-    width = None  # keys from `first` to the block's end or the diagonal
-    chunks = None  # the block's 128-key chunks, a slice
-    opens_row = None  # the tile's first block: its dQ sum starts here
-    block_last = None  # the block's last tile: its dK and dV are final
-    head_first = None  # the head's first unit: makes the head's state
-    pair = None  # BwdPair
-    head = None  # BwdHead
-    block = None  # BwdKeyBlock
-
-
-def _bwd_units(q, k, window):
-    """The program's units: (batch, kv head) pairs split over the LNC programs, their query heads, key blocks
-    of up to 512 keys and the query tiles that see them."""
-    n_heads, seq_len = q.shape[1], q.shape[2]
-    n_kv_heads, n_tiles = k.shape[1], seq_len // TILE
-    group = n_heads // n_kv_heads
-    units = []
-    for index in range(nl.program_id(0), q.shape[0] * n_kv_heads, nl.num_programs(0)):
-        b, kv_head = divmod(index, n_kv_heads)
-        pair = BwdPair()
-        for h in range(kv_head * group, (kv_head + 1) * group):
-            head = BwdHead()
-            for start in range(0, seq_len, KEY_BLOCK):
-                chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                tiles_stop, block = min(n_tiles, chunks.stop + window // TILE), BwdKeyBlock()
-                for i in range(chunks.start, tiles_stop):
-                    first = max(start, _first_key(i, window))
-                    units.append(BwdUnit(b=b, kv_head=kv_head, h=h, query_tile=i, first=first, chunks=chunks,
-                                         width=min(start + KEY_BLOCK, (i + 1) * TILE) - first,
-                                         opens_row=first == _first_key(i, window), block_last=i == tiles_stop - 1,
-                                         head_first=start == 0 and i == 0, pair=pair, head=head, block=block))
-    return units
-
-
-def _bwd_prepare(unit, kernel):
-    """Before a head's first unit: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
+def _bwd_prepare(kernel):
+    """Before a query head's first key block: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
     otherwise, its sum on VectorE), and, for the pair's first head, the pair's."""
-    if not unit.head_first:
-        return
-    q, head, pair, dtype = kernel.q, unit.head, unit.pair, kernel.q.dtype
+    q, b, dtype = kernel.q, kernel.b, kernel.q.dtype
     rows = (TILE, q.shape[2] // TILE, q.shape[3])
-    if unit.h % kernel.group == 0:
-        pair.k_rows = _load_rows(kernel.k, unit.b, unit.kv_head, dtype)
-        pair.k_cols = _rows_to_cols(pair.k_rows, False)
-        pair.v_cols = _load_cols(kernel.v, unit.b, unit.kv_head, dtype, True)
+    if kernel.h % kernel.group == 0:
+        kernel.k_rows = _load_rows(kernel.k, b, kernel.kv_head, dtype)
+        kernel.k_cols = _rows_to_cols(kernel.k_rows, False)
+        kernel.v_cols = _load_cols(kernel.v, b, kernel.kv_head, dtype, True)
         grads = _sbuf_tiles(2, rows, dtype)
-        pair.dk_rows = grads[0]
-        pair.dv_rows = grads[1]
+        kernel.dk_rows = grads[0]
+        kernel.dv_rows = grads[1]
         if kernel.group > 1:
             sums = _sbuf_tiles(2, rows, nl.float32)
-            pair.dk_sum = sums[0]
-            pair.dv_sum = sums[1]
-    head.q_rows = _load_rows(q, unit.b, unit.h, dtype)
-    head.q_cols = _rows_to_cols(head.q_rows, False)
-    head.do_rows = _load_rows(kernel.d_out, unit.b, unit.h, dtype)
-    head.do_cols = _rows_to_cols(head.do_rows, True)
+            kernel.dk_sum = sums[0]
+            kernel.dv_sum = sums[1]
+    kernel.q_rows = _load_rows(q, b, kernel.h, dtype)
+    kernel.q_cols = _rows_to_cols(kernel.q_rows, False)
+    kernel.do_rows = _load_rows(kernel.d_out, b, kernel.h, dtype)
+    kernel.do_cols = _rows_to_cols(kernel.do_rows, True)
     lse_tile = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lse_tile, src=kernel.lse[unit.b, unit.h, :, :])
-    head.neg_lse = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=head.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    out_rows = _load_rows(kernel.out, unit.b, unit.h, dtype)
-    head.neg_delta = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=lse_tile, src=kernel.lse[b, kernel.h, :, :])
+    kernel.neg_lse = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=kernel.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
+    out_rows = _load_rows(kernel.out, b, kernel.h, dtype)
+    kernel.neg_delta = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
     for first in range(0, rows[1], 2):
         tiles = slice(first, min(first + 2, rows[1]))
         products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=products, data1=head.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
+        nisa.tensor_tensor(dst=products, data1=kernel.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
                            op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_reduce(dst=head.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
-    head.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=kernel.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
+    kernel.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
 
 
-def _bwd_scores(unit, kernel):
-    """A unit's S = q.T k and dP = dO @ V.T over the d pieces (TensorE, PSUM); P recomputed from lse,
-    exp(scale * s - lse) (ScalarE from PSUM); dS = P * (dP - D), the scale applied at the end (ScalarE takes
-    dP - D out of PSUM, so VectorE's product has both inputs in SBUF in the input dtype: its fast case, N
-    cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q into the key block's PSUM accumulators (one (128 keys,
-    d) slot per 128-key chunk, `_banked_chunks`, made by the block's first unit; queries are already on the
-    partitions; chunk c's sum starts at the query tile on its diagonal, the first that sees its keys).
-    Returns dS transposed by TensorE into PSUM, for dQ = dS @ K, which contracts over keys."""
-    head, pair, block, first, width, query_tile = unit.head, unit.pair, unit.block, unit.first, unit.width, \
-        unit.query_tile
+def _bwd_scores(kernel, query_tile, first, width):
+    """Query tile `query_tile` against the key block's keys first .. first + width: S = q.T k and dP = dO @ V.T
+    over the d pieces (TensorE, PSUM); P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM);
+    dS = P * (dP - D), the scale applied at the end (ScalarE takes dP - D out of PSUM, so VectorE's product has
+    both inputs in SBUF in the input dtype: its fast case, N cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q
+    into the key block's PSUM accumulators (one (128 keys, d) slot per 128-key chunk, `_banked_chunks`, made by
+    the block's first tile; queries are already on the partitions; chunk c's sum starts at the query tile on its
+    diagonal, the first that sees its keys). Returns dS transposed by TensorE into PSUM, for dQ = dS @ K, which
+    contracts over keys."""
     queries, column, dtype = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1), \
         kernel.q.dtype
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(scores, head.q_cols, pair.k_cols, query_tile, first, kernel.mask)
+    _scores(scores, kernel.q_cols, kernel.k_cols, query_tile, first, kernel.mask)
     dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    for piece in range(len(head.do_cols)):
-        nisa.nc_matmul(dst=dprobs, stationary=head.do_cols[piece][:, queries],
-                       moving=pair.v_cols[piece][:, first:first + width], accumulate=piece > 0)
+    for piece in range(len(kernel.do_cols)):
+        nisa.nc_matmul(dst=dprobs, stationary=kernel.do_cols[piece][:, queries],
+                       moving=kernel.v_cols[piece][:, first:first + width], accumulate=piece > 0)
     probs = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=head.neg_lse[:, column], scale=kernel.scale)
+    nisa.activation(dst=probs, op=nl.exp, data=scores, bias=kernel.neg_lse[:, column], scale=kernel.scale)
     shifted = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=head.neg_delta[:, column])
+    nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=kernel.neg_delta[:, column])
     dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
-    if query_tile == unit.chunks.start:
-        block.dk = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
-        block.dv = _banked_chunks(unit.chunks.stop - unit.chunks.start, kernel.q.shape[3])
-    skipped = first // TILE - unit.chunks.start
+    chunks = kernel.chunks
+    if query_tile == chunks.start:
+        kernel.block_dk = _banked_chunks(chunks.stop - chunks.start, kernel.q.shape[3])
+        kernel.block_dv = _banked_chunks(chunks.stop - chunks.start, kernel.q.shape[3])
+    skipped = first // TILE - chunks.start
     for c in range(width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
         started = query_tile > first // TILE + c
-        nisa.nc_matmul(dst=block.dv[skipped + c], stationary=probs[:, chunk], moving=head.do_rows[:, query_tile, :],
-                       accumulate=started)
-        nisa.nc_matmul(dst=block.dk[skipped + c], stationary=dscores[:, chunk], moving=head.q_rows[:, query_tile, :],
-                       accumulate=started)
+        nisa.nc_matmul(dst=kernel.block_dv[skipped + c], stationary=probs[:, chunk],
+                       moving=kernel.do_rows[:, query_tile, :], accumulate=started)
+        nisa.nc_matmul(dst=kernel.block_dk[skipped + c], stationary=dscores[:, chunk],
+                       moving=kernel.q_rows[:, query_tile, :], accumulate=started)
     return _transposed_chunks(dscores)
 
 
-def _bwd_dq(unit, kernel, dscores_t):
-    """dS^T out of PSUM (VectorE), and the block's last unit adds the block's dK and dV onto the pair's
+def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
+    """dS^T out of PSUM (VectorE), and on the block's last tile its dK and dV added onto the pair's
     (`_bwd_add_kv_grads`); then dQ of the tile from this block (TensorE, PSUM) added into the head's SBUF
-    accumulator (VectorE): after the tile's diagonal block, its last, scaled and stored."""
+    accumulator (VectorE), opened by the tile's first block: after its diagonal block, its last, scaled and
+    stored."""
     dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
     _evict(dscores_t_sbuf, dscores_t, False)
-    if unit.block_last:
-        _bwd_add_kv_grads(unit, kernel)
-    k_rows, i = unit.pair.k_rows, unit.query_tile
-    dq_block = nl.ndarray((TILE, k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for c in range(unit.width // TILE):
-        nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :], moving=k_rows[:, unit.first // TILE + c, :],
-                       accumulate=c > 0)
-    row = unit.head.dq_acc[:, i, :]
-    if unit.opens_row:
+    if block_last:
+        _bwd_add_kv_grads(kernel)
+    i = query_tile
+    dq_block = nl.ndarray((TILE, kernel.k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(dscores_t.shape[1]):
+        nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :],
+                       moving=kernel.k_rows[:, first // TILE + c, :], accumulate=c > 0)
+    row = kernel.dq_acc[:, i, :]
+    if first == _first_key(i, kernel.mask.window):
         nisa.tensor_copy(dst=row, src=dq_block)
     else:
         nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
-    if unit.chunks.start <= i < unit.chunks.stop:
+    if kernel.chunks.start <= i < kernel.chunks.stop:
         dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
-        nisa.dma_copy(dst=kernel.dq[unit.b, unit.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
+        nisa.dma_copy(dst=kernel.dq[kernel.b, kernel.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
-def _bwd_add_kv_grads(unit, kernel):
-    """One query head's dK and dV of the unit's key block (PSUM) onto the pair's, (128, chunks, d) each: the
-    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
-    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
-    pair, chunks = unit.pair, unit.chunks
-    first, last = unit.h % kernel.group == 0, unit.h % kernel.group == kernel.group - 1
+def _bwd_add_kv_grads(kernel):
+    """One query head's dK and dV of the key block (PSUM) onto the pair's, (128, chunks, d) each: the output
+    rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head copies out
+    of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
+    chunks = kernel.chunks
+    first, last = kernel.h % kernel.group == 0, kernel.h % kernel.group == kernel.group - 1
     for g in range(2):
-        rows, sums, block = (pair.dk_rows, pair.dv_rows)[g], (pair.dk_sum, pair.dv_sum)[g], (unit.block.dk,
-                                                                                             unit.block.dv)[g]
+        rows, sums = (kernel.dk_rows, kernel.dv_rows)[g], (kernel.dk_sum, kernel.dv_sum)[g]
+        block = (kernel.block_dk, kernel.block_dv)[g]
         for c in range(chunks.start, chunks.stop):
             target = rows[:, c, :] if last else sums[:, c, :]
             scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -1299,7 +1254,7 @@ def _bwd_add_kv_grads(unit, kernel):
                 nisa.tensor_tensor(dst=target, data1=scaled, data2=sums[:, c, :], op=nl.add,
                                    engine=nisa.engine.gpsimd)
             if last:
-                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][unit.b, unit.kv_head, c * TILE:(c + 1) * TILE, :],
+                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][kernel.b, kernel.kv_head, c * TILE:(c + 1) * TILE, :],
                               src=target)
 
 
@@ -1338,10 +1293,10 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
     once final.
 
-    Order: the program's units (pairs, heads, blocks, tiles: `_bwd_units`) one after another, each through its work
-    (`_bwd_prepare` on a head's first unit, `_bwd_scores`, `_bwd_dq`): the plain form. Under the compiler's list
-    schedule a software pipeline across units was within the model's error of it (docs/results.md), and
-    nki-library's attention_bwd.py loops in natural order too.
+    Order: the program's pairs, their query heads (`_bwd_prepare`), each head's key blocks and the query tiles that
+    see a block, one (block, tile) after another through `_bwd_scores` and `_bwd_dq`: the plain form. Under the
+    compiler's list schedule a software pipeline across them was within the model's error of it (docs/results.md),
+    and nki-library's attention_bwd.py loops in natural order too.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
@@ -1357,10 +1312,20 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
     kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
                           mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
-    units = _bwd_units(q, k, window)
-    for u in range(len(units)):  # unit after unit (docstring: Order)
-        _bwd_prepare(units[u], kernel)
-        _bwd_dq(units[u], kernel, _bwd_scores(units[u], kernel))
+    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):  # docstring: Order
+        b, kv_head = divmod(pair, n_kv_heads)
+        kernel.b = b
+        kernel.kv_head = kv_head
+        for h in range(kv_head * kernel.group, (kv_head + 1) * kernel.group):
+            kernel.h = h
+            _bwd_prepare(kernel)
+            for start in range(0, seq_len, KEY_BLOCK):
+                kernel.chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
+                tiles_stop = min(seq_len // TILE, kernel.chunks.stop + window // TILE)
+                for i in range(kernel.chunks.start, tiles_stop):  # the query tiles that see the block
+                    first = max(start, _first_key(i, window))
+                    width = min(start + KEY_BLOCK, (i + 1) * TILE) - first
+                    _bwd_dq(kernel, i, first, _bwd_scores(kernel, i, first, width), i == tiles_stop - 1)
     return dq, dk, dv
 
 
