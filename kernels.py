@@ -386,20 +386,13 @@ class KernelBuildError(Exception):
         super().__init__(f"{op}: {self.why}")
 
 
-_built_kernels = set()  # _build_key of each kernel variant that has run once in this process
+_built_kernels = set()  # each kernel variant (_run_kernel's `variant`) that has run once in this process
 
 
 def _kernel_op(kernel):
     """The op whose declaration (KernelOp.kernels) lists an NKI kernel function of `kernel`'s name (by name:
     a test may launch a stand-in under the kernel's name)."""
     return next(op.name for op in OPS.values() if kernel.__name__ in [k.__name__ for k in op.kernels])
-
-
-def _build_key(kernel, lnc, args):
-    """What a kernel's build is specialised on, so one build per key: the kernel, the LNC, its scalar
-    arguments and its tensors' shapes and dtypes (a sliding window's attention is a build of its own beside
-    the full one's, and a new shape is compiled anew)."""
-    return (kernel, lnc, *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
 
 
 def _run_kernel(kernel, *args):
@@ -409,7 +402,7 @@ def _run_kernel(kernel, *args):
     emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
     as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
     copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at the first
-    call of a kernel variant (_build_key) in this process (its build: trace and compile, under the emulator
+    call of a kernel variant in this process (its build: trace and compile, under the emulator
     its first run) comes out as KernelBuildError naming the op; at any later call, as it is.
 
     A kernel indexes its HBM arguments as dense row-major arrays, so every tensor goes in contiguous: the
@@ -420,7 +413,9 @@ def _run_kernel(kernel, *args):
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     lnc = _logical_core_degree()
-    variant = _build_key(kernel, lnc, args)
+    # what a build is specialised on, one build each: the kernel, the LNC, the scalar arguments and the tensors'
+    # shapes and dtypes (a sliding window's attention is a build of its own, a new shape is compiled anew)
+    variant = (kernel, lnc, *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     try:
         launch = _jitted(kernel, lnc)
         if device.type == "neuron":
@@ -478,11 +473,6 @@ SBUF_USABLE_BYTES = {"trn1": 180_224, "trn2": 212_984, "trn3": 245_752}
 # compiler's buffering (192 KiB, what the plans were sized and tested at). Trn1's 180,224 is below it.
 SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _matmul_dtype(x):
-    """The dtype F.linear would multiply x in: autocast's, where autocast is on for x's device, else x's."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 def _spans(start, stop, size):
@@ -560,17 +550,6 @@ def _transpose_pieces_into(dst_tiles, dst_col, pieces):
             nisa.nc_transpose(dst=flipped[:, offset:offset + rows], data=piece[:, c * TILE:(c + 1) * TILE])
             offset += rows
         nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
-
-
-def _transposed_in_sbuf(matrix, rows, cols):
-    """The block matrix[rows, cols] (R x C, C a multiple of 128) from HBM into SBUF as C/128 tiles
-    [128, R]: tile c holds the block's columns c*128 .. c*128+127, transposed, so that C lies on the
-    partitions."""
-    tiles = _sbuf_tiles((cols.stop - cols.start) // TILE, (TILE, rows.stop - rows.start), matrix.dtype)
-    for span in _spans(rows.start, rows.stop, BANK_FP32):
-        row_start, row_count = span
-        _transpose_pieces_into(tiles, row_start - rows.start, _load_row_pieces(matrix, row_start, row_count, cols))
-    return tiles
 
 
 def _matmul_into_psum(stationaries, movings):
@@ -1567,8 +1546,9 @@ def mlp(x, w_up, w_down, activation, w_gate=None, mode="auto"):
         raise ValueError(f"unknown MLP activation {activation!r}; choose one of {MLP_ACTIVATIONS}")
     if (activation == "swiglu") != (w_gate is not None):
         raise ValueError(f"activation {activation!r} {'needs' if activation == 'swiglu' else 'takes no'} w_gate")
-    dtype = _matmul_dtype(x)
-    if _use_nki(MLP_OP.name, mode, x.device.type, _mlp_shape_problem(x, w_up, dtype),
+    device = x.device.type  # the dtype F.linear would multiply in: autocast's where it is on, else x's
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    if _use_nki(MLP_OP.name, mode, device, _mlp_shape_problem(x, w_up, dtype),
                 _mlp_cost_problem(x.numel() // x.size(-1), x.size(-1), w_gate is not None)):
         return _mlp_nki(x, w_up, w_down, activation, w_gate, dtype)
     return _mlp_torch(x, w_up, w_down, activation, w_gate)
@@ -1650,7 +1630,11 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
                     for w in range(len(weights)):
                         _transpose_pieces_into(weights_t[w], start, _load_row_pieces(
                             weights[w], group.start, group.stop - group.start, slice(0, dim)))
-                    w_down_t += _transposed_in_sbuf(w_down, slice(0, dim), group)
+                    w_down_group = _sbuf_tiles((group.stop - group.start) // TILE, (TILE, dim), w_down.dtype)
+                    for d_rows in _spans(0, dim, BANK_FP32):  # w_down[:, group].T, 512 rows of d at a time
+                        _transpose_pieces_into(w_down_group, d_rows[0],
+                                               _load_row_pieces(w_down, d_rows[0], d_rows[1], group))
+                    w_down_t += w_down_group
                 up = _matmul_into_psum(_column_slices(weights_t[0], start, stop), x_t)
                 gate = _matmul_into_psum(_column_slices(weights_t[1], start, stop), x_t) if gated else None
                 if save_preactivation:
