@@ -389,12 +389,6 @@ class KernelBuildError(Exception):
 _built_kernels = set()  # each kernel variant (_run_kernel's `variant`) that has run once in this process
 
 
-def _kernel_op(kernel):
-    """The op whose declaration (KernelOp.kernels) lists an NKI kernel function of `kernel`'s name (by name:
-    a test may launch a stand-in under the kernel's name)."""
-    return next(op.name for op in OPS.values() if kernel.__name__ in [k.__name__ for k in op.kernels])
-
-
 def _run_kernel(kernel, *args):
     """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
     outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
@@ -425,7 +419,9 @@ def _run_kernel(kernel, *args):
     except Exception as error:
         if variant in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
             raise
-        raise KernelBuildError(_kernel_op(kernel), error) from error
+        # the op whose declaration lists a kernel of this name (by name: a test may launch a stand-in)
+        op = next(op.name for op in OPS.values() if kernel.__name__ in [k.__name__ for k in op.kernels])
+        raise KernelBuildError(op, error) from error
     _built_kernels.add(variant)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
@@ -468,7 +464,7 @@ BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving opera
 # Bytes per SBUF partition a kernel may use: nl.tile_size.total_available_sbuf_size, what the NKI front end
 # leaves of the 24 MiB (Trn2) after its own reservations (leanprover/KLR, KLR/Trace.lean lines 52-54)
 SBUF_USABLE_BYTES = {"trn1": 180_224, "trn2": 212_984, "trn3": 245_752}
-# What the kernels plan to use on the Trn2 they are tuned for: the plans (_mlp_sbuf_plan,
+# What the kernels plan to use on the Trn2 they are tuned for: the plans (_mlp_chunk_tiles,
 # _attention_sbuf_bytes) are rounded up, and 16,376 bytes (8%) of the usable figure stay free for the
 # compiler's buffering (192 KiB, what the plans were sized and tested at). Trn1's 180,224 is below it.
 SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
@@ -1192,14 +1188,29 @@ def _bwd_scores(kernel, query_tile, first, width):
 
 
 def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
-    """dS^T out of PSUM (VectorE), and on the block's last tile its dK and dV added onto the pair's
-    (`_bwd_add_kv_grads`); then dQ of the tile from this block (TensorE, PSUM) added into the head's SBUF
-    accumulator (VectorE), opened by the tile's first block: after its diagonal block, its last, scaled and
-    stored."""
+    """dS^T out of PSUM (VectorE). On the block's last tile, the head's dK and dV of the block (PSUM) onto the
+    pair's, (128, chunks, d) each: the output rows (input dtype) on the group's last head, stored then, else
+    fp32 sums; scaled. The first head copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot
+    read PSUM): VectorE makes dS. Then dQ of the tile from this block (TensorE, PSUM) added into the head's
+    SBUF accumulator (VectorE), opened by the tile's first block: after its diagonal block, its last, scaled
+    and stored."""
     dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
     _evict(dscores_t_sbuf, dscores_t, False)
-    if block_last:
-        _bwd_add_kv_grads(kernel)
+    chunks = kernel.chunks
+    first_head, last_head = kernel.h % kernel.group == 0, kernel.h % kernel.group == kernel.group - 1
+    for g in range(2 if block_last else 0):  # dK, dV: on the block's last tile
+        rows, sums = (kernel.dk_rows, kernel.dv_rows)[g], (kernel.dk_sum, kernel.dv_sum)[g]
+        block = (kernel.block_dk, kernel.block_dv)[g]
+        for c in range(chunks.start, chunks.stop):
+            target = rows[:, c, :] if last_head else sums[:, c, :]
+            scaled = target if first_head else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(kernel.scale, 1.0)[g])
+            if not first_head:
+                nisa.tensor_tensor(dst=target, data1=scaled, data2=sums[:, c, :], op=nl.add,
+                                   engine=nisa.engine.gpsimd)
+            if last_head:
+                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][kernel.b, kernel.kv_head, c * TILE:(c + 1) * TILE, :],
+                              src=target)
     i = query_tile
     dq_block = nl.ndarray((TILE, kernel.k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
     for c in range(dscores_t.shape[1]):
@@ -1210,31 +1221,10 @@ def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
         nisa.tensor_copy(dst=row, src=dq_block)
     else:
         nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
-    if kernel.chunks.start <= i < kernel.chunks.stop:
+    if chunks.start <= i < chunks.stop:
         dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
         nisa.dma_copy(dst=kernel.dq[kernel.b, kernel.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
-
-
-def _bwd_add_kv_grads(kernel):
-    """One query head's dK and dV of the key block (PSUM) onto the pair's, (128, chunks, d) each: the output
-    rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head copies out
-    of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS."""
-    chunks = kernel.chunks
-    first, last = kernel.h % kernel.group == 0, kernel.h % kernel.group == kernel.group - 1
-    for g in range(2):
-        rows, sums = (kernel.dk_rows, kernel.dv_rows)[g], (kernel.dk_sum, kernel.dv_sum)[g]
-        block = (kernel.block_dk, kernel.block_dv)[g]
-        for c in range(chunks.start, chunks.stop):
-            target = rows[:, c, :] if last else sums[:, c, :]
-            scaled = target if first else nl.ndarray(target.shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=scaled, op=nl.copy, data=block[c - chunks.start], scale=(kernel.scale, 1.0)[g])
-            if not first:
-                nisa.tensor_tensor(dst=target, data1=scaled, data2=sums[:, c, :], op=nl.add,
-                                   engine=nisa.engine.gpsimd)
-            if last:
-                nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][kernel.b, kernel.kv_head, c * TILE:(c + 1) * TILE, :],
-                              src=target)
 
 
 def _banked_chunks(n_chunks, head_dim):
@@ -1578,7 +1568,7 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless
     saved for the backward) and needs no transpose.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
+    SBUF per partition (_mlp_chunk_tiles): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
     and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch and y's rows. bf16:
     d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20 and 32 tiles); d=1536,
     hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984 bytes
@@ -1757,7 +1747,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     dx leaves per block (_finish_rows: through an fp32 partial sum in HBM when there are several
     chunks); each chunk's weight gradients leave once, one DMA per 128-unit tile.
 
-    SBUF per partition (_mlp_sbuf_plan): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4) (weights and
+    SBUF per partition (_mlp_chunk_tiles): per hidden tile of a chunk, (2, or 3) * d * (itemsize + 4) (weights and
     fp32 accumulators); plus dy, dy.T and x of a block and the next block's dy and x (5 B d itemsize / 128: the
     compiler may overlap blocks), the elementwise and flipped tiles of three tiles, dx's rows. bf16:
     d=640, hidden=2560 (baseline) in one chunk of 20 tiles; d=1024, hidden=4096 (K82s4) in 3 chunks of 11, 11, 10;
@@ -2025,8 +2015,10 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
 # mlp: the PyTorch ops around the kernels, the PyTorch path, the shape and cost rules, the checks
 
 
-def _mlp_sbuf_plan(dim, gated, itemsize, backward):
-    """(bytes per hidden tile of a chunk, bytes besides) per SBUF partition that the MLP kernels keep live:
+def _mlp_chunk_tiles(dim, hidden, gated, itemsize, backward):
+    """Hidden tiles (of 128 units) per chunk of the MLP kernels: as many as SBUF_BUDGET holds, at most all.
+    For d <= 2048 (_mlp_shape_problem) that is at least one, even in fp32 with SwiGLU's three projections.
+    The SBUF plan: the bytes per partition the kernels keep live per hidden tile of a chunk and besides,
     the accounting in their docstrings, rounded up (the emulator measures a little less; SBUF_BUDGET keeps
     a margin below the usable 212,984 bytes of a Trn2 partition for the compiler's buffering)."""
     projections = 3 if gated else 2
@@ -2039,14 +2031,7 @@ def _mlp_sbuf_plan(dim, gated, itemsize, backward):
         per_tile = projections * dim * itemsize + MLP_BLOCK_TOKENS * itemsize  # transposed weights; act.T of a block
         # x.T of a block; fp32 activation scratch and the saved pre-activations' staging; y's rows and partial sums
         besides = 4 * dim * itemsize + MLP_BLOCK_TOKENS * (8 + 2 * itemsize) + 8 * dim
-    return per_tile, besides + 8 * 1024
-
-
-def _mlp_chunk_tiles(dim, hidden, gated, itemsize, backward):
-    """Hidden tiles (of 128 units) per chunk of the MLP kernels: as many as SBUF_BUDGET holds, at most all.
-    For d <= 2048 (_mlp_shape_problem) that is at least one, even in fp32 with SwiGLU's three projections."""
-    per_tile, besides = _mlp_sbuf_plan(dim, gated, itemsize, backward)
-    return min(hidden // TILE, (SBUF_BUDGET - besides) // per_tile)
+    return min(hidden // TILE, (SBUF_BUDGET - besides - 8 * 1024) // per_tile)
 
 
 def _mlp_shape_problem(x, w_up, dtype):

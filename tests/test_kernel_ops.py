@@ -67,7 +67,7 @@ def test_attention_backward_packs_its_psum_accumulators_into_the_banks():
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 def test_mlp_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch, activation):
     """With SBUF_BUDGET cut so that the hidden units go in several chunks, and the emulator's SBUF cut to
-    that budget, the kernels run: what _mlp_sbuf_plan counts is what they hold."""
+    that budget, the kernels run: what _mlp_chunk_tiles' plan counts is what they hold."""
     dim, hidden, budget = 256, 1024, 40 * 1024
     monkeypatch.setattr(kernels, "SBUF_BUDGET", budget)
     assert kernels._mlp_chunk_tiles(dim, hidden, activation == "swiglu", 2, backward=True) < hidden // 128
