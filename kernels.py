@@ -1217,11 +1217,11 @@ def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
         nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :],
                        moving=kernel.k_rows[:, first // TILE + c, :], accumulate=c > 0)
     row = kernel.dq_acc[:, i, :]
-    if first == _first_key(i, kernel.mask.window):
+    if first == _first_key(i, kernel.mask.window):  # the tile's first block: its dQ sum starts here
         nisa.tensor_copy(dst=row, src=dq_block)
     else:
         nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
-    if chunks.start <= i < chunks.stop:
+    if chunks.start <= i < chunks.stop:  # the tile's diagonal block, its last: dQ is final
         dq_tile = nl.ndarray(row.shape, dtype=kernel.dq.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=dq_tile, data=row, op0=nl.multiply, operand0=kernel.scale)
         nisa.dma_copy(dst=kernel.dq[kernel.b, kernel.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
