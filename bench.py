@@ -240,7 +240,7 @@ def kernel_estimate(counts):
     tensor_s = estimate["engines"]["tensor"]
     return {
         **estimate,
-        **nki_emulator.schedule_figures(counts.trace, "trn2"),  # scheduled_s, central_s (calibrated + launches)
+        **nki_emulator.schedule_figures(counts.trace, "trn2"),  # optimistic_s, central_s, pessimistic_s, scheduled_s
         "tensore_utilisation": counts.matmul_flops / (tensor_s * PE_FLOPS_PER_CYCLE * TRN2.tensor_hz) if tensor_s else 0.0,
         "matmuls": len(counts.matmul_shapes),
         "transposes": len(counts.transposes),
@@ -328,7 +328,8 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
                 else:
                     row.update(kernel_estimate(counts), priced="nki")
                     if timeline:
-                        nki_emulator.timeline.write(counts.trace, nki_emulator.schedule(counts.trace, "trn2"), timeline,
+                        central = nki_emulator.schedule(counts.trace, "trn2", nki_emulator.calibrated_seconds)
+                        nki_emulator.timeline.write(counts.trace, central, timeline,
                                                     f"{row['op']}_{direction.replace('+', '_')}", f"{name} {direction}")
                     row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
             row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
@@ -361,13 +362,13 @@ def print_kernels(rows, on_trainium):
         print("NKI on one Trn2 NeuronCore, ESTIMATED from the emulator's instructions (nki_emulator/_cost.py), and "
               "the compiled PyTorch fallback priced as plain ops (compiled_ops): us busy per engine (T TensorE, V "
               "VectorE, S ScalarE, G GpSimd, D DMA), the bottleneck, the overlap bound (est: busiest engine, the "
-              "optimistic figure), the schedule (sched: engines in order, dependencies, DMA fixed cost), the central "
-              "figure (central: the schedule with the calibrated factors and launch cost, nki_emulator._cost."
-              "CALIBRATED) and the serial bound (sum); 'torch ms' is this machine's PyTorch path. Not modelled: host "
-              "dispatch idle, the compiler's own scheduling")
+              "optimistic figure), the central figure (central: the compiler's scheduler modelled, a list schedule "
+              "over the dependencies, with the calibrated factors and launch cost, nki_emulator._cost.CALIBRATED), "
+              "the pessimistic figure (pessim: the same in program order) and the serial bound (sum); 'torch ms' is "
+              "this machine's PyTorch path. Not modelled: host dispatch idle, the compiler's fusions")
     print(f"{'kernel':<16} {'pass':<8} {'torch ms':>9} {'TFLOP/s':>8} {'of peak':>8}   "
           + ("NKI ms  TFLOP/s  of peak  faster" if on_trainium else
-             f"{'est us':>7} {'sched':>7} {'central':>7} {'serial':>7}  {'bound':<7}"
+             f"{'est us':>7} {'central':>7} {'pessim':>7} {'serial':>7}  {'bound':<7}"
              + "".join(f"{e:>8}" for e in ENGINE_LETTERS.values())
              + "  TensorE use   compiled us  bound   faster"))
     for r in rows:
@@ -384,7 +385,7 @@ def print_kernels(rows, on_trainium):
             line += (f"{1e3 * r['nki_s']:.3f}  {r['nki_flops_per_s'] / 1e12:.3f}  {100 * r['nki_fraction_of_peak']:.1f}%"
                      f"  {r['choice']}")
         else:
-            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['scheduled_s']:>7.1f} {1e6 * r['central_s']:>7.1f} "
+            line += (f"{1e6 * r['estimate_s']:>7.1f} {1e6 * r['central_s']:>7.1f} {1e6 * r['pessimistic_s']:>7.1f} "
                      f"{1e6 * r['serial_s']:>7.1f}  {r['bottleneck']:<7}"
                      + "".join(f"{1e6 * r['engines'][e]:>8.1f}" for e in ENGINE_LETTERS)
                      + f"  {100 * r['tensore_utilisation']:>10.0f}%")

@@ -909,8 +909,10 @@ def _attention_fwd_softmax(tile, group, scale):
     if n_blocks == 1:
         nisa.tensor_scalar(dst=group_neg_max, data=block_max, op0=nl.multiply, operand0=-scale)
     else:
-        group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=group_max, op=nl.maximum, data=block_max, axis=1)
+        group_max = nl.ndarray((TILE, 1), dtype=nl.float32, buffer=nl.sbuf)  # on GpSimd: VectorE is the busiest
+        for j in range(1, n_blocks):
+            nisa.tensor_tensor(dst=group_max, data1=block_max[:, 0:1] if j == 1 else group_max,
+                               data2=block_max[:, j:j + 1], op=nl.maximum, engine=nisa.gpsimd_engine)
         nisa.tensor_scalar(dst=group_neg_max, data=group_max, op0=nl.multiply, operand0=-scale)
     if group == 0:
         neg_max = group_neg_max

@@ -28,19 +28,20 @@ import numpy as np
 from . import isa, language, timeline, typing
 from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
                     matmul_cycles)
-from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, wrap_host
+from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
 from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_since, nki_version, running,
                        set_nki_version,
                        set_target, target)
-from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, calibrated_seconds, central_estimate, schedule,
-                        schedule_figures)
+from ._schedule import (CENTRAL_ASSUMPTIONS, NOT_MODELLED, PESSIMISTIC_ASSUMPTIONS, calibrated_seconds,
+                        central_estimate, pessimistic_estimate, schedule, schedule_figures)
 from ._subset import check_kernel
 from ._values import VALUE_KINDS, check_arguments, traced_callable
 
 __all__ = ["jit", "simulate", "cpu_simulate", "install", "counting", "Counts", "Instruction", "set_target", "target",
            "set_nki_version", "nki_version",
            "NkiValidationError", "estimate", "instruction_seconds", "matmul_cycles", "ENGINE_SPECS", "ASSUMPTIONS",
-           "schedule", "schedule_figures", "central_estimate", "calibrated_seconds", "CENTRAL_ASSUMPTIONS",
+           "schedule", "schedule_figures", "central_estimate", "pessimistic_estimate", "calibrated_seconds",
+           "CENTRAL_ASSUMPTIONS", "PESSIMISTIC_ASSUMPTIONS",
            "NOT_MODELLED", "LAUNCH_S", "CALIBRATION_ASSUMPTIONS", "VALUE_KINDS",
            "language", "isa", "typing", "dtype"]
 
@@ -71,22 +72,41 @@ class Kernel:
     programs of a logical NeuronCore (``nl.program_id(0)`` 0 then 1, one after the other) sharing
     their ``nl.shared_hbm`` tensors, as the two physical cores of LNC=2 do."""
 
-    def __init__(self, fn, lnc=1, grid=False):
+    def __init__(self, fn, lnc=1, grid=False, schedule_edges=None):
         if not nki_since("0.7"):  # NKI 0.7 specialises a kernel by running it as Python: the whole language
             check_kernel(fn)
         functools.update_wrapper(self, fn)
         self.fn, self.lnc, self.grid = fn, lnc, grid
+        self.schedule_edges = schedule_edges or {}  # label -> labels it must follow (with_schedule)
 
     def __getitem__(self, lnc):
         if isinstance(lnc, bool) or lnc not in (1, 2):
             raise NkiValidationError(f"kernel[lnc]: the launch bracket takes one number, the LNC degree 1 or 2; "
                                      f"got {lnc!r}")
-        return Kernel(self.fn, lnc, grid=True)
+        return Kernel(self.fn, lnc, grid=True, schedule_edges=self.schedule_edges)
+
+    def with_schedule(self, edges):
+        """``kernel.with_schedule([("plus1", "recip"), ("act2", ["act0", "act1"])])``: the kernel with extra
+        dependency edges for the compiler's scheduler: the instruction named by the first label (its ``name=``)
+        runs after each one named by the second (aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst,
+        "Adding dependency edges"; KLR/KLR/NKI/Simplify.lean l. 512-525 reads them as pairs of strings). The trace
+        carries them (Instruction.after) to nki_emulator/_schedule.py."""
+        merged = {label: list(after) for label, after in self.schedule_edges.items()}
+        for edge in edges:
+            if not (isinstance(edge, tuple) and len(edge) == 2 and isinstance(edge[0], str)
+                    and (isinstance(edge[1], str) or (isinstance(edge[1], list)
+                                                      and all(isinstance(e, str) for e in edge[1])))):
+                raise NkiValidationError(f"with_schedule: each edge is a pair (name, name or list of names) of "
+                                         f"instruction names (KLR Simplify.lean: 'Schedule edge must be a pair', "
+                                         f"'Schedule edge name must be a string'); got {edge!r}")
+            merged.setdefault(edge[0], []).extend([edge[1]] if isinstance(edge[1], str) else edge[1])
+        return Kernel(self.fn, self.lnc, self.grid, {label: tuple(after) for label, after in merged.items()})
 
     def _run_programs(self, args, kwargs):
         """Run the launch's programs (program 0 first, then the other where program 0 waits in a sendrecv or ends);
         the last program's return value is the kernel's."""
         launch = Launch()
+        launch.schedule_edges = self.schedule_edges
         fn = self.fn
         if not nki_since("0.7"):  # up to 0.6 the front end traces the kernel with its own values; 0.7 runs Python
             check_arguments({**{f"argument {i}": a for i, a in enumerate(args)},
@@ -184,6 +204,12 @@ def _to_host(result, torch_out):
         raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
                                  f"this one is in {result.buffer.value}")
     array = np.array(result._data)
+    unwritten = poison(result)
+    if unwritten is not None and array.dtype.kind not in "fV":
+        raise NkiValidationError(f"nki.jit: {np.count_nonzero(unwritten)} elements of the output "
+                                 f"{result._storage.label} were never written or were computed from memory never "
+                                 "written; a float output would carry them as NaN (aws-neuron-sdk 3afa0fdf "
+                                 f"nki/guides/nki_simulator.rst l. 212-221), a {array.dtype.name} one cannot")
     if not torch_out:
         return array
     import torch

@@ -109,6 +109,11 @@ ASSUMPTIONS = CALIBRATION_ASSUMPTIONS + (
     "VectorE performance mode (trn2 on, [TRN2]) assumes the innermost free dimension is contiguous",
     "GpSimd tensor_tensor, tensor_copy, memset and tensor_scalar other than rsqrt: no documented cost; "
     "GPSIMD_START + N cycles per tensor input (its 128 lanes of 32-bit, one element per lane per cycle, [ARCH])",
+    "dma_compute: no documented cost; each of its sources streams its rows through the DMA queues as a dma_copy of "
+    "dst's rows would (k sources: k copies' time), the write overlapping the reads",
+    "shared_identity_matrix: a constant the compiler places ([ISA] nki.language stub: 'the same behavior to "
+    "shared_constant', which lives in HBM); counted as one DMA of its n rows into SBUF per call, though the compiler "
+    "may share one per dtype",
     "DMA: each partition row on the SBUF side is one descriptor, the rows are spread over the 16 queues, and "
     "each row costs (row bytes + 512) / (bytes/s per queue). [DMA] gives no per-descriptor number, only that "
     "rows of >= 2 KiB approach peak and >= 4 KiB saturate: the 512-byte overhead puts them at 80% and 89%",
@@ -178,9 +183,19 @@ def _scalar_cycles(i, generation):
 def _gpsimd_cycles(i, generation):
     if i.name in ("iota", "affine_select"):  # [ISA] GPSIMD_START + N
         return GPSIMD_START + i.free
+    if i.name == "local_gather":
+        return local_gather_cycles(i.free, int(i.ops[0].partition("=")[2]), _itemsize(i.dtypes[1]))
     if i.name == "tensor_scalar" and i.ops[0] == "rsqrt":  # [SHARED] 4x ScalarE's max(MIN_II, N)
         return 4 * max(MIN_II, i.free)
     return GPSIMD_START + i.free * max(1, len(i.dtypes) - 1)  # ASSUMPTION (see ASSUMPTIONS)
+
+
+def local_gather_cycles(elements, per_index, dtype_size, t=4):
+    """[ISA] local_gather: ``150 + (num_valid_indices * num_elem_per_idx) / C`` GpSimd cycles, ``C = ((28 + t *
+    num_elem_per_idx) / (t * num_elem_per_idx)) / min(4 / dtype_size, num_elem_per_idx)``, t = 4; ``elements`` is
+    num_valid_indices * num_elem_per_idx."""
+    c = ((28 + t * per_index) / (t * per_index)) / min(4 / dtype_size, per_index)
+    return GPSIMD_START + elements / c
 
 
 def _dma_seconds(i, spec):
@@ -188,6 +203,8 @@ def _dma_seconds(i, spec):
     seconds = math.ceil(i.partitions / spec.dma_queues) * (row_bytes + DMA_ROW_OVERHEAD_BYTES) / spec.dma_bytes_per_s
     if i.name == "dma_transpose":
         seconds /= DMA_TRANSPOSE_EFFICIENCY["sbuf" if i.buffers[1] == "sbuf" else "hbm"]
+    if i.name == "dma_compute":  # ASSUMPTION (see ASSUMPTIONS): each source streams through the queues as a copy
+        seconds *= len(i.dtypes) - 1
     return seconds
 
 

@@ -7,8 +7,12 @@ Model
   ``array.shape + (itemsize,)``, so that a view reinterpreting the bytes as another dtype, ``ap(dtype=)``,
   still tracks what was written), and for PSUM a *matmul-written* mask, one flag per element, that
   drives ``nc_matmul``'s overwrite-then-accumulate rule. New storage is
-  filled with NaN (integers with 4), as the official simulator does, and reading an element whose
-  written flag is still False raises.
+  filled with NaN (integers with 4), as the official simulator does (aws-neuron-sdk 3afa0fdf
+  nki/guides/nki_simulator.rst l. 212-221). An element whose written flag is False is *poison*: it reads as
+  NaN whatever its dtype, an instruction that read poison leaves its NaN results unwritten (so poison
+  reaches integer tiles and survives copies, sorts and comparisons), and a kernel output that carries
+  poison comes back as NaN, or is refused where its dtype has no NaN. Only an address computed from poison
+  (``ap(scalar_offset=)``) is refused at once.
 - An ``NkiTensor`` is a view: the same numpy view taken of the data and of the masks, so writes through
   any view land in the storage. Slicing follows NKI: on-chip tensors keep the partition dim (an
   integer index there keeps size 1) and stay at least 2-D; HBM tensors drop integer-indexed dims.
@@ -121,11 +125,12 @@ class _Storage:
 class NkiTensor:
     """A view of a storage: shape, dtype and buffer of an NKI tensor (kernel argument or allocation)."""
 
-    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect", "_subscript", "_outside")
+    __slots__ = ("_storage", "_data", "_written", "_matmul_written", "_indirect", "_subscript", "_outside", "_rows")
 
-    def __init__(self, storage, data, written, matmul_written, indirect=False, outside=None):
+    def __init__(self, storage, data, written, matmul_written, indirect=False, outside=None, rows=None):
         self._storage, self._data, self._written, self._matmul_written = storage, data, written, matmul_written
         self._indirect = indirect  # made by ap(scalar_offset=...): addressed through a runtime index
+        self._rows = rows  # made by ap(vector_offset=...): a _VectorRows; _data is then a gathered copy
         self._outside = outside  # made by an ap() that leaves its storage: why (only an instruction refuses it)
         self._subscript = None  # made by t[key]: (KLR's shape of it, its integer-indexed dims, strided?)
 
@@ -250,6 +255,13 @@ class NkiTensor:
         """The same view of data and masks: a full numpy ``index`` (one entry per dim) or a view function
         ``fn(array, trailing)`` that leaves ``trailing`` extra dims at the end untouched (the written
         mask has one, its bytes)."""
+        if self._rows is not None:
+            # "Indirect views cannot be re-indirected, and the dimension that participates in the indirection cannot
+            # be further sliced or selected" (current NkiTensor.is_indirect stub); the emulator refuses any reshaping
+            raise NkiValidationError("an indirect view made by ap(vector_offset=...) cannot be sliced, reshaped or "
+                                     "viewed again (its rows are runtime addresses; aws-neuron-sdk "
+                                     "nki/api/nki/language/__init__.py NkiTensor.is_indirect); give ap() the whole "
+                                     "pattern")
         if fn is None:
             def fn(a, trailing):
                 return a[index]
@@ -378,11 +390,11 @@ class NkiTensor:
         nki/api/nki/language/__init__.py): the view starts where this view starts, plus ``offset``
         elements; ``dtype`` reinterprets the storage's bytes (strides, counts and ``offset`` are then in
         elements of ``dtype``); ``scalar_offset``, a one-element integer tensor, adds its value times the
-        stride of this view's dim ``indirect_dim``. The emulator reads ``scalar_offset`` when ``ap`` is
-        called, so the index must be written before the view is made. On-chip tensors: the first pair
-        is the partition step, whose stride must be the storage's row length."""
-        if vector_offset is not None:
-            raise NotImplementedError("NkiTensor.ap(vector_offset=...) is not emulated")
+        stride of this view's dim ``indirect_dim`` (``vector_offset``, one index per row: ``_vector_view``). The
+        emulator reads ``scalar_offset`` when ``ap`` is called, so the index must be written before the view is
+        made. On-chip tensors: the first pair is the partition step, whose stride must be the storage's row length."""
+        if vector_offset is not None or self._rows is not None:  # per-row indirection: see _vector_view
+            return _vector_view(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype)
         storage = self._storage
         element = self.dtype if dtype is None else as_dtype(dtype, "ap")
         if element.itemsize != self.dtype.itemsize and storage.buffer is PSUM:
@@ -430,6 +442,105 @@ class NkiTensor:
         matmul_written = None if storage.matmul_written is None else \
             strided(storage.matmul_written.reshape(-1), element.itemsize, 0)
         return NkiTensor(storage, data, written, matmul_written, indirect=scalar_offset is not None)
+
+
+class _VectorRows:
+    """Where a view made by ``ap(vector_offset=idx)`` lies in its storage: the byte offset of each element (the
+    first pattern pair's position ``i`` replaced by ``idx[i]`` rows of the indexed dim) and, per row, whether
+    ``idx[i]`` lies inside that dim. The view's ``_data`` and ``_written`` are copies gathered from the storage
+    (again by each instruction that takes it, see ``operand``); ``write`` scatters them back, in-bounds rows only."""
+
+    __slots__ = ("offsets", "in_bounds", "indices", "dim", "dim_size", "index_tensor")
+
+    def __init__(self, offsets, in_bounds, indices, dim, dim_size, index_tensor):
+        self.offsets, self.in_bounds, self.indices, self.dim, self.dim_size = offsets, in_bounds, indices, dim, dim_size
+        self.index_tensor = index_tensor  # the vector_offset tensor (its shape and dtype: dma_transpose's rules)
+
+    def _bytes(self, dtype):
+        return self.offsets[..., None] + np.arange(dtype.itemsize)
+
+    def gather(self, t):
+        storage, dtype = t._storage, t._data.dtype
+        at = self._bytes(dtype)
+        t._data = storage.array.reshape(-1).view(np.uint8)[at].view(dtype)[..., 0]
+        t._written = None if storage.written is None else storage.written.reshape(-1)[at]
+
+    def scatter(self, t, poisoned=None):
+        """Store ``t._data`` (just written) into the storage at the in-bounds rows; mark those bytes written, except
+        the ``poisoned`` elements' (see ``write``)."""
+        storage, keep = t._storage, self.in_bounds
+        at = self._bytes(t._data.dtype)[keep]
+        storage.array.reshape(-1).view(np.uint8)[at] = np.ascontiguousarray(t._data).view(np.uint8).reshape(
+            t._data.shape + (-1,))[keep]
+        if storage.written is None:
+            return  # host memory: poison is carried by its NaN alone
+        flags = storage.written.reshape(-1)
+        before = int(np.count_nonzero(~flags[at]))
+        written = np.ones(at.shape, np.bool_)
+        if poisoned is not None:
+            written &= ~np.reshape(poisoned, t._data.shape)[keep][..., None]
+        flags[at] = written
+        storage.unwritten += int(np.count_nonzero(~flags[at])) - before
+
+
+def _vector_view(t, pattern, offset, scalar_offset, vector_offset, indirect_dim, dtype):
+    """``t.ap(pattern, offset, vector_offset=idx, indirect_dim=d)``, as the 0.4 dma_copy stub describes vector
+    indirection (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 241-247): one index per partition, ``idx``
+    an SBUF tensor of shape (P, 1), the indexed tensor in HBM; row ``i`` of the pattern's first pair starts at
+    ``idx[i]`` times the stride of ``t``'s dim ``d`` ("indirect_dim: dimension in self.shape whose stride scales
+    the indirect scalar/vector offset", the current stub, nki/api/nki/language/__init__.py ``NkiTensor.ap``). A
+    2-D ``idx`` (P, N) is read column by column, ``idx.T.flatten()`` (the stub's indirect dma_transpose, l. 724).
+    The emulator reads ``idx`` when ``ap`` is called."""
+    if t._rows is not None:
+        raise NotImplementedError("NkiTensor.ap of a view made by ap(vector_offset=...) is not emulated")
+    if scalar_offset is not None:  # isa stub (3afa0fdf) dma_copy l. 253
+        raise NkiValidationError("ap: vector_offset and scalar_offset are mutually exclusive")
+    element, offset = t.dtype if dtype is None else as_dtype(dtype, "ap"), 0 if offset is None else int(offset)
+    if t.buffer not in HBM:
+        raise NkiValidationError(f"ap: vector_offset indexes an HBM tensor (\"The tensor being indexed ... must be in "
+                                 f"HBM\", isa stub 3afa0fdf l. 247); this one is in {t.buffer.value}")
+    if not isinstance(vector_offset, NkiTensor) or vector_offset.buffer is not SBUF or \
+            vector_offset.dtype.kind not in "iu":
+        raise NkiValidationError(f"ap: vector_offset must be an integer SBUF tensor of shape (P, 1) (isa stub 3afa0fdf "
+                                 f"l. 245-246), got {vector_offset!r}")
+    if not 0 <= indirect_dim < t.ndim:
+        raise NkiValidationError(f"ap: indirect_dim {indirect_dim} is not a dim of {t.shape}")
+    check_written("ap", "vector_offset", vector_offset)
+    strides, counts = [int(s) for s, _ in pattern], [int(c) for _, c in pattern]
+    columns = np.asarray(vector_offset._data).reshape(vector_offset.shape[0], -1).T.reshape(-1)
+    if min(counts) < 1 or columns.size < counts[0]:
+        raise NkiValidationError(f"ap: pattern {pattern} needs {counts[0]} indices, vector_offset "
+                                 f"{vector_offset.shape} has {columns.size}")
+    indices = columns[:counts[0]].astype(np.int64)
+    start = t._data.__array_interface__["data"][0] - t._storage.array.__array_interface__["data"][0]
+    start += offset * element.itemsize
+    inner = np.zeros(counts[1:], np.int64)
+    for axis, (stride, count) in enumerate(zip(strides[1:], counts[1:])):
+        inner = inner + (np.arange(count) * stride * element.itemsize).reshape(
+            (-1,) + (1,) * (len(counts) - 2 - axis))
+    rows = start + indices * t._data.strides[indirect_dim]
+    offsets = rows.reshape((-1,) + (1,) * inner.ndim) + inner
+    last = offsets.reshape(counts[0], -1)
+    in_bounds = (indices >= 0) & (indices < t.shape[indirect_dim]) & (last.min(axis=1) >= 0) & \
+        (last.max(axis=1) + element.itemsize <= t._storage.array.nbytes)
+    offsets[~in_bounds] = 0  # placeholders: an instruction refuses these rows or skips them (oob_mode)
+    rows = _VectorRows(offsets, in_bounds, indices, indirect_dim, t.shape[indirect_dim], vector_offset)
+    view = NkiTensor(t._storage, None, None, None, indirect=True, rows=rows)
+    view._data = np.zeros(counts, element)  # the gathered values' dtype and shape, until operand() gathers
+    rows.gather(view)
+    return view
+
+
+def check_indirect(instr, role, t, skip):
+    """A DMA's ``oob_mode``: an index of a ``vector_offset`` view outside its dim is refused (``oob_mode.error``,
+    the default) or its row left alone (``oob_mode.skip``) (isa stub 3afa0fdf dma_copy l. 318-323)."""
+    rows = t._rows
+    if rows is None or skip or rows.in_bounds.all():
+        return
+    bad = int(np.flatnonzero(~rows.in_bounds)[0])
+    raise NkiValidationError(f"{instr}: {role}'s vector_offset index {rows.indices[bad]} (row {bad}) is out of bounds "
+                             f"for dim {rows.dim} of size {rows.dim_size} (oob_mode.error raises on it; "
+                             "oob_mode=nisa.oob_mode.skip skips such rows)")
 
 
 def _key_text(key):
@@ -539,6 +650,8 @@ def operand(core, instr, role, t, allowed, why):
                                  "element")
     if t._outside is not None:
         raise NkiValidationError(f"{instr}: {role} is {t._outside}")
+    if t._rows is not None:  # an indirect view reads the storage as it is now
+        t._rows.gather(t)
     core.accessed.append((role, t))  # for the trace's reads and writes (_runtime.count)
     liveness = t._storage.liveness
     if liveness is not None:
@@ -548,28 +661,63 @@ def operand(core, instr, role, t, allowed, why):
     return t
 
 
+def poison(t):
+    """Per element of ``t``: True where a byte was never written (poison), or None where every one was."""
+    if not t._storage.unwritten:
+        return None
+    unwritten = ~t._written.all(axis=-1)
+    return unwritten if unwritten.any() else None
+
+
 def check_written(instr, role, t):
-    storage = t._storage
-    if storage.unwritten and not t._written.all():
-        raise NkiValidationError(f"{instr}: {role} reads memory that was never written: {storage.label}")
+    """Refuse a read of never-written memory where no NaN can carry it: an address (``ap(scalar_offset=)``)."""
+    if poison(t) is not None:
+        raise NkiValidationError(f"{instr}: {role} reads memory that was never written: {t._storage.label}; an "
+                                 "address computed from it is arbitrary on a NeuronCore")
 
 
 def read(instr, role, t):
-    """The values of ``t`` as float32 (what the engines compute in); raises on unwritten memory."""
-    check_written(instr, role, t)
-    return np.asarray(t._data, np.float32)
+    """The values of ``t`` as float32 (what the engines compute in). Memory never written reads as NaN, whatever
+    the dtype (an integer tile holds the simulator's 4 there), and marks the instruction as reading poison."""
+    values = np.asarray(t._data, np.float32)
+    unwritten = poison(t)
+    if unwritten is not None:
+        values = np.where(unwritten, np.float32(np.nan), values)
+        current(instr).read_poison = True
+    return values
 
 
-def write(t, values):
-    """Store ``values`` into ``t``, rounding to its dtype (float -> int rounds half to even and
-    saturates); marks the elements written."""
+def write(t, values, poisoned=None):
+    """Store ``values`` into ``t``, rounding to its dtype (float -> int rounds half to even and saturates), and
+    mark the elements written, except the ``poisoned`` ones (a mask of ``t``'s elements, or False for none): those
+    stay never written and hold the fill (NaN, integers 4). By default an instruction that read poison poisons the
+    elements it computed as NaN, so poison follows NaN through arithmetic as in AWS's simulator (aws-neuron-sdk
+    3afa0fdf nki/guides/nki_simulator.rst l. 212-221) and reaches integer tiles too."""
     data = t._data
+    values = np.reshape(values, data.shape)
+    if poisoned is None:
+        poisoned = current("write").read_poison and values.dtype.kind == "f" and np.isnan(values)
+    poisoned = np.reshape(poisoned, data.shape) if np.any(poisoned) else None
+    if poisoned is not None:
+        values = np.where(poisoned, _sentinel(data.dtype), values)
     if data.dtype.kind in "iu":
         info = np.iinfo(data.dtype)
         values = np.clip(np.rint(values), info.min, info.max)
-    data[...] = np.reshape(values, data.shape)
-    storage = t._storage
-    if storage.unwritten:
-        written = t._written
-        storage.unwritten = max(0, storage.unwritten - (written.size - np.count_nonzero(written)))
-        written[...] = True
+    data[...] = values
+    if t._rows is not None:
+        t._rows.scatter(t, poisoned)
+        return
+    storage, written = t._storage, t._written
+    if written is None or not (storage.unwritten or poisoned is not None):
+        return  # host memory (a kernel argument) has no mask: poison written there is carried by its NaN alone
+    before = written.size - np.count_nonzero(written)
+    written[...] = True
+    if poisoned is not None:
+        written[poisoned] = False
+    storage.unwritten += written.size - np.count_nonzero(written) - before
+
+
+def copy_bits(dst, src, arrange=np.asarray):
+    """``dst = arrange(src)`` bit for bit (same dtype), never-written elements staying never written."""
+    unwritten = poison(src)
+    write(dst, arrange(src._data), False if unwritten is None else arrange(unwritten))

@@ -155,6 +155,14 @@ class Instruction(NamedTuple):
     reads: tuple = ()
     writes: tuple = ()
     launch: int = 0
+    # what constrains the compiler's scheduler beyond the tiles (._schedule.list_schedule): the instruction's
+    # ``name=`` (label), the labels it must follow (``kernel.with_schedule`` edges), the ``nl.no_reorder`` block it
+    # was issued in (0: none), and whether an nc_matmul adds onto its PSUM tile (a later member of an
+    # accumulation group)
+    label: str = ""
+    after: tuple = ()
+    no_reorder: int = 0
+    accumulate: bool = False
 
 
 _counters = []  # the open counting() contexts
@@ -201,6 +209,8 @@ class Launch:
         self.mail = {}
         self.finished = set()
         self.serial = next(_launches)  # Instruction.launch: where the scheduler starts a new kernel
+        self.schedule_edges = {}  # label -> the labels it must follow (Kernel.with_schedule)
+        self.labels = set()  # the labels issued so far
 
     def exchange(self, me, send_to, receive_from, pipe_id, payload):
         """Post ``payload`` for ``send_to`` and return what ``receive_from`` sent to this program on ``pipe_id``."""
@@ -232,9 +242,37 @@ class Core:
         # VectorE's per-lane accumulation registers (nisa.tensor_scalar_reduce reduce_cmd); undefined until reset.
         self.vector_regs = np.full(PARTITIONS, np.nan, np.float32)
         self.accessed = []  # (role, tensor) of each operand of the instruction being issued (_memory.operand)
+        self.no_reorder = 0  # the nl.no_reorder block being issued (its serial), 0 outside one
+        self.read_poison = False  # the instruction being issued read memory never written (_memory.read)
 
 
-_running = threading.local()  # .core: the core this thread's program runs on
+_running = threading.local()  # .core: the core this thread's program runs on; .label: the issuing instruction's name=
+_no_reorder_blocks = itertools.count(1)  # serial of each nl.no_reorder block (Instruction.no_reorder)
+
+
+@contextlib.contextmanager
+def no_reorder_block():
+    """The block of ``with nl.no_reorder():``: the instructions issued inside it, however deeply called, carry its
+    serial. A block inside another is part of the outer one (KLR/KLR/Trace/Types.lean l. 405-413, beginWithBlock /
+    endWithBlock: only the outermost block opens and closes one)."""
+    core = current("nl.no_reorder")
+    outer = core.no_reorder
+    core.no_reorder = outer or next(_no_reorder_blocks)
+    try:
+        yield
+    finally:
+        core.no_reorder = outer
+
+
+@contextlib.contextmanager
+def labelled(label):
+    """While one ``nki.isa`` instruction with ``name=label`` is issued: its label goes into the trace (count)."""
+    outer = getattr(_running, "label", None)
+    _running.label = label
+    try:
+        yield
+    finally:
+        _running.label = outer
 
 
 def current(what):
@@ -263,26 +301,43 @@ def begin(name):
     core.now += 1
     core.issued.append(name)
     core.accessed = []
+    core.read_poison = False
     return core
 
 
-def count(name, engine, partitions, free, dst=None, inputs=(), ops=(), stationary=0, reads_accumulator=False):
+def count(name, engine, partitions, free, dst=None, inputs=(), ops=(), stationary=0, reads_accumulator=False,
+          accumulate=False):
     """Record a finished instruction that streamed a (partitions x free) tile: its destination tensor,
     tensor inputs and operators (functions or names) go into the trace for the cost model."""
+    core = getattr(_running, "core", None)
+    label = getattr(_running, "label", None) or ""
+    after = _schedule_edges(core, name, label) if core is not None and label else ()
     if not _counters:
         return
     tensors = [t for t in (dst, *inputs) if t is not None]
-    core = getattr(_running, "core", None)
     accessed = core.accessed if core is not None else []
     writes = tuple(_region(t) for role, t in accessed if role in _WRITTEN_ROLES)
     reads = tuple(_region(t) for role, t in accessed if role not in _WRITTEN_ROLES)
     record = Instruction(name, engine, partitions, free, tuple(t.dtype.name for t in tensors),
                          tuple(t.buffer.value for t in tensors), tuple(getattr(op, "__name__", op) for op in ops),
-                         stationary, reads_accumulator, reads, writes, core.launch.serial if core is not None else 0)
+                         stationary, reads_accumulator, reads, writes, core.launch.serial if core is not None else 0,
+                         label, after, core.no_reorder if core is not None else 0, accumulate)
     for counts in _counters:
         counts.instructions[engine] += 1
         counts.by_instruction[name] += 1
         counts.trace.append(record)
+
+
+def _schedule_edges(core, instruction, label):
+    """The labels that the instruction named ``label`` must follow (Kernel.with_schedule), each issued before it."""
+    after = core.launch.schedule_edges.get(label, ())
+    missing = [name for name in after if name not in core.launch.labels]
+    if missing:
+        raise NkiValidationError(f"with_schedule: {instruction} name={label!r} must follow {missing[0]!r}, which the "
+                                 "kernel has not issued before it; the emulator schedules the edges of with_schedule "
+                                 "along program order: name an instruction issued earlier")
+    core.launch.labels.add(label)
+    return after
 
 
 _WRITTEN_ROLES = ("dst", "reduce_res")  # every other operand role of an instruction is read
@@ -292,6 +347,8 @@ def _region(t):
     """The rectangle of memory a tensor view covers (see Instruction.reads). On chip: partitions x the bytes
     each partition's part of the view spans; in HBM: the bytes the whole view spans."""
     storage, data = t._storage, t._data
+    if t._rows is not None:  # an ap(vector_offset=) view: rows anywhere in its (HBM) storage
+        return storage.serial, 0, 1, 0, storage.array.nbytes
     offset = data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
     span = data.itemsize + sum((n - 1) * abs(s) for n, s in zip(data.shape[1:], data.strides[1:]))
     if storage.buffer.value in ("sbuf", "psum"):

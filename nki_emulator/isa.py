@@ -4,7 +4,7 @@ Every instruction follows the same steps, in NKI's semantics:
 
 1. check the operands: the buffers its engine can reach, partition count (<= 128, guaranteed by
    allocation), layouts (same partition count and elements per partition unless stated), dtypes;
-2. read the inputs as float32 (reading never-written memory raises) -- the engines compute in fp32;
+2. read the inputs as float32 (never-written memory reads as NaN: poison) -- the engines compute in fp32;
 3. compute on whole tiles with numpy;
 4. write the destination, rounding to its dtype (bf16/fp16/fp8 via ml_dtypes);
 5. count it on its engine.
@@ -18,15 +18,18 @@ all-int32/uint32 operands outside PSUM; tensor_scalar / tensor_copy / memset / t
 ``engine=nisa.gpsimd_engine``.
 """
 
+import functools
+import inspect
 import sys
 from enum import Enum, IntEnum
 
 import numpy as np
 
 from . import language as nl
-from ._memory import HBM, ON_CHIP, PSUM, SBUF, FP32, check_written, operand, read, write
-from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, nki_since,
-                       nki_version, target)
+from ._memory import (HBM, ON_CHIP, PSUM, SBUF, FP32, NkiTensor, check_indirect, check_written, copy_bits, operand,
+                      poison, read, write)
+from ._runtime import (NkiValidationError, PARTITIONS, begin, count, count_dma, count_matmul, count_transpose, labelled,
+                       nki_since, nki_version, target)
 from ._unemulated import not_emulated
 
 
@@ -70,6 +73,9 @@ _DGE = dge_mode  # the enum, under a name that the dge_mode arguments of the DMA
 class oob_mode(Enum):
     error = 0
     skip = 1
+
+
+_OOB = oob_mode  # the enum, under a name that the oob_mode arguments of the DMA instructions do not hide
 
 
 class matmul_perf_mode(Enum):
@@ -163,7 +169,10 @@ def _quiet():
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
              name=None):
     """DMA ``dst = src`` between HBM and SBUF (or within either). Elements are copied in row-major order
-    and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach."""
+    and only the counts must match; a dtype change goes through float32. PSUM is out of DMA's reach. An
+    indirect side (``ap(vector_offset=)``) gathers or scatters rows; ``oob_mode`` refuses an index outside its dim
+    or skips its row (see ``_memory.check_indirect``)."""
+    dge_mode, oob_mode = _member(_DGE, dge_mode, "dma_copy"), _member(_OOB, oob_mode, "dma_copy")
     _check_dma_options("dma_copy", priority, dge_mode, engine)
     if dge_mode is _DGE.hwdge and dst.dtype != src.dtype:
         # NKI 0.3.0 breaking change: aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 189
@@ -176,14 +185,115 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dst.size != src.size:
         raise NkiValidationError(f"dma_copy: dst has {dst.size} elements ({dst.shape}), src has {src.size} "
                                  f"({src.shape}); the counts must match")
-    if dst.dtype == src.dtype:
-        check_written("dma_copy", "src", src)
-        write(dst, src._data)
-    else:
-        write(dst, read("dma_copy", "src", src))
+    for role, t in (("dst", dst), ("src", src)):
+        check_indirect("dma_copy", role, t, oob_mode is _OOB.skip)
+    for to, values in _row_pairs("dma_copy", dst, src):
+        if dst.dtype == src.dtype:
+            copy_bits(to, values)
+        else:
+            write(to, read("dma_copy", "src", values))
     count_dma(dst.size * dst.dtype.itemsize)
     rows = dst if dst.buffer is SBUF or src.buffer is not SBUF else src  # the SBUF side sets the rows
     count("dma_copy", "dma", *_layout(rows), dst, (src,))
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error, name=None):
+    """Compute in the DMA engines, as the 0.4 stub states it (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py
+    l. 2238-2318): ``dst = srcs[0] + srcs[1] + ...`` in float32, cast to dst's dtype; ``reduce_op`` nl.add only,
+    every scale 1.0 (or None), 1 to 16 sources, all in HBM or SBUF with dst's element count. With an indirect side
+    (``ap(vector_offset=)``) it is a read-modify-write, scatter or gather (see ``_check_read_modify_write``)."""
+    instr, srcs, oob_mode = "dma_compute", list(srcs), _member(_OOB, oob_mode, "dma_compute")
+    if reduce_op is not nl.add:
+        raise NkiValidationError(f"{instr}: reduce_op must be nl.add, the only one supported (isa stub 3afa0fdf "
+                                 f"l. 2246), got {getattr(reduce_op, '__name__', reduce_op)!r}")
+    if not 1 <= len(srcs) <= 16:
+        raise NkiValidationError(f"{instr}: takes 1 to 16 source tensors (isa stub 3afa0fdf l. 2289), got {len(srcs)}")
+    if scales is not None and (len(scales) != len(srcs) or any(float(scale) != 1.0 for scale in scales)):
+        raise NkiValidationError(f"{instr}: scales must be None or one 1.0 per source (\"all values in scales must be "
+                                 f"1.0\", isa stub 3afa0fdf l. 2247-2249), got {list(scales)}")
+    core = begin(instr)
+    roles = [("dst", dst)] + [(f"srcs[{i}]", t) for i, t in enumerate(srcs)]
+    for role, t in roles:
+        operand(core, instr, role, t, (SBUF,) + HBM, "dma_compute reads and writes HBM or SBUF (isa stub l. 2276)")
+        if t.size != dst.size:
+            raise NkiValidationError(f"{instr}: {role} has {t.size} elements ({t.shape}), dst has {dst.size} "
+                                     f"({dst.shape}); the element counts must match exactly (isa stub l. 2288)")
+    if any(t._rows is not None for _, t in roles):
+        _check_read_modify_write(dst, srcs, unique_indices)
+    for role, t in roles:
+        check_indirect(instr, role, t, oob_mode is _OOB.skip)
+    total = read(instr, "srcs[0]", srcs[0]).reshape(-1).copy()
+    for i, t in enumerate(srcs[1:], 1):
+        total += read(instr, f"srcs[{i}]", t).reshape(-1)
+    gathered = next((t for t in srcs if t._rows is not None and dst._rows is None), None)
+    if gathered is not None and not gathered._rows.in_bounds.all():  # a skipped row leaves its dst row as it was
+        total = total.reshape(gathered.shape[0], -1)
+        total[~gathered._rows.in_bounds] = read(instr, "dst", dst).reshape(total.shape)[~gathered._rows.in_bounds]
+    write(dst, total.reshape(dst.shape))
+    count_dma(dst.size * dst.dtype.itemsize)
+    rows = dst if dst.buffer is SBUF or all(t.buffer is not SBUF for t in srcs) else \
+        next(t for t in srcs if t.buffer is SBUF)
+    count(instr, "dma", *_layout(rows), dst, tuple(srcs))
+
+
+def _same_view(a, b):
+    return a._storage is b._storage and a.shape == b.shape and (
+        np.array_equal(a._rows.offsets, b._rows.offsets) if a._rows is not None and b._rows is not None else
+        a._rows is None and b._rows is None and a._data.strides == b._data.strides
+        and a._data.__array_interface__["data"][0] == b._data.__array_interface__["data"][0])
+
+
+def _check_read_modify_write(dst, srcs, unique_indices):
+    """dma_compute with ``vector_offset`` (isa stub 3afa0fdf l. 2254-2274): a scatter RMW, dst an indirect HBM view,
+    one source that same view, the other in SBUF; or a gather RMW, dst in SBUF, one source an indirect HBM view,
+    the other dst itself. Both: exactly 2 sources, ``unique_indices`` True and the indices indeed unique."""
+    where = "isa stub 3afa0fdf l. 2254-2274"
+    if len(srcs) != 2 or not unique_indices:
+        raise NkiValidationError(f"dma_compute: a read-modify-write through vector_offset needs exactly 2 sources and "
+                                 f"unique_indices=True ({where}); got {len(srcs)} sources, unique_indices="
+                                 f"{unique_indices}")
+    scatter = dst._rows is not None and any(_same_view(t, dst) for t in srcs) and any(t.buffer is SBUF for t in srcs)
+    gather = dst.buffer is SBUF and any(_same_view(t, dst) for t in srcs) and \
+        any(t._rows is not None and t.buffer in HBM for t in srcs)
+    if not (scatter or gather):
+        raise NkiValidationError(f"dma_compute: with vector_offset it is either a scatter (dst an indirect HBM view, "
+                                 f"one source the same view, the other in SBUF) or a gather (dst in SBUF, one source "
+                                 f"dst, the other an indirect HBM view) ({where})")
+    indirect = dst if scatter else next(t for t in srcs if t._rows is not None)
+    indices = indirect._rows.indices
+    if np.unique(indices).size != indices.size:
+        raise NkiValidationError(f"dma_compute: vector_offset repeats an index ({sorted(indices.tolist())}); "
+                                 f"non-unique indices are not supported yet, unique_indices must be True and hold "
+                                 f"({where})")
+
+
+def _row_pairs(instr, dst, src):
+    """The (dst, src) pairs a DMA copies: the whole tensors, or, where src is a gather with rows to skip
+    (``oob_mode.skip``), each in-bounds src row with its dst row."""
+    rows = src._rows
+    if rows is None or rows.in_bounds.all():
+        return [(dst, src)]
+    if dst.shape[0] != src.shape[0] or dst._rows is not None:
+        raise NotImplementedError(f"{instr}: skipping out-of-bounds gathered rows into a dst of another row count or "
+                                  f"an indirect dst ({dst.shape} from {src.shape}) is not emulated")
+    written = src._written
+    whole = (slice(None),) * (dst.ndim - 1)
+    return [(dst._view((slice(i, i + 1),) + whole),
+             NkiTensor(src._storage, src._data[i:i + 1], None if written is None else written[i:i + 1], None))
+            for i in np.flatnonzero(rows.in_bounds)]
+
+
+def _member(kind, value, instr):
+    """An enum argument given as the member or as its value: nki-library passes ``dge_mode=3`` (core/qkv/qkv_tkg.py
+    l. 66, ``_DGE_MODE_NONE = 3``), the stub's value of dge_mode.none (its members keep their values, aws-neuron-sdk
+    d175686e)."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise NkiValidationError(f"{instr}: {value!r} is not a nki.isa.{kind.__name__} (one of "
+                                 f"{', '.join(f'{m.name}={m.value}' for m in kind)})") from None
 
 
 def _check_dma_options(instr, priority, mode, dma_engine_choice):
@@ -211,8 +321,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _operands(core, "tensor_copy", eng, dst=dst, src=src)
     _same_layout("tensor_copy", ("src", src), ("dst", dst))
     if dst.dtype == src.dtype:
-        check_written("tensor_copy", "src", src)
-        write(dst, src._data)
+        copy_bits(dst, src)
     else:
         write(dst, read("tensor_copy", "src", src))
     count("tensor_copy", eng, *_layout(dst), dst, (src,))
@@ -274,14 +383,17 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if _layout(dst) != (m, n):
         raise NkiValidationError(f"nc_matmul: dst is {_layout(dst)[0]} partitions x {_layout(dst)[1]} elements; "
                                  f"stationary.T @ moving is {m} x {n}")
-    result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
-        @ read("nc_matmul", "moving", moving).reshape(k, n)
+    with _quiet():  # poison (NaN) in an operand
+        result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
+            @ read("nc_matmul", "moving", moving).reshape(k, n)
     result = result.reshape(dst.shape)
+    adds = bool(accumulate)
     if accumulate is None:
         started = dst._matmul_written  # elements inside a running accumulation group
+        adds = bool(started.any())
         if started.all():
             result = result + np.asarray(dst._data, np.float32)
-        elif started.any():
+        elif adds:
             result = np.where(started, result + np.asarray(dst._data, np.float32), result)
     elif accumulate:
         result = result + read("nc_matmul", "dst (accumulate=True)", dst)
@@ -289,7 +401,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     dst._matmul_written[...] = True
     wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
     count_matmul(k, m, n, wider.name)
-    count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m)
+    count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m, accumulate=adds)
 
 
 def _check_matmul_tiling(tile_position, tile_size):
@@ -348,8 +460,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
                                  f"{_layout(dst)[0]} x {_layout(dst)[1]}")
     if dst.dtype != data.dtype:
         raise NkiValidationError(f"nc_transpose: dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}")
-    check_written("nc_transpose", "data", data)
-    write(dst, np.reshape(data._data, (p, f)).T)
+    copy_bits(dst, data, lambda a: np.reshape(a, (p, f)).T)
     if eng == "tensor":
         count_transpose(p, f, data.dtype.name)
     count("nc_transpose", eng, p, f, dst, (data,))
@@ -667,13 +778,20 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     """DMA transpose of ``src`` (HBM or SBUF) into ``dst`` (SBUF, src's dtype) with the permutation the stub gives
     per rank: (1, 0) for 2-D, (2, 1, 0) for 3-D, (3, 1, 2, 0) for 4-D (``axes``, if given, must be that one). A
     hardware-DGE transpose (``dge_mode=hwdge``) also needs a 2-byte dtype and the shape limits of its NKI version
-    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. The
-    indirect (``vector_offset``) form is not emulated."""
+    (isa stub l. 699-703); nki-library's attention_cte.py transposes fp32 and fp16 with the default dge_mode. A src
+    made by ``ap(vector_offset=)`` is the indirect transpose (``_check_indirect_transpose``)."""
     permutations = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    dge_mode, oob_mode = _member(_DGE, dge_mode, "dma_transpose"), _member(_OOB, oob_mode, "dma_transpose")
     _check_dma_options("dma_transpose", priority, dge_mode, engine.unknown)
-    if dge_mode not in (_DGE.unknown, _DGE.hwdge):  # isa stub l. 699
-        raise NkiValidationError(f"dma_transpose: dge_mode must be unknown or hwdge for a direct transpose, got "
-                                 f"{dge_mode.name}")
+    if isinstance(src, NkiTensor) and src._rows is not None:
+        _check_indirect_transpose(src, dge_mode)
+    elif dge_mode is _DGE.swdge:
+        # The stub allows unknown and hwdge for a direct transpose (3afa0fdf isa stub l. 697-699), swdge being the
+        # indirect form's (l. 706-709); AWS's own kernels also transpose directly with dge_mode none (3), in every
+        # public nki-library release (d2ad3a5: core/mlp/mlp_tkg/mlp_tkg_gate_up_projection.py l. 333 and 396, the
+        # MoE TKG bias load; core/subkernels/norm_tkg_utils.py), so none runs here
+        raise NkiValidationError("dma_transpose: dge_mode swdge is the indirect transpose's (src.ap(vector_offset=)); "
+                                 "a direct transpose takes unknown or hwdge (isa stub 3afa0fdf l. 697-699)")
     if dge_mode is _DGE.hwdge:
         # NKI 0.4: src.shape[0] == 16 and src.shape[-1] % 128 == 0 (3afa0fdf isa stub l. 702-703); NKI 0.6 relaxed
         # them to src.shape[0] in {1, 2, 4, 8, 16} and src.shape[-1] <= 128 (a3247f5b release notes l. 37-39)
@@ -698,10 +816,38 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if dst.shape != expected:
         raise NkiValidationError(f"dma_transpose: dst must have shape {expected} (src {src.shape} permuted by "
                                  f"{permutation}), got {dst.shape}")
-    check_written("dma_transpose", "src", src)
-    write(dst, np.transpose(src._data, permutation))
+    check_indirect("dma_transpose", "src", src, oob_mode is _OOB.skip)
+    if src._rows is not None and not src._rows.in_bounds.all():
+        raise NotImplementedError("dma_transpose: skipping out-of-bounds rows of an indirect transpose "
+                                  "(oob_mode.skip) is not emulated")
+    copy_bits(dst, src, lambda a: np.transpose(a, permutation))
     count_dma(dst.size * dst.dtype.itemsize)
     count("dma_transpose", "dma", *_layout(dst), dst, (src,))
+
+
+def _check_indirect_transpose(src, mode):
+    """The "DMA Indirect Transpose Constraints" of the 0.4 stub (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py
+    l. 706-722) for a src made by ``ap(vector_offset=indices)``; the rows it gathers are ``indices.T.flatten()[:
+    src.shape[0]]`` (l. 724-726), as ``ap`` reads them."""
+    indices = src._rows.index_tensor
+    rules = [
+        (mode in (_DGE.unknown, _DGE.swdge), f"dge_mode must be unknown or swdge, got {mode.name}"),
+        (src.ndim != 4 or 1 in src.shape[1:3], f"a 4-d src needs shape[1] or shape[2] of 1, got {src.shape}"),
+        (src.shape[-1] <= PARTITIONS and src.dtype.itemsize == 2, f"src.shape[-1] <= 128 and a 2-byte dtype, got "
+                                                                  f"{src.shape} {src.dtype.name}"),
+        (src.shape[0] % 16 == 0, f"src.shape[0] divisible by 16, got {src.shape[0]}"),
+        (indices.ndim == 2 and indices.size >= src.shape[0], f"2-d indices with at least src.shape[0] entries, got "
+                                                             f"{indices.shape}"),
+        (indices.shape[0] in range(16, PARTITIONS + 1, 16)
+         and (indices.shape[-1] == 1 or indices.shape[0] == PARTITIONS),
+         f"indices.shape[0] in [16, 128] divisible by 16, exactly 128 with more than one column, got {indices.shape}"),
+        (indices.dtype == np.uint32, f"uint32 indices, got {indices.dtype.name}"),
+        (target().nc_version != "gen2", f"trn2 or newer, not {target().name}"),
+    ]
+    for holds, what in rules:
+        if not holds:
+            raise NkiValidationError(f"dma_transpose: an indirect transpose (src.ap(vector_offset=...)) needs {what} "
+                                     "(isa stub 3afa0fdf l. 706-722)")
 
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
@@ -802,13 +948,19 @@ def _eight(instr, dst, data, vals=None):
     return p, f
 
 
+def _poisoned_rows(*rows):
+    """(P, 1): the partitions whose values (each a (P, n) array read by ``read``) carry poison. An instruction
+    that sorts, searches or selects by value would drop a NaN; the whole row of its result is poison instead."""
+    return np.logical_or.reduce([np.isnan(r).any(axis=1, keepdims=True) for r in rows])
+
+
 def max8(dst, src, name=None):
     """The 8 largest values of each partition of ``src``, in descending order, on VectorE (fp32 compare)."""
     core = begin("max8")
     _operands(core, "max8", "vector", dst=dst, src=src)
     p, f = _eight("max8", dst, src)
     x = read("max8", "src", src).reshape(p, f)
-    write(dst, -np.sort(-x, axis=1)[:, :8])
+    write(dst, np.where(_poisoned_rows(x), np.float32(np.nan), -np.sort(-x, axis=1)[:, :8]))
     count("max8", "vector", p, f, dst, (src,))
 
 
@@ -837,9 +989,10 @@ def nc_find_index8(dst, data, vals, name=None):
     p, f = _eight("nc_find_index8", dst, data, vals)
     if dst.dtype.name not in ("uint16", "uint32"):
         raise NkiValidationError(f"nc_find_index8: dst must be uint16 or uint32, got {dst.dtype.name}")
-    found = _find_each(read("nc_find_index8", "data", data).reshape(p, f),
-                       read("nc_find_index8", "vals", vals).reshape(p, 8), reverse=False)
-    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found))
+    x = read("nc_find_index8", "data", data).reshape(p, f)
+    wanted = read("nc_find_index8", "vals", vals).reshape(p, 8)
+    found = _find_each(x, wanted, reverse=False)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), np.broadcast_to(_poisoned_rows(x, wanted), found.shape))
     count("nc_find_index8", "vector", p, f, dst, (data, vals))
 
 
@@ -851,14 +1004,16 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     p, f = _eight("nc_match_replace8", None, data, vals)
     _same_layout("nc_match_replace8", ("data", data), ("dst", dst))
     x = read("nc_match_replace8", "data", data).reshape(p, f)
-    found = _find_each(x, read("nc_match_replace8", "vals", vals).reshape(p, 8), reverse=True)
+    wanted = read("nc_match_replace8", "vals", vals).reshape(p, 8)
+    found = _find_each(x, wanted, reverse=True)
     replaced = x.copy()
     rows = np.nonzero(found >= 0)
     replaced[rows[0], found[rows]] = np.float32(imm)
-    write(dst, replaced)
+    poisoned = _poisoned_rows(x, wanted)
+    write(dst, np.where(poisoned, np.float32(np.nan), replaced))
     if dst_idx is not None:
         _eight("nc_match_replace8", dst_idx, data)
-        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found))
+        write(dst_idx, np.where(found < 0, np.iinfo(np.uint32).max, found), np.broadcast_to(poisoned, found.shape))
     count("nc_match_replace8", "vector", p, f, dst, (data, vals))
 
 
@@ -899,6 +1054,63 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     count("nc_stream_shuffle", "vector", p, f, dst, (src,))
 
 
+_GATHER_WIDTHS = (1, 2, 4, 8, 16, 32)
+_GPSIMD_CORE_PARTITIONS = 16
+_GATHER_INDICES_PER_CORE = 4096
+
+
+def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=None, name=None):
+    """GpSimd gather inside each GpSimd core's 16 partitions, as the 0.4 stub and its numpy reference state it
+    (aws-neuron-sdk 3afa0fdf nki/api/nki/isa/__init__.py l. 1472-1523; nki/test/test_nki_isa_local_gather.py
+    l. 56-86): each core flattens its 16 partitions of ``index`` (uint16) column by column and keeps the first
+    ``num_valid_indices``; every partition ``p`` of the core then reads, for each index ``i``, the
+    ``num_elem_per_idx`` elements of its own ``src_buffer`` row starting at element ``i``: ``dst[p, j, e] =
+    src[p, indices[j] + e]``. dst keeps src's dtype. An index past the row is refused: "Behavior of out-of-bound
+    index access is undefined" (l. 1492)."""
+    instr = "local_gather"
+    core = begin(instr)
+    _operands(core, instr, "gpsimd", dst=dst, src_buffer=src_buffer, index=index)
+    partitions, row = _layout(src_buffer)
+    per_core = index.size // max(1, partitions // _GPSIMD_CORE_PARTITIONS)
+    valid = per_core if num_valid_indices is None else int(num_valid_indices)
+    problem = None
+    if index.shape[0] != partitions or partitions % _GPSIMD_CORE_PARTITIONS:
+        problem = (f"src_buffer and index need one partition count, a multiple of 16 (got {partitions} and "
+                   f"{index.shape[0]})")
+    elif num_elem_per_idx not in _GATHER_WIDTHS:
+        problem = f"num_elem_per_idx must be one of {_GATHER_WIDTHS}, got {num_elem_per_idx}"
+    elif not 0 < valid <= min(per_core, _GATHER_INDICES_PER_CORE):
+        problem = (f"num_valid_indices {valid} must be at most the {per_core} indices of a core's 16-partition index "
+                   f"slice and at most {_GATHER_INDICES_PER_CORE}")
+    elif index.dtype != np.uint16 or dst.dtype != src_buffer.dtype:
+        problem = (f"index must be uint16 and dst must keep src_buffer's dtype (no casting); got index "
+                   f"{index.dtype.name}, dst {dst.dtype.name}, src_buffer {src_buffer.dtype.name}")
+    elif _layout(dst) != (partitions, valid * num_elem_per_idx):
+        problem = (f"dst must hold {partitions} partitions x {valid * num_elem_per_idx} elements (num_valid_indices "
+                   f"x num_elem_per_idx), got {dst.shape}")
+    if problem:
+        raise NkiValidationError(f"{instr}: {problem} (isa stub 3afa0fdf l. 1472-1516)")
+    check_written(instr, "index", index)  # an address: poison there has no NaN to carry it
+    source = np.asarray(src_buffer._data).reshape(partitions, row)
+    unwritten = poison(src_buffer)
+    unwritten = np.zeros(source.shape, np.bool_) if unwritten is None else unwritten.reshape(partitions, row)
+    indices = read(instr, "index", index).astype(np.int64).reshape(partitions, -1)
+    gathered = np.empty((partitions, valid, num_elem_per_idx), source.dtype)
+    gathered_poison = np.zeros(gathered.shape, np.bool_)
+    for first in range(0, partitions, _GPSIMD_CORE_PARTITIONS):
+        rows = slice(first, first + _GPSIMD_CORE_PARTITIONS)
+        starts = indices[rows].flatten(order="F")[:valid]
+        if starts.max() + num_elem_per_idx > row:
+            raise NkiValidationError(f"{instr}: index {starts.max()} (+ {num_elem_per_idx} elements) is past the "
+                                     f"{row} elements of a src_buffer partition; behavior of out-of-bound index access "
+                                     "is undefined (isa stub 3afa0fdf l. 1492)")
+        at = starts[:, None] + np.arange(num_elem_per_idx)
+        gathered[rows], gathered_poison[rows] = source[rows][:, at], unwritten[rows][:, at]
+    write(dst, gathered, gathered_poison)  # bit for bit, never-written elements staying never written
+    count(instr, "gpsimd", partitions, valid * num_elem_per_idx, dst, (src_buffer, index),
+          ops=(f"num_elem_per_idx={num_elem_per_idx}",))
+
+
 _RANGE_COMPARISONS = (nl.equal, nl.less, nl.less_equal, nl.greater, nl.greater_equal)
 _FP32_MIN = float(np.finfo(np.float32).min)
 
@@ -932,10 +1144,12 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
             raise NkiValidationError(f"range_select: {role} must be a float32 ({p}, 1) tile, got {bound.shape} "
                                      f"{bound.dtype.name}")
     index = np.float32(range_start) + np.arange(f, dtype=np.float32)[None, :]
-    keep = (nl.COMPARISONS[comp_op0](index, read("range_select", "bound0", bound0).reshape(p, 1)) > 0) \
-        & (nl.COMPARISONS[comp_op1](index, read("range_select", "bound1", bound1).reshape(p, 1)) > 0)
+    low, high = (read("range_select", role, bound).reshape(p, 1) for role, bound in (("bound0", bound0),
+                                                                                      ("bound1", bound1)))
+    keep = (nl.COMPARISONS[comp_op0](index, low) > 0) & (nl.COMPARISONS[comp_op1](index, high) > 0)
     selected = np.where(keep, read("range_select", "on_true_tile", on_true_tile).reshape(p, f),
                         np.float32(on_false_value))
+    selected = np.where(_poisoned_rows(low, high), np.float32(np.nan), selected)  # a poisoned bound
     write(dst, selected)
     regs = core.vector_regs
     if reduce_cmd in (_COMMANDS.reset, _COMMANDS.reset_reduce):
@@ -965,14 +1179,16 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
         raise NkiValidationError("tensor_copy_predicated: src needs dst's dtype, and src and predicate may not both "
                                  "be in PSUM")
     p, f = _layout(dst)
-    chosen = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f) != 0
+    predicate_values = read("tensor_copy_predicated", "predicate", predicate).reshape(p, f)
+    chosen = predicate_values != 0
     if reverse_pred:
         chosen = ~chosen
     values = np.asarray(src._data).reshape(p, f) if tile_src else np.full((p, f), src, dst.dtype)
-    if tile_src:
-        check_written("tensor_copy_predicated", "src", src)
-    # the elements not chosen keep dst's values (never-written ones then count as written, with their NaN fill)
-    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)))
+    copied = poison(src) if tile_src else None
+    kept = poison(dst)  # the elements not chosen keep dst's values, and stay never written where they were
+    poisoned = np.isnan(predicate_values) | np.where(chosen, False if copied is None else copied.reshape(p, f),
+                                                     False if kept is None else kept.reshape(p, f))
+    write(dst, np.where(chosen, values, np.asarray(dst._data).reshape(p, f)), poisoned)
     count("tensor_copy_predicated", "vector", p, f, dst, (predicate,) + ((src,) if tile_src else ()))
 
 
@@ -1037,9 +1253,10 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
         raise NkiValidationError(f"sendrecv: dma_engine=gpsimd_dma moves at most "
                                  f"{_GPSIMD_DMA_BYTES[src.dtype.itemsize]} bytes per partition of {src.dtype.name}, "
                                  f"got {f * src.dtype.itemsize}")
-    check_written("sendrecv", "src", src)
-    received = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id, np.array(src._data))
-    write(dst, received)
+    unwritten = poison(src)
+    received, poisoned = core.launch.exchange(core.program_id, send_to_rank, recv_from_rank, pipe_id,
+                                              (np.array(src._data), False if unwritten is None else unwritten))
+    write(dst, received, poisoned)
     count_dma(dst.size * dst.dtype.itemsize)
     count("sendrecv", "dma", p, f, dst, (src,))
 
@@ -1073,7 +1290,6 @@ nc_matmul_mx = not_emulated("nki.isa.nc_matmul_mx", "dst stationary moving stati
 tensor_scalar_cumulative = not_emulated("nki.isa.tensor_scalar_cumulative", "dst src op0 op1 imm0 imm1 reduce_cmd name")
 activate2 = not_emulated("nki.isa.activate2", "dst op data imm0 imm1 op0 op1 relu_param reverse0 reverse1 reduce_op "
                                               "reduce_res reduce_cmd name")
-local_gather = not_emulated("nki.isa.local_gather", "dst src_buffer index num_elem_per_idx num_valid_indices name")
 nc_n_gather = not_emulated("nki.isa.nc_n_gather", "dst data indices name")
 rng = not_emulated("nki.isa.rng", "dst engine name")
 dropout = not_emulated("nki.isa.dropout", "dst data prob name")
@@ -1083,7 +1299,6 @@ rand_get_state = not_emulated("nki.isa.rand_get_state", "dst engine name")
 rand2 = not_emulated("nki.isa.rand2", "dst min max name")
 exponential = not_emulated("nki.isa.exponential", "dst src max_value reduce_res reduce_cmd reduce_init name")
 sequence_bounds = not_emulated("nki.isa.sequence_bounds", "dst segment_ids name")
-dma_compute = not_emulated("nki.isa.dma_compute", "dst srcs reduce_op scales unique_indices oob_mode name")
 quantize_mx = not_emulated("nki.isa.quantize_mx", "dst src dst_scale name")
 select_reduce = not_emulated("nki.isa.select_reduce", "dst predicate on_true on_false reduce_res reduce_cmd reduce_op "
                                                       "reverse_pred name")
@@ -1093,3 +1308,22 @@ register_load = not_emulated("nki.isa.register_load", "dst src")
 register_store = not_emulated("nki.isa.register_store", "dst src")
 nonzero_with_count = not_emulated("nki.isa.nonzero_with_count", "dst src index_offset padding_val name")
 topk = not_emulated("nki.isa.topk", "val_dst idx_dst src n name")
+
+
+def _record_name(fn):
+    """``fn`` with its ``name=`` argument recorded as the instruction's label in the trace (what
+    ``kernel.with_schedule`` edges name: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst)."""
+    position = list(inspect.signature(fn).parameters).index("name")
+
+    @functools.wraps(fn)
+    def instruction(*args, **kwargs):
+        with labelled(kwargs.get("name", args[position] if len(args) > position else None)):
+            return fn(*args, **kwargs)
+
+    return instruction
+
+
+for _name, _fn in list(globals().items()):  # every emulated instruction that takes name=
+    if inspect.isfunction(_fn) and _fn.__module__ == __name__ and not _name.startswith("_") \
+            and "name" in inspect.signature(_fn).parameters:
+        globals()[_name] = _record_name(_fn)

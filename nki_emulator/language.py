@@ -17,9 +17,10 @@ import types
 
 import numpy as np
 
-from . import _memory
+from . import _memory, _runtime
 from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
-from ._runtime import PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version, target
+from ._runtime import (PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version,
+                       no_reorder_block, target)
 from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
@@ -156,7 +157,7 @@ tile_size = _TileSize()
 
 
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    """Allocate an uninitialised tensor (filled with NaN; reading it before writing raises).
+    """Allocate an uninitialised tensor (filled with NaN, integers with 4: never-written memory is poison).
     ``address`` is accepted and ignored: the emulator places every tile itself."""
     return _memory.allocate(shape, dtype, buffer, name)
 
@@ -177,6 +178,22 @@ def full(shape, fill_value, dtype, buffer=sbuf, name=""):
     else:
         _memory.write(t, np.full(t.shape, fill_value))
     return t
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An (n, n) identity matrix in SBUF of ``dtype`` (aws-neuron-sdk 3afa0fdf nki/api/nki/language/__init__.py
+    l. 2061-2083): "the same behavior to nki.language.shared_constant", a constant the compiler places, here
+    loaded into a new SBUF tile (or into ``dst``, an (n, n) SBUF tile) by one DMA from HBM."""
+    if dst is None:
+        dst = _memory.allocate((n, n), dtype, sbuf, "identity", what="shared_identity_matrix")
+    elif dst.buffer is not sbuf or dst.shape != (n, n):
+        raise NkiValidationError(f"shared_identity_matrix: dst must be an ({n}, {n}) SBUF tile, got {dst!r}")
+    core = _runtime.begin("shared_identity_matrix")
+    _memory.operand(core, "shared_identity_matrix", "dst", dst, (sbuf,), "the identity matrix is made in SBUF")
+    _memory.write(dst, np.eye(n))
+    _runtime.count_dma(dst.size * dst.dtype.itemsize)
+    _runtime.count("shared_identity_matrix", "dma", n, n, dst)
+    return dst
 
 
 def ds(start, size):
@@ -210,8 +227,7 @@ def program_ndim():
 def device_print(print_prefix, tensor):
     """Print a tensor's values now (on hardware: at run time, through the runtime's debug stream)."""
     current("device_print")
-    _memory.check_written("device_print", "tensor", tensor)
-    print(print_prefix, np.asarray(tensor._data, np.float32))
+    print(print_prefix, _memory.read("device_print", "tensor", tensor))
 
 
 # ---- operators --------------------------------------------------------------------------------------
@@ -240,7 +256,13 @@ def _binary(name, fn, doc):
 
 
 def _comparison(name, fn, sign):
-    op = _binary(name, lambda x, y: fn(x, y).astype(np.float32), f"1.0 where x {sign} y else 0.0")
+    """A comparison yields NaN where an operand is NaN, so that poison (memory never written) is not laundered into
+    0.0: in AWS's simulator "any operation involving NaN produces NaN" (aws-neuron-sdk 3afa0fdf
+    nki/guides/nki_simulator.rst l. 217-218)."""
+    def compare(x, y):
+        return np.where(np.isnan(x) | np.isnan(y), np.float32(np.nan), fn(x, y).astype(np.float32))
+
+    op = _binary(name, compare, f"1.0 where x {sign} y else 0.0 (NaN where either is NaN)")
     COMPARISONS[op] = ALU_BINARY[op]
     return op
 
@@ -529,6 +551,14 @@ def matmul(x, y, transpose_x=False):
     return result
 
 
+def no_reorder():
+    """``with nl.no_reorder():``: the compiler's scheduler keeps the instructions issued inside the block (however
+    deeply called) in program order (aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst, "Using
+    no_reorder"; the stub, nki/api/nki/language/__init__.py l. 1785-1807). The values are the same; the trace
+    records the block (Instruction.no_reorder) for the scheduler (nki_emulator/_schedule.py)."""
+    return no_reorder_block()
+
+
 # ---- the rest of the NKI 0.6 nki.language API: present by name, not emulated -------------------------
 
 bitwise_and = not_emulated("nki.language.bitwise_and", "x y dtype")
@@ -557,14 +587,12 @@ zeros_like = not_emulated("nki.language.zeros_like", "x dtype buffer name")
 empty_like = not_emulated("nki.language.empty_like", "x dtype buffer name")
 random_seed = not_emulated("nki.language.random_seed", "seed")
 expand_dims = not_emulated("nki.language.expand_dims", "x axis")
-no_reorder = not_emulated("nki.language.no_reorder", "")
 load_transpose2d = not_emulated("nki.language.load_transpose2d", "src dtype")
 gather_flattened = not_emulated("nki.language.gather_flattened", "data indices axis dtype")
 dynamic_range = not_emulated("nki.language.dynamic_range", "start stop step")
 fori_loop = not_emulated("nki.language.fori_loop", "lower upper body_fun step")
 while_loop = not_emulated("nki.language.while_loop", "init body_fun")
 shared_constant = not_emulated("nki.language.shared_constant", "constant")
-shared_identity_matrix = not_emulated("nki.language.shared_identity_matrix", "n dtype dst")
 rand = not_emulated("nki.language.rand", "shape dtype buffer name")
 
 # dtypes without a numpy counterpart here: names to compare with, not to allocate

@@ -89,6 +89,7 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
     for r in rows:
         assert r["bottleneck"] in r["engines"] and 0 < r["estimate_s"] <= r["serial_s"]
         assert r["estimate_s"] <= r["scheduled_s"] and r["estimate_s"] <= r["central_s"]  # a schedule, not a bound
+        assert r["optimistic_s"] == r["estimate_s"] <= r["pessimistic_s"]
         compiled = r["compiled"]  # the fallback, priced as the step estimate prices it
         assert compiled["bottleneck"] in compiled["engines"] and 0 < compiled["estimate_s"] <= compiled["serial_s"]
         assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"

@@ -13,7 +13,7 @@ import nki_emulator.isa as nisa
 import nki_emulator.language as nl
 from nki_emulator import ASSUMPTIONS, ENGINE_SPECS, Instruction, estimate, instruction_seconds, timeline
 from nki_emulator._schedule import (DEPENDENCY_S, DMA_FIXED_S, LAUNCH_S, calibrated_seconds, central_estimate,
-                                    schedule)
+                                    pessimistic_estimate, schedule, schedule_figures)
 
 BF16, FP32 = "bfloat16", "float32"
 
@@ -132,6 +132,24 @@ def test_scalare_activation_costs_the_same_with_scale_and_bias_and_the_reduce_ad
 def test_gpsimd_instructions_pay_the_documented_startup():
     iota = Instruction("iota", "gpsimd", 128, 512, (FP32,), ("sbuf",))
     assert cycles(iota) == 150 + 512  # ISA iota / affine_select: GPSIMD_START (~150) + N
+
+
+def test_local_gather_costs_the_isa_formula():
+    """[ISA] local_gather: 150 + (num_valid_indices * num_elem_per_idx) / C GpSimd cycles, C = ((28 + 4e) / (4e)) /
+    min(4 / dtype_size, e): fp32 with e = 1 gives C = 8; bf16 with e = 4 gives C = (44 / 16) / 2."""
+    def gather(valid, per_index, dtype):
+        return Instruction("local_gather", "gpsimd", 128, valid * per_index, (dtype, dtype, "uint16"),
+                           ("sbuf",) * 3, (f"num_elem_per_idx={per_index}",))
+
+    assert cycles(gather(256, 1, FP32)) == pytest.approx(150 + 256 / 8)
+    assert cycles(gather(64, 4, BF16)) == pytest.approx(150 + 256 / (44 / 16 / 2))
+
+
+def test_dma_compute_streams_each_source_as_a_copy():
+    """An ASSUMPTION (no documented cost): k sources cost k copies of dst's rows."""
+    rows = Instruction("dma_compute", "dma", 128, 1024, (BF16,) * 4, ("sbuf",) + ("shared_hbm",) * 3)
+    assert instruction_seconds(rows) == pytest.approx(3 * instruction_seconds(dma(128, 2048)))
+    assert any(line.startswith("dma_compute") for line in ASSUMPTIONS)
 
 
 @pytest.mark.parametrize("generation, documented_gb_per_s", [("trn1", 272), ("trn2", 368), ("trn3", 528)])
@@ -331,6 +349,114 @@ def test_the_emulator_records_what_each_instruction_reads_and_writes_so_a_kernel
     d = instruction_seconds(exps[0], "trn2")
     assert [s.track for s in result["slots"]] == ["dma queue 0"] + ["scalar"] * 16 + ["dma queue 0"]
     assert result["slots"][-2].end - result["slots"][1].start == pytest.approx(16 * d + 15 * DEPENDENCY_S)
+
+
+# ---- the list schedule (the compiler's scheduler modelled) against program order ------------------------------
+
+def track_order(result, track):
+    return [s.index for s in sorted(result["slots"], key=lambda s: s.start) if s.track == track]
+
+
+def test_the_list_schedule_interleaves_independent_chains_on_one_engine_where_program_order_runs_them_one_by_one():
+    step = vector("tensor_scalar", 512)
+    d = instruction_seconds(step)
+    assert DEPENDENCY_S < d  # so the other chain fills each edge's wait completely
+    chain = lambda first: [on(step, [tile(first + n)], [tile(first + n + 1)]) for n in range(3)]  # noqa: E731
+    trace = chain(1) + chain(11)
+    listed, program = schedule(trace, "trn2", order="list"), schedule(trace, "trn2", order="program")
+    assert program["scheduled_s"] == pytest.approx(6 * d + 4 * DEPENDENCY_S)  # each edge waited out
+    assert listed["scheduled_s"] == pytest.approx(6 * d)  # back to back: the overlap bound
+    assert track_order(listed, "vector") == [0, 3, 1, 4, 2, 5]
+    assert schedule(trace, "trn2")["scheduled_s"] == listed["scheduled_s"]  # the list schedule is the default
+
+
+def test_the_list_schedule_runs_later_ready_work_while_an_instruction_waits_but_never_overwrites_an_unread_tile():
+    step, long = vector("tensor_scalar", 512), vector("activation", 4096, engine="scalar", ops=("exp",))
+    trace = [on(long, [tile(9)], [tile(10)]),
+             on(step, [tile(10), tile(1)], [tile(2)]),  # reads tile 1 once the long instruction is done ...
+             on(step, [tile(3)], [tile(1)]),  # ... which this one then overwrites
+             on(step, [tile(5)], [tile(6)])]  # independent
+    result = schedule(trace, "trn2")
+    slots = result["slots"]
+    assert track_order(result, "vector") == [3, 1, 2]  # the independent one first: reordered
+    assert slots[2].start == pytest.approx(slots[1].end)  # write after read, without the latency
+    assert schedule(trace, "trn2", order="program")["scheduled_s"] > result["scheduled_s"]
+
+
+def test_a_tile_read_by_more_instructions_than_are_kept_apart_still_orders_its_next_write_after_every_read():
+    step, write = vector("tensor_scalar", 512), vector("activation", 512, engine="scalar", ops=("exp",))
+    readers = [on(step, [tile(1)], [tile(100 + n)]) for n in range(40)]  # beyond _MERGE_ABOVE: joined into one
+    slots = schedule(readers + [on(write, [tile(2)], [tile(1)])], "trn2")["slots"]
+    assert slots[-1].start == pytest.approx(max(s.end for s in slots[:-1]))
+
+
+def test_a_psum_accumulation_group_stays_together_on_tensore():
+    mm = matmul(128, 512)
+    psum_a, psum_b = tile(50, last_byte=2048), tile(60, last_byte=2048)
+    first = on(mm, [tile(1), tile(2)], [psum_a])
+    other = on(mm, [tile(5), tile(6)], [psum_b])
+    second = on(mm, [tile(3), tile(4)], [psum_a])._replace(accumulate=True)  # adds onto first's result
+    assert track_order(schedule([first, other, second], "trn2"), "tensor") == [0, 2, 1]
+    # the same second matmul overwriting instead (no group): issued first goes first
+    assert track_order(schedule([first, other, second._replace(accumulate=False)], "trn2"), "tensor") == [0, 1, 2]
+
+
+def test_a_no_reorder_block_keeps_program_order_on_its_engine_and_with_schedule_adds_an_edge():
+    step, long = vector("tensor_scalar", 512), vector("activation", 4096, engine="scalar", ops=("exp",))
+    trace = [on(long, [tile(9)], [tile(10)]), on(step, [tile(10)], [tile(2)]), on(step, [tile(3)], [tile(4)]),
+             on(step, [tile(5)], [tile(6)])]  # the first vector instruction waits for ScalarE
+    assert track_order(schedule(trace, "trn2"), "vector") == [2, 3, 1]
+    blocked = trace[:1] + [i._replace(no_reorder=1) for i in trace[1:]]
+    assert track_order(schedule(blocked, "trn2"), "vector") == [1, 2, 3]
+    # an explicit edge: the last after the waiting one (by label), the middle one free to go ahead
+    edged = [trace[0], trace[1]._replace(label="waits"), trace[2], trace[3]._replace(after=("waits",))]
+    assert track_order(schedule(edged, "trn2"), "vector") == [2, 1, 3]
+
+
+@nki_emulator.jit
+def recip_and_exp(t):
+    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE."""
+    x = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x, src=t)
+    a = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+    b = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
+    with nl.no_reorder():
+        nisa.reciprocal(dst=a, data=x, name="recip")
+    nisa.activation(dst=b, op=nl.exp, data=x, name="exp")
+    out = nl.ndarray(t.shape, t.dtype, buffer=nl.hbm)
+    nisa.dma_copy(dst=out, src=b)
+    return out
+
+
+def test_a_kernels_instruction_names_no_reorder_blocks_and_with_schedule_edges_reach_the_schedule():
+    x = np.ones((128, 256), np.float32)
+    with nki_emulator.counting() as free:
+        plain = recip_and_exp(x)
+    with nki_emulator.counting() as edged:
+        ordered = recip_and_exp.with_schedule([("exp", ["recip"])])(x)
+    assert np.array_equal(plain, ordered)  # the same values
+    load, recip, exp, store = edged.trace
+    assert (recip.label, recip.no_reorder > 0, exp.label, exp.after, exp.no_reorder) == ("recip", True, "exp",
+                                                                                          ("recip",), 0)
+    assert free.trace[2].after == ()
+    unordered, after = schedule(free.trace, "trn2")["slots"], schedule(edged.trace, "trn2")["slots"]
+    assert unordered[2].start < unordered[1].end  # ScalarE and VectorE overlap
+    assert after[2].start >= after[1].end  # the edge: exp waits for recip
+    with pytest.raises(nki_emulator.NkiValidationError, match="each edge is a pair"):
+        recip_and_exp.with_schedule([("exp", 3)])
+    with pytest.raises(nki_emulator.NkiValidationError, match="has not issued before it"):
+        recip_and_exp.with_schedule([("recip", "exp")])(x)
+
+
+def test_the_three_figures_order_themselves_and_an_unknown_order_is_refused():
+    step = vector("tensor_scalar", 512)
+    trace = [on(step, [tile(first + n)], [tile(first + n + 1)]) for first in (1, 11) for n in range(3)]
+    figures = schedule_figures(trace, "trn2")
+    assert figures["optimistic_s"] == pytest.approx(estimate(trace, "trn2")["estimate_s"])
+    assert figures["optimistic_s"] + LAUNCH_S <= figures["central_s"] < figures["pessimistic_s"]
+    assert figures["pessimistic_s"] == pytest.approx(pessimistic_estimate(trace, "trn2")["pessimistic_s"])
+    with pytest.raises(ValueError, match="order='issue'; use one of list, program"):
+        schedule(trace, "trn2", order="issue")
 
 
 def test_the_timeline_is_a_trace_event_file_with_one_event_per_instruction_and_one_track_per_engine(tmp_path):

@@ -156,3 +156,142 @@ def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(
     assert engines.endswith("| 1 / 1 (0) |")  # the trace moves the profile's 917,504 bytes: 1 MB either way
     assert engines.split("|")[2].strip().endswith("/ 0.025")  # VectorE active: 50% of 0.05 ms
     assert all(assumption in out for assumption in legacy_trace.ASSUMPTIONS)  # what the tracer assumed, printed
+
+
+def traced(body, *shapes, generation="trn1", dtype=np.float32):
+    """The trace of a legacy kernel whose body is ``body`` (indented 4), on inputs x, y, ... shaped ``shapes``."""
+    names = ", ".join("xyzw"[:len(shapes)])
+    source = ("import numpy as np\nimport neuronxcc.nki as nki\nimport neuronxcc.nki.language as nl\n"
+              "import neuronxcc.nki.isa as nisa\nimport neuronxcc.nki.compiler as ncc\n\n"
+              f"def kernel({names}):\n    out = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.shared_hbm)\n"
+              + body + "\n    return out\n")
+    return legacy_trace.run(source, [np.zeros(s, dtype) for s in shapes], generation)
+
+
+def test_nl_ds_slices_a_dynamic_range():
+    load, = traced("    t = nl.load(x[nl.ds(128, 64), nl.ds(256, 128)])", (256, 512))
+    assert (load.partitions, load.free) == (64, 128)
+    assert load.reads[0][3:] == (4 * (128 * 512 + 256), 4 * ((128 + 63) * 512 + 256 + 128))  # bytes of the range
+
+
+def test_nl_negative_is_a_tensor_scalar_multiply_by_minus_one():
+    _, negate = traced("    t = nl.negative(nl.load(x[0:128, 0:64]))", (128, 64))
+    assert (negate.name, negate.ops, negate.free) == ("tensor_scalar", ("multiply",), 64)
+
+
+def test_nl_reciprocal_and_one_over_a_tile_are_a_reversed_divide():
+    for body in ("    t = nl.reciprocal(nl.load(x[0:128, 0:1]))", "    t = 1.0 / nl.load(x[0:128, 0:1])",
+                 "    s = nl.zeros((128, 1), dtype=np.float32)\n    t = 1.0 / s"):  # a whole tensor too
+        divide = traced(body, (128, 1))[-1]
+        assert (divide.name, divide.ops, divide.partitions) == ("tensor_scalar", ("divide",), 128)
+
+
+def test_nl_load_transpose2d_is_one_dma_transpose_of_the_rectangle():
+    dma, = traced("    t = nl.load_transpose2d(x[0:128, 0:64], dtype=nl.bfloat16)", (128, 64))
+    assert (dma.name, dma.engine, dma.partitions, dma.free, dma.dtypes) == (
+        "dma_transpose", "dma", 64, 128, ("bfloat16", "float32"))  # 64 partitions of 128 in SBUF
+
+
+def test_nisa_nc_transpose_runs_on_tensor_engine_into_psum_and_small_tiles_on_vector_engine():
+    _, big = traced("    t = nisa.nc_transpose(nl.load(x[0:128, 0:64]))", (128, 64))
+    assert (big.name, big.engine, big.buffers[0], big.partitions, big.free) == ("nc_transpose", "tensor", "psum",
+                                                                                 128, 64)
+    _, small = traced("    t = nisa.nc_transpose(nl.load(x[0:32, 0:32]))", (32, 32))
+    assert (small.engine, small.buffers[0]) == ("vector", "sbuf")
+
+
+def test_a_tensor_engine_result_stored_into_sbuf_is_copied_there_from_psum():
+    body = ("    a = nl.load(x[0:128, 0:128])\n    s = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.sbuf)\n"
+            "    s[...] = nisa.nc_transpose(a)\n    nl.store(out[0:128, 0:128], value=s)")
+    _, transpose, copy, store = traced(body, (128, 128))
+    assert transpose.buffers[0] == "psum" and copy.reads == transpose.writes  # the copy reads the PSUM tile
+    assert copy.buffers == ("sbuf", "psum") and copy.writes == store.reads  # and writes the SBUF tile stored
+    psum = body.replace("buffer=nl.sbuf", "buffer=nl.psum")
+    assert [i.name for i in traced(psum, (128, 128))] == ["dma_copy", "nc_transpose", "dma_copy"]  # no copy
+
+
+def test_nisa_tensor_copy_runs_on_the_engine_it_names():
+    _, copy = traced("    t = nisa.tensor_copy(nl.load(x[0:128, 0:64]), engine=nisa.vector_engine)", (128, 64))
+    assert (copy.name, copy.engine) == ("tensor_copy", "vector")
+
+
+def test_nisa_reduce_cmd_and_reduce_res_write_the_row_sums_from_scalar_engine_accumulators():
+    body = ("    s = nl.zeros((128, 1), dtype=np.float32)\n"
+            "    e = nisa.activation(op=nl.exp, data=nl.load(x[0:128, 0:64]), reduce_op=nl.add, reduce_res=s,\n"
+            "                        reduce_cmd=nisa.reduce_cmd.reset_reduce)\n    t = 1.0 / s")
+    memset, _, exp, divide = traced(body, (128, 64))
+    assert exp.reads_accumulator and memset.writes[0] in exp.writes  # it writes s
+    assert divide.reads == memset.writes  # 1.0 / s reads what the exp wrote
+
+
+def test_nisa_nc_matmul_takes_whole_tensors():
+    body = ("    a = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.sbuf)\n"
+            "    b = nl.ndarray((128, 512), dtype=np.float32, buffer=nl.sbuf)\n    p = nisa.nc_matmul(a, b)")
+    matmul, = traced(body, (1, 1))
+    assert (matmul.partitions, matmul.stationary, matmul.free) == (128, 128, 512)
+
+
+def test_a_one_column_operand_is_a_tensor_scalar_and_two_tiles_a_tensor_tensor():
+    body = "    a = nl.load(x[0:128, 0:64])\n    c = nl.load(y[0:128, 0:1])\n    t = nl.multiply(a, c)\n    u = a * a"
+    column, tiles = traced(body, (128, 64), (128, 1))[2:]
+    assert (column.name, column.free, tiles.name) == ("tensor_scalar", 64, "tensor_tensor")
+
+
+def test_a_constant_false_mask_issues_nothing():
+    assert traced("    t = nl.load(x[0:128, 0:64], mask=(1 < 0))\n    u = nl.load(x[0:128, 0:64], mask=(0 < 1))",
+                  (128, 64))[0].partitions == 128
+    assert len(traced("    t = nl.load(x[0:128, 0:64], mask=(1 < 0))", (128, 64))) == 0
+
+
+def test_direct_allocation_reuses_the_storage_at_one_address():
+    body = ("    for i in nl.affine_range(3):\n"
+            "        t = nl.ndarray((2, nl.par_dim(128), 64), dtype=np.float32,\n"
+            "                       buffer=ncc.sbuf.mod_alloc(base_addr=0, num_free_tiles=(2,)))\n"
+            "        t[i % 2] = nl.load(x[0:128, 0:64])")
+    loads = traced(body, (128, 64))
+    storage = [load.writes[0][0] for load in loads]
+    assert storage[0] == storage[2] != storage[1]  # blocks 0, 1, 0 of one rotating pair
+
+
+def test_nl_mgrid_indexes_like_aranges():
+    load, = traced("    i = nl.mgrid[0:128, 0:64]\n    t = nl.load(x[i.p, 64 + i.x])", (128, 128))
+    assert (load.partitions, load.free, load.reads[0][3]) == (128, 64, 4 * 64)
+
+
+def test_double_row_matmul_prices_two_rows_per_pass():
+    body = ("    a = nl.ndarray((nl.par_dim(128), 2, 128), dtype=nl.float8_e4m3, buffer=nl.sbuf)\n"
+            "    b = nl.ndarray((nl.par_dim(128), 2, 512), dtype=nl.float8_e4m3, buffer=nl.sbuf)\n"
+            "    p = nisa.nc_matmul(a, b, perf_mode='double_row_gen3')")
+    matmul, = traced(body, (1, 1), generation="trn2")
+    assert (matmul.partitions, matmul.stationary, matmul.free) == (128, 128, 512)  # K = 2 x 128 in one pass
+
+
+def test_calibrate_prices_each_step_of_an_autocomp_trace_and_checks_the_sign_of_each_change(tmp_path, capsys):
+    """calibrate.py --autocomp on a repository laid out as ucb-bar/autocomp: its trace file nests each step as the
+    parent of the next (CodeCandidate(parent=..., code=..., score=ms)); the second step here does half the work."""
+    kernel = ("@nki.jit\ndef test(q, k, v):\n    out = nl.ndarray((128, 64), dtype=np.float32, buffer=nl.shared_hbm)\n"
+              "    for i in nl.affine_range(ROUNDS):\n        t = nl.exp(nl.load(q[0:128, 0:64]))\n"
+              "    nl.store(out[0:128, 0:64], value=t)\n    return out\n")
+    step = "CodeCandidate(parent={}, plan=None,\ncode='''{}''',\nscore={})"
+    chain = step.format(step.format("None", kernel.replace("ROUNDS", "8"), 0.2), kernel.replace("ROUNDS", "4"), 0.1)
+    (tmp_path / "examples" / "trn-tutorial").mkdir(parents=True)
+    (tmp_path / calibrate.AUTOCOMP_TRACE).write_text(chain)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "fixture"], check=True)
+
+    calibrate.main(["--autocomp", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| SD attention, step 0 | [AC] step 0 | trn1 | 4096x64 | float32 | 0.200 |" in out
+    change = next(line for line in out.splitlines() if line.startswith("| SD attention, step 1 |") and "%" in line)
+    assert change.startswith("| SD attention, step 1 | -50.0% | -") and change.endswith("| yes |")
+    assert "1 of 1 changes with the measured sign" in out
+
+
+def test_a_matmul_added_onto_psum_is_marked_as_accumulating_for_the_scheduler():
+    trace = trace_of(GENERATED, (128, 256), (128, 512))
+    assert all(i.accumulate for i in trace if i.name == "nc_matmul")  # `acc[...] += nisa.nc_matmul(...)`
+    body = ("    a = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.sbuf)\n"
+            "    b = nl.ndarray((128, 512), dtype=np.float32, buffer=nl.sbuf)\n    p = nisa.nc_matmul(a, b)")
+    assert not traced(body, (1, 1))[0].accumulate

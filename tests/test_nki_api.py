@@ -812,3 +812,336 @@ def test_core_barrier_partition_reduce_and_predicated_copy():
     np.testing.assert_array_equal(out[0], -1.0)
     np.testing.assert_array_equal(out[1:4], x[1:])
     np.testing.assert_array_equal(out[4], x.sum(axis=0))
+
+
+# ---- the API nki-library's second tier uses: vector_offset, dma_compute, local_gather, shared_identity_matrix ----
+
+def _gather_rows(data, indices, oob_mode=nisa.oob_mode.error):
+    """The 0.4 dma_copy stub's indirect gather example (aws-neuron-sdk 3afa0fdf isa stub l. 255-282), its oob_mode
+    passed on; the dst starts zeroed so that skipped rows show."""
+    P, F = indices.shape[0], data.shape[1]
+    idx = nl.ndarray((P, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    dst = nl.ndarray((P, F), dtype=data.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=dst, value=0)
+    nisa.dma_copy(dst=dst, src=data.ap(pattern=[[F, P], [1, F]], vector_offset=idx, indirect_dim=0),
+                  oob_mode=oob_mode)
+    return _to_hbm((dst,))[0]
+
+
+def _scatter_rows(src_data, indices, output):
+    """The stub's indirect scatter example (l. 284-309): row p of src_data lands in output row indices[p]."""
+    P, F = src_data.shape
+    src = nl.ndarray((P, F), dtype=src_data.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=src, src=src_data)
+    idx = nl.ndarray((P, 1), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    nisa.dma_copy(dst=output.ap(pattern=[[F, P], [1, F]], vector_offset=idx, indirect_dim=0), src=src)
+    return output
+
+
+def test_vector_offset_gathers_and_scatters_rows_as_the_dma_copy_stub_examples():
+    data = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    indices = np.array([[7], [0], [9], [7]], np.uint32)
+    np.testing.assert_array_equal(nki_emulator.jit(_gather_rows)(data, indices), data[indices[:, 0]])
+    rows = np.random.default_rng(5).standard_normal((4, 6)).astype(np.float32)
+    scatter_to = np.array([[2], [8], [5], [0]], np.uint32)
+    expected = np.full((10, 6), -1.0, np.float32)
+    expected[scatter_to[:, 0]] = rows
+    np.testing.assert_array_equal(nki_emulator.jit(_scatter_rows)(rows, scatter_to, np.full((10, 6), -1.0, np.float32)),
+                                  expected)
+
+
+def test_vector_offset_scales_by_the_indexed_dims_stride_not_the_patterns():
+    """nki-library's router_topk.py (l. 1050-1052) indexes a 1-D (T*E,) tensor with flattened indices through a
+    pattern whose first stride is not the tensor's: the index times the stride of ``indirect_dim`` in the tensor
+    ("dimension in self.shape whose stride scales the indirect scalar/vector offset", NkiTensor.ap stub)."""
+
+    def kernel(flat, indices):
+        idx = nl.ndarray((4, 1), nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=indices)
+        dst = nl.ndarray((4, 1), flat.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dst, src=flat.ap([[3, 4], [1, 1]], offset=0, vector_offset=idx, indirect_dim=0))
+        return _to_hbm((dst,))[0]
+
+    flat = np.arange(40, dtype=np.float32)
+    indices = np.array([[13], [2], [39], [20]], np.uint32)
+    np.testing.assert_array_equal(nki_emulator.jit(kernel)(flat, indices)[:, 0], flat[indices[:, 0]])
+
+
+def test_vector_offset_out_of_bounds_is_refused_or_skipped_by_oob_mode():
+    data = np.arange(10 * 6, dtype=np.float32).reshape(10, 6)
+    indices = np.array([[3], [10], [1], [4]], np.uint32)  # row 10 of a 10-row tensor
+    with pytest.raises(NkiValidationError, match="out of bounds.*oob_mode"):
+        nki_emulator.jit(_gather_rows)(data, indices)
+    out = nki_emulator.jit(_gather_rows)(data, indices, nisa.oob_mode.skip)
+    np.testing.assert_array_equal(out[[0, 2, 3]], data[[3, 1, 4]])
+    np.testing.assert_array_equal(out[1], 0)  # the skipped row keeps the dst's zeros
+
+
+def _scatter_partly_written(base, rows_written, indices):
+    """Rows of an int32 tile, only the first ``rows_written`` of them ever written, scattered into a copy of base."""
+    out = nl.ndarray(base.shape, base.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=base)
+    tile = nl.ndarray((4, base.shape[1]), base.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile[0:rows_written, :], src=base[0:rows_written, :])
+    idx = nl.ndarray((4, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    nisa.dma_copy(dst=out.ap([[base.shape[1], 4], [1, base.shape[1]]], vector_offset=idx, indirect_dim=0), src=tile)
+    return out
+
+
+def test_a_scatter_carries_never_written_rows_as_poison_to_the_output():
+    """Poison follows a scatter (aws-neuron-sdk 3afa0fdf nki/guides/nki_simulator.rst l. 212-221): an int32 output
+    that receives a never-written row is refused; with every row written the same scatter runs."""
+    base = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+    indices = np.array([[7], [5], [2], [0]], np.uint32)
+    expected = base.copy()
+    expected[indices[:, 0]] = base[:4]
+    np.testing.assert_array_equal(nki_emulator.jit(_scatter_partly_written)(base, 4, indices), expected)
+    with pytest.raises(NkiValidationError, match="3 elements of the output .* never written"):
+        nki_emulator.jit(_scatter_partly_written)(base, 3, indices)
+
+
+def _indirect_then(data, indices, then):
+    idx = nl.ndarray((2, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    view = data.ap([[data.shape[1], 2], [1, data.shape[1]]], vector_offset=idx, indirect_dim=0)
+    if then == "slice":
+        view = view[0:1, :]
+    elif then == "scalar_offset":
+        data.ap([[data.shape[1], 2], [1, data.shape[1]]], vector_offset=idx, scalar_offset=idx[0:1, :])
+    tile = nl.ndarray(view.shape, data.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=view)
+    return _to_hbm((tile,))[0]
+
+
+def test_an_indirect_view_is_taken_whole_and_without_a_scalar_offset():
+    """The current NkiTensor.is_indirect stub: the indirect dim "cannot be further sliced or selected"; the 0.4
+    dma_copy stub (l. 253): "vector_offset and scalar_offset are mutually exclusive"."""
+    data, indices = np.arange(12, dtype=np.float32).reshape(4, 3), np.array([[3], [1]], np.uint32)
+    np.testing.assert_array_equal(nki_emulator.jit(_indirect_then)(data, indices, "nothing"), data[[3, 1]])
+    with pytest.raises(NkiValidationError, match="cannot be sliced"):
+        nki_emulator.jit(_indirect_then)(data, indices, "slice")
+    with pytest.raises(NkiValidationError, match="mutually exclusive"):
+        nki_emulator.jit(_indirect_then)(data, indices, "scalar_offset")
+
+
+def test_vector_offset_indexes_only_hbm_tensors_with_sbuf_integer_indices():
+    """"idx_tensor is an SBUF tensor of shape (P, 1) ... The tensor being indexed ... must be in HBM" (3afa0fdf isa
+    stub l. 245-247); the legal twin is the gather above."""
+
+    def kernel(x, indices, on_chip, index_dtype):
+        table = x
+        if on_chip:
+            table = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=table, src=x)
+        idx = nl.ndarray((2, 1), index_dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=indices)
+        table.ap([[4, 2], [1, 4]], vector_offset=idx, indirect_dim=0)
+        return x
+
+    x, indices = np.zeros((4, 4), np.float32), np.array([[1], [0]], np.uint32)
+    with pytest.raises(NkiValidationError, match="must be in HBM"):
+        nki_emulator.jit(kernel)(x, indices, True, nl.uint32)
+    with pytest.raises(NkiValidationError, match="integer SBUF tensor"):
+        nki_emulator.jit(kernel)(x, indices, False, nl.float32)
+    nki_emulator.jit(kernel)(x, indices, False, nl.uint32)
+
+
+def _dma_sum(tensors, reduce_op=nl.add, scales=None):
+    out = nl.ndarray(tensors[0].shape, nl.bfloat16, buffer=nl.shared_hbm)
+    nisa.dma_compute(out, tensors, reduce_op=reduce_op, scales=scales)
+    return out
+
+
+def test_dma_compute_adds_its_sources_in_fp32_and_casts_to_dst():
+    """The 0.4 stub (3afa0fdf isa stub l. 2238-2252): dst = srcs[0] + srcs[1] + ..., computed in float32, cast
+    to dst's dtype; sources in HBM or SBUF, any dtype, the element counts equal."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal((4, 8)).astype(np.float16)
+    out = nki_emulator.jit(_dma_sum)((a, b, c))
+    expected = (a.astype(np.float32) + b.astype(np.float32) + c.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("options, message", [({"reduce_op": nl.maximum}, "must be nl.add"),
+                                              ({"scales": (1.0, 2.0)}, "scales must be None or one 1.0"),
+                                              ({"scales": (1.0,)}, "scales must be None or one 1.0")])
+def test_dma_compute_refuses_what_its_stub_does_not_support(options, message):
+    a = np.ones((2, 4), np.float32)
+    with pytest.raises(NkiValidationError, match=message):
+        nki_emulator.jit(_dma_sum)((a, a), **options)
+    with pytest.raises(NkiValidationError, match="1 to 16 source"):
+        nki_emulator.jit(_dma_sum)((a,) * 17)
+    with pytest.raises(NkiValidationError, match="element counts must match"):
+        nki_emulator.jit(_dma_sum)((a, np.ones((2, 3), np.float32)))
+    np.testing.assert_array_equal(nki_emulator.jit(_dma_sum)((a,) * 16), np.full((2, 4), 16.0))
+
+
+def _scatter_add(table, rows, indices, unique_indices=True):
+    """The stub's scatter read-modify-write (l. 2259-2262): table[indices] += rows, dst an indirect HBM view."""
+    P, F = rows.shape
+    src = nl.ndarray((P, F), rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=src, src=rows)
+    idx = nl.ndarray((P, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    view = table.ap([[F, P], [1, F]], vector_offset=idx, indirect_dim=0)
+    nisa.dma_compute(view, [view, src], reduce_op=nl.add, unique_indices=unique_indices)
+    return table
+
+
+def test_dma_compute_scatter_read_modify_write_with_unique_indices():
+    rng = np.random.default_rng(7)
+    table, rows = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32)
+    indices = np.array([[6], [1], [3]], np.uint32)
+    expected = table.copy()
+    expected[indices[:, 0]] += rows
+    np.testing.assert_allclose(nki_emulator.jit(_scatter_add)(table.copy(), rows, indices), expected, rtol=1e-6)
+    with pytest.raises(NkiValidationError, match="repeats an index"):
+        nki_emulator.jit(_scatter_add)(table.copy(), rows, np.array([[6], [1], [6]], np.uint32))
+    with pytest.raises(NkiValidationError, match="unique_indices=True"):
+        nki_emulator.jit(_scatter_add)(table.copy(), rows, indices, False)
+
+
+def _gather_add(table, rows, indices, oob_mode=nisa.oob_mode.error):
+    """The stub's gather read-modify-write (l. 2264-2267): acc(SBUF) = acc + table[indices], dst in SBUF."""
+    P, F = rows.shape
+    acc = nl.ndarray((P, F), rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=acc, src=rows)
+    idx = nl.ndarray((P, 1), nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=indices)
+    view = table.ap([[F, P], [1, F]], vector_offset=idx, indirect_dim=0)
+    nisa.dma_compute(acc, (view, acc), reduce_op=nl.add, oob_mode=oob_mode)
+    return _to_hbm((acc,))[0]
+
+
+def test_dma_compute_gather_read_modify_write_and_its_skipped_rows():
+    rng = np.random.default_rng(13)
+    table, rows = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(nki_emulator.jit(_gather_add)(table, rows, np.array([[6], [1], [3]], np.uint32)),
+                               rows + table[[6, 1, 3]], rtol=1e-6)
+    past_the_end = np.array([[6], [8], [3]], np.uint32)
+    with pytest.raises(NkiValidationError, match="out of bounds"):
+        nki_emulator.jit(_gather_add)(table, rows, past_the_end)
+    out = nki_emulator.jit(_gather_add)(table, rows, past_the_end, nisa.oob_mode.skip)
+    np.testing.assert_allclose(out, np.stack([rows[0] + table[6], rows[1], rows[2] + table[3]]), rtol=1e-6)
+
+
+def _local_gather(src_buffer, index, num_elem_per_idx, num_valid_indices, output_shape):
+    """The 0.4 SDK's local_gather example (nki/test/test_nki_isa_local_gather.py l. 18-38), in the 0.4 dialect."""
+    src = nl.ndarray(src_buffer.shape, src_buffer.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=src, src=src_buffer)
+    idx = nl.ndarray(index.shape, index.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=index)
+    out = nl.ndarray(output_shape, src_buffer.dtype, buffer=nl.sbuf)
+    nisa.local_gather(dst=out, src_buffer=src, index=idx, num_elem_per_idx=num_elem_per_idx,
+                      num_valid_indices=num_valid_indices)
+    return _to_hbm((out,))[0]
+
+
+def test_local_gather_matches_the_sdk_examples_numpy_semantics():
+    """The numpy reference of nki/test/test_nki_isa_local_gather.py (l. 44-86, 3afa0fdf), at its shapes: each
+    core of 16 partitions flattens its index slice column by column, and every partition reads its own row."""
+    rng = np.random.default_rng(8)
+    src_buffer = (rng.random((128, 512, 4)) * 100).astype(np.float32)
+    index_per_core = rng.integers(0, 512, (16, 4)).astype(np.uint16)
+    index = np.tile(index_per_core, (8, 1))
+    num_elem_per_idx, num_valid_indices, output_shape = 4, 64, (128, 4, 16, 4)
+    out = nki_emulator.jit(_local_gather)(src_buffer, index * num_elem_per_idx, num_elem_per_idx, num_valid_indices,
+                                          output_shape)
+    expected = np.empty((128, num_valid_indices, num_elem_per_idx), np.float32)
+    for core in range(8):
+        rows = slice(16 * core, 16 * (core + 1))
+        indices_1d = index[rows].flatten(order="F")[:num_valid_indices]
+        expected[rows] = np.take(src_buffer[rows], indices_1d, axis=1)
+    np.testing.assert_array_equal(out, expected.reshape(output_shape))
+
+
+@pytest.mark.parametrize("index, width, valid, message", [
+    (np.zeros((32, 2), np.uint32), 1, None, "index must be uint16"),
+    (np.zeros((32, 2), np.uint16), 3, None, "num_elem_per_idx must be one of"),
+    (np.zeros((32, 2), np.uint16), 1, 33, "num_valid_indices 33 must be at most the 32"),
+    (np.full((32, 2), 60, np.uint16), 8, None, "past the 64 elements"),
+])
+def test_local_gather_refuses_what_its_stub_rules_out(index, width, valid, message):
+    """The stub's three tile-size constraints, uint16 indices (3afa0fdf isa stub l. 1503-1516), and an index past
+    a partition's row ("Behavior of out-of-bound index access is undefined", l. 1492)."""
+    src = np.zeros((32, 64), np.float32)  # a core's 16 partitions of 2 indices each: 32 indices per core
+    with pytest.raises(NkiValidationError, match=message):
+        nki_emulator.jit(_local_gather)(src, index, width, valid, (32, (valid or 32) * width))
+
+
+def test_shared_identity_matrix_is_an_sbuf_identity_that_transposes_through_a_matmul():
+    """The 0.4 language stub (l. 2061-2083): an (n, n) identity in SBUF of the dtype asked; nki-library uses it as a
+    matmul operand to transpose (core/moe/moe_tkg/all_expert_impl.py l. 180, 311)."""
+    x = np.random.default_rng(9).standard_normal((32, 16)).astype(np.float32)
+
+    @nki_emulator.jit
+    def kernel(x):
+        identity = nl.shared_identity_matrix(n=32, dtype=nl.float32)
+        assert identity.buffer == nl.sbuf and identity.shape == (32, 32) and identity.dtype == nl.float32
+        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x)
+        product = nl.ndarray((16, 32), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=product, stationary=tile, moving=identity)  # tile.T @ I
+        result = nl.ndarray((16, 32), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=result, src=product)
+        return _to_hbm((identity, result))
+
+    with nki_emulator.counting() as counts:
+        identity, transposed = kernel(x)
+    loads = [i for i in counts.trace if i.name == "shared_identity_matrix"]
+    assert [(i.engine, i.partitions, i.free) for i in loads] == [("dma", 32, 32)]  # priced as one DMA of its rows
+    np.testing.assert_array_equal(identity, np.eye(32))
+    np.testing.assert_allclose(transposed, x.T, rtol=1e-6)
+
+    def into(x, buffer):
+        tile = nl.ndarray((8, 8), nl.bfloat16, buffer=buffer)
+        nl.shared_identity_matrix(8, dtype=nl.bfloat16, dst=tile)
+        return _to_hbm((tile,))[0] if buffer == nl.sbuf else x
+
+    np.testing.assert_array_equal(nki_emulator.jit(into)(x, nl.sbuf).astype(np.float32), np.eye(8))
+    with pytest.raises(NkiValidationError, match=r"dst must be an \(8, 8\) SBUF tile"):
+        nki_emulator.jit(into)(x, nl.psum)
+
+
+def _indirect_transpose(src_hbm, idx_hbm, dge_mode=nisa.dge_mode.unknown):
+    """The 0.4 stub's indirect transpose with 1-D indices (3afa0fdf isa stub l. 728-751), at 16 rows."""
+    rows, columns = src_hbm.shape[0], src_hbm.shape[1]
+    idx = nl.ndarray(idx_hbm.shape, idx_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=idx_hbm)
+    dst = nl.ndarray((columns, idx_hbm.shape[0]), src_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=dst, src=src_hbm.ap(pattern=[[columns, idx_hbm.shape[0]], [1, columns]],
+                                               vector_offset=idx, indirect_dim=0), axes=(1, 0), dge_mode=dge_mode)
+    return _to_hbm((dst,))[0]
+
+
+def test_indirect_dma_transpose_gathers_rows_then_transposes():
+    """``flat_indices = indices.T.flatten()[:src.shape[0]]; dst = src[flat_indices, :].T`` (l. 724-726)."""
+    src = np.random.default_rng(10).standard_normal((40, 32)).astype(ml_dtypes.bfloat16)
+    indices = np.random.default_rng(11).permutation(40)[:16].reshape(16, 1).astype(np.uint32)
+    np.testing.assert_array_equal(nki_emulator.jit(_indirect_transpose)(src, indices), src[indices[:, 0]].T)
+    with pytest.raises(NkiValidationError, match="dge_mode must be unknown or swdge"):
+        nki_emulator.jit(_indirect_transpose)(src, indices, nisa.dge_mode.hwdge)
+    with pytest.raises(NkiValidationError, match="uint32 indices"):
+        nki_emulator.jit(_indirect_transpose)(src, indices.astype(np.int32))
+
+
+def test_dma_enum_arguments_are_taken_by_value_and_a_direct_transpose_refuses_swdge():
+    """nki-library passes ``dge_mode=3`` (dge_mode.none by value; core/qkv/qkv_tkg.py l. 66) and transposes directly
+    with it (core/mlp/mlp_tkg/mlp_tkg_gate_up_projection.py l. 333); swdge is the indirect transpose's (isa stub
+    3afa0fdf l. 697-709)."""
+    x = np.random.default_rng(12).standard_normal((16, 32)).astype(ml_dtypes.bfloat16)
+
+    def kernel(x, dge_mode):
+        tile = nl.ndarray((32, 16), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=tile, src=x, dge_mode=dge_mode)
+        return _to_hbm((tile,))[0]
+
+    np.testing.assert_array_equal(nki_emulator.jit(kernel)(x, 3), x.T)
+    with pytest.raises(NkiValidationError, match="swdge is the indirect transpose"):
+        nki_emulator.jit(kernel)(x, nisa.dge_mode.swdge)
+    with pytest.raises(NkiValidationError, match="not a nki.isa.dge_mode"):
+        nki_emulator.jit(kernel)(x, 7)

@@ -677,20 +677,74 @@ def test_shape_and_dtype_mismatches():
     raises(bn_stats_width, rand((1, 1)), match=["bn_stats", "1024", "512"])
 
 
-def test_reads_of_never_written_memory():
-    def partial(x):
-        tile = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, name="half")
-        nisa.memset(tile[:, 0:256], 1.0)
-        nisa.tensor_copy(nl.ndarray((128, 256), nl.float32), tile[:, 0:256])  # fine: written
-        nisa.tensor_copy(nl.ndarray((128, 512), nl.float32), tile)
+def test_never_written_memory_is_poison_that_fails_only_where_it_reaches_an_output():
+    """As AWS's simulator (aws-neuron-sdk 3afa0fdf nki/guides/nki_simulator.rst l. 212-221): new memory holds NaN,
+    NaN propagates, and an output computed from memory never written carries it (or, where its dtype has no NaN,
+    is refused). A kernel may read lanes it never wrote and drop them, as nki-library's kernels do."""
+    @jit
+    def half_written(x, keep_rows):
+        tile = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf, name="half")
+        nisa.dma_copy(dst=tile[0:64, :], src=x)
+        exp = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=exp, op=nl.exp, data=tile)  # reads 64 partitions never written
+        top = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=top, src=exp)
+        out = nl.ndarray((keep_rows, 16), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:8], src=exp[0:keep_rows, :])
+        nisa.dma_copy(dst=out[:, 8:16], src=top[0:keep_rows, :])
+        return out
 
-    raises(partial, rand((1, 1)), match=["tensor_copy", "src reads memory that was never written", "half"])
+    x = rand((64, 8))
+    out = half_written(x, 64)  # the poisoned lanes are dropped: the output is clean
+    np.testing.assert_allclose(out[:, 0:8], np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(out[:, 8:16], -np.sort(-np.exp(x), axis=1), rtol=1e-6)
+    out = half_written(x, 128)  # they reach it: NaN, max8's sort included
+    assert not np.isnan(out[:64]).any() and np.isnan(out[64:]).all()
 
+    @jit
+    def laundered(x, op):  # a comparison, a max or an integer tile would otherwise hide the NaN
+        tile = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[:, 0:2], src=x)
+        result = nl.ndarray((1, 4), nl.int32 if op is None else nl.float32, buffer=nl.sbuf)
+        if op is None:
+            nisa.tensor_copy(dst=result, src=tile)
+        else:
+            nisa.tensor_scalar(dst=result, data=tile, op0=op, operand0=0.0)
+        out = nl.ndarray((1, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.tensor_copy(dst=tile, src=result)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+
+    for op in (nl.greater, nl.maximum, None):
+        out = laundered(np.ones((1, 2), np.float32), op)
+        assert not np.isnan(out[:, 0:2]).any() and np.isnan(out[:, 2:]).all(), op
+
+    def integer_output(x):
+        tile = nl.ndarray((1, 4), nl.int32, buffer=nl.sbuf, name="ints")
+        nisa.iota(tile[:, 0:2], [[1, 2]], offset=0)
+        out = nl.ndarray((1, 4), nl.int32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
+
+    raises(integer_output, rand((1, 1)), match=["2 elements of the output", "never written", "int32 one cannot"])
+
+    @jit
     def accumulate_on_garbage(x):
         acc = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
         nisa.nc_matmul(acc, nl.zeros((128, 128), nl.bfloat16), nl.zeros((128, 512), nl.bfloat16), accumulate=True)
+        tile = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=acc)
+        out = nl.ndarray((128, 512), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tile)
+        return out
 
-    raises(accumulate_on_garbage, rand((1, 1)), match=["nc_matmul", "dst (accumulate=True)", "never written"])
+    assert np.isnan(accumulate_on_garbage(rand((1, 1)))).all()
+
+    def address_from_garbage(x):
+        index = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="index")
+        x.ap([[1, 1]], scalar_offset=index)
+
+    raises(address_from_garbage, rand((4, 1)), match=["scalar_offset reads memory that was never written", "index"])
 
     @jit
     def unwritten_output(x):  # unwritten HBM output elements come back as NaN (garbage on hardware)
