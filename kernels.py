@@ -792,8 +792,10 @@ def _load_cols(src, b, h, dtype, on_scalar):
     """HBM src[b, h] (S, d) -> one (d_piece, S) cols tile per head-dim piece, for a head only ever
     contracted over d. 512 positions per DMA, row-major into (128, 4, d): partition p gets the 4
     consecutive positions 4p..4p+3, one contiguous 4d-element run on both sides (a quarter of the
-    descriptors of 128-row DMAs). TensorE transposes slot j into every 4th column of a PSUM bank
-    (positions 4p + j), so one copy out of the bank gives the columns in position order."""
+    descriptors of 128-row DMAs). TensorE transposes slot j into the j-th 128 columns of a PSUM bank (a
+    PSUM write starts 4-byte aligned, nl.tile_size.psum_min_align: slot j of interleaved bf16 columns
+    would start at byte 2j), and one copy out of the bank writes them to every 4th SBUF column
+    (positions 4p + j, a minor stride of 4 elements), so the columns come out in position order."""
     seq_len, head_dim = src.shape[2], src.shape[3]
     pieces = []
     for piece in _head_dim_pieces(head_dim):
@@ -805,10 +807,11 @@ def _load_cols(src, b, h, dtype, on_scalar):
         nisa.dma_copy(dst=rows, src=src[b, h, start:start + width, :])
         for p in range(len(pieces)):
             first, size = _head_dim_pieces(head_dim)[p]
-            transposed = nl.ndarray((size, TILE, per_partition), dtype=dtype, buffer=nl.psum)
+            transposed = nl.ndarray((size, per_partition, TILE), dtype=dtype, buffer=nl.psum)
             for j in range(per_partition):
-                nisa.nc_transpose(dst=transposed[:, :, j], data=rows[:, j, first:first + size])
-            _evict(pieces[p][:, start:start + width], transposed, on_scalar)
+                nisa.nc_transpose(dst=transposed[:, j, :], data=rows[:, j, first:first + size])
+            slot_major = pieces[p].ap([[seq_len, size], [1, per_partition], [per_partition, TILE]], offset=start)
+            _evict(slot_major, transposed, on_scalar)
     return tuple(pieces)
 
 

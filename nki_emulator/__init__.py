@@ -28,7 +28,7 @@ import numpy as np
 from . import isa, language, timeline, typing
 from ._cost import (ASSUMPTIONS, CALIBRATION_ASSUMPTIONS, ENGINE_SPECS, LAUNCH_S, estimate, instruction_seconds,
                     matmul_cycles)
-from ._memory import HBM, MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
+from ._memory import MemoryRegion, NkiTensor, as_dtype, check_capacity, poison, wrap_host
 from ._runtime import (Core, Counts, Instruction, Launch, NkiValidationError, counting, nki_since, nki_version, running,
                        set_nki_version,
                        set_target, target)
@@ -198,11 +198,15 @@ def _to_host(result, torch_out):
         return tuple(_to_host(item, torch_out) for item in result)
     if not isinstance(result, NkiTensor):
         return result
-    if result.buffer not in HBM:
-        # nl.hbm (private HBM) outputs are returned too: aws-neuron-sdk 3afa0fdf nki/guides/how-to-scheduling-apis.rst
-        # l. 38-41 and the nonzero_with_count example, nki/api/nki/isa/__init__.py l. 2834-2838
-        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in HBM (nl.shared_hbm or nl.hbm); "
-                                 f"this one is in {result.buffer.value}")
+    if result.buffer is not MemoryRegion.shared_hbm:
+        # From NKI 0.3.0 on (every release emulated): aws-neuron-sdk 3afa0fdf release-notes/components/nki.rst l. 205,
+        # a breaking change. The guides that return nl.hbm (how-to-scheduling-apis.rst l. 38, the kernel-optimization
+        # tutorial) date from Neuron 2.28 (NKI 0.2.0, commit 86a92868), before it; nki-library's kernels, which run on
+        # hardware, return every output in nl.shared_hbm.
+        raise NkiValidationError(f"nki.jit: kernel outputs must be allocated in nl.shared_hbm; this one is in "
+                                 f"{result.buffer.value} (NKI 0.3.0 on: \"Output tensors must use "
+                                 "buffer=nl.shared_hbm. Using nl.hbm causes compilation failures.\", aws-neuron-sdk "
+                                 "release-notes/components/nki.rst l. 205)")
     array = np.array(result._data)
     unwritten = poison(result)
     if unwritten is not None and array.dtype.kind not in "fV":

@@ -19,8 +19,11 @@ Model
 - Capacity is checked the way a compiler allocates: an on-chip tile is live from the first instruction
   that touches it to the last one (instruction indices on its core), occupying
   ``prod(shape[1:]) * itemsize`` bytes in every partition. When a kernel returns, the emulator finds
-  the instruction with the most live bytes and raises if SBUF (per-target budget) or PSUM (16 KiB per
-  partition) was exceeded there. A tile allocated but never used costs nothing.
+  the instruction with the most live bytes and raises if SBUF (per-target budget) or PSUM (nl.tile_size.psum_num_banks
+  banks of 2 KiB per partition, each PSUM tile taking whole banks) was exceeded there. A tile allocated but never
+  used costs nothing.
+- Addresses: an on-chip tile sits at ``(first partition, first byte)`` (``nl.ndarray(address=)``, else (0, 0));
+  every instruction operand is checked where it starts (``_check_on_chip_access``).
 """
 
 import itertools
@@ -31,7 +34,8 @@ from enum import Enum
 import ml_dtypes
 import numpy as np
 
-from ._runtime import NkiValidationError, PARTITIONS, PSUM_PARTITION_BYTES, current, target
+from ._runtime import (NkiValidationError, PARTITIONS, PSUM_BANK_BYTES, PSUM_PARTITION_BYTES, current, psum_num_banks,
+                       target)
 from ._unemulated import UnemulatedDType
 
 
@@ -107,7 +111,8 @@ class _Liveness:
 
 
 class _Storage:
-    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness", "serial")
+    __slots__ = ("array", "written", "matmul_written", "unwritten", "buffer", "name", "label", "liveness", "serial",
+                 "address")
     _serials = itertools.count()  # each storage's identity in the trace (Instruction.reads/writes)
 
     def __init__(self, array, buffer, name, label, initialised):
@@ -120,6 +125,7 @@ class _Storage:
         self.matmul_written = np.zeros(array.shape, np.bool_) if buffer is PSUM else None
         self.liveness = None
         self.serial = next(_Storage._serials)
+        self.address = (0, 0)  # on chip: (first partition, first byte in each partition), as nl.ndarray(address=)
 
 
 class NkiTensor:
@@ -561,8 +567,8 @@ def _check_slice(k, n, dim):
     return slice(start, stop, step)
 
 
-def allocate(shape, dtype, buffer, name, what="ndarray"):
-    """New uninitialised storage on the running core (``nl.ndarray``)."""
+def allocate(shape, dtype, buffer, name, what="ndarray", address=None):
+    """New uninitialised storage on the running core (``nl.ndarray``), at ``address`` where one is given."""
     core = current(what)
     shape = tuple(int(s) for s in shape)
     dtype = as_dtype(dtype, what)
@@ -577,6 +583,8 @@ def allocate(shape, dtype, buffer, name, what="ndarray"):
     if buffer is MemoryRegion.shared_hbm and core.shared_hbm_next < len(core.launch.shared_hbm):
         return _shared_alias(core, shape, dtype, what)
     storage = _Storage(np.full(shape, _sentinel(dtype), dtype), buffer, name, label, initialised=False)
+    if address is not None and buffer in ON_CHIP:
+        storage.address = _check_address(address, shape, dtype, buffer, what)
     if buffer in ON_CHIP:
         storage.liveness = _Liveness(storage.array.size // shape[0] * dtype.itemsize, buffer, label)
         core.tiles.append(storage.liveness)
@@ -601,6 +609,35 @@ def _check_on_chip_shape(shape, dtype, buffer, what):
                                  f"more than {kind} holds on {target().name} ({limit} bytes)")
 
 
+PSUM_MIN_ALIGN = 4  # nl.tile_size.psum_min_align: leanprover/KLR KLR/Trace.lean l. 48
+_PSUM_ALIGN_SOURCE = "aws-neuron-sdk 3afa0fdf nki/api/nki.language.tile_size.rst l. 56-57; KLR/Trace.lean l. 48"
+_BANK_SOURCE = "aws-neuron-sdk 3afa0fdf nki/migration/nki-beta2-migration-guide.rst l. 330-335"
+
+
+def _check_address(address, shape, dtype, buffer, what):
+    """``nl.ndarray(address=(partition_offset, free_offset))`` (nl stub, aws-neuron-sdk 3afa0fdf
+    nki/api/nki/language/__init__.py l. 1979; free_offset in bytes): the tile inside the partitions and inside its
+    buffer; in PSUM it starts at the beginning of a bank ("the compiler will throw an error otherwise") and stays
+    inside that bank, or inside PSUM's 16 KiB where a tile may span banks (trn3)."""
+    if not (isinstance(address, (tuple, list)) and len(address) == 2
+            and all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in address)):
+        raise NkiValidationError(f"{what}: address must be (partition_offset, free_offset), two ints >= 0, got "
+                                 f"{address!r}")
+    partition, free = address = tuple(address)
+    row = int(np.prod(shape[1:])) * dtype.itemsize
+    if partition + shape[0] > PARTITIONS:
+        raise NkiValidationError(f"{what}: address {address} puts a {shape[0]}-partition tile past partition "
+                                 f"{PARTITIONS - 1}")
+    end = PSUM_PARTITION_BYTES if buffer is PSUM else target().sbuf_usable_bytes
+    if free + row > end:
+        raise NkiValidationError(f"{what}: address {address} with {row} bytes per partition ends at byte {free + row}, "
+                                 f"past the {end} bytes of a {buffer.value.upper()} partition")
+    if buffer is PSUM and free % PSUM_BANK_BYTES:
+        raise NkiValidationError(f"{what}: a PSUM tile starts at the beginning of a bank; free_offset {free} is not a "
+                                 f"multiple of {PSUM_BANK_BYTES} ({_BANK_SOURCE})")
+    return partition, free
+
+
 def _shared_alias(core, shape, dtype, what):
     """The n-th shared_hbm allocation of a program that another program of its launch made first: the same one."""
     storage = core.launch.shared_hbm[core.shared_hbm_next]
@@ -619,22 +656,31 @@ def wrap_host(array, buffer, label):
 
 def check_capacity(core):
     """Raise if the live on-chip tiles of ``core`` ever exceeded SBUF or PSUM capacity."""
-    limits = {SBUF: target().sbuf_usable_bytes, PSUM: PSUM_PARTITION_BYTES}
+    limits = {SBUF: target().sbuf_usable_bytes, PSUM: psum_num_banks() * PSUM_BANK_BYTES}
     for buffer, limit in limits.items():
         tiles = [t for t in core.tiles if t.buffer is buffer and t.first >= 0]
-        events = sorted([(t.first, t.nbytes) for t in tiles] + [(t.last + 1, -t.nbytes) for t in tiles])
+        events = sorted([(t.first, _footprint(t)) for t in tiles] + [(t.last + 1, -_footprint(t)) for t in tiles])
         live = peak = peak_at = 0
         for at, delta in events:
             live += delta
             if live > peak:
                 peak, peak_at = live, at
         if peak > limit:
-            alive = sorted((t for t in tiles if t.first <= peak_at <= t.last), key=lambda t: -t.nbytes)
-            listing = "; ".join(f"{t.label} ({t.nbytes} B/partition)" for t in alive[:4])
+            alive = sorted((t for t in tiles if t.first <= peak_at <= t.last), key=lambda t: -_footprint(t))
+            listing = "; ".join(f"{t.label} ({_footprint(t)} B/partition)" for t in alive[:4])
             raise NkiValidationError(
                 f"{core.issued[peak_at]} (instruction #{peak_at}): {buffer.value.upper()} holds {peak} bytes per "
                 f"partition of live tiles, over the {limit} bytes per partition a kernel may use on {target().name} "
-                f"(nl.tile_size.total_available_sbuf_size for SBUF; 16 KiB for PSUM); largest live tiles: {listing}")
+                f"(nl.tile_size.total_available_sbuf_size for SBUF; for PSUM nl.tile_size.psum_num_banks whole "
+                f"banks of 2 KiB, a tile taking whole banks: {_BANK_SOURCE}); largest live tiles: {listing}")
+
+
+def _footprint(liveness):
+    """Bytes per partition a live tile takes: SBUF its size; PSUM whole banks, since a PSUM tile starts at the
+    beginning of a bank (_BANK_SOURCE)."""
+    if liveness.buffer is not PSUM:
+        return liveness.nbytes
+    return -(-liveness.nbytes // PSUM_BANK_BYTES) * PSUM_BANK_BYTES
 
 
 # ---- operand access used by the instructions ------------------------------------------------------
@@ -652,6 +698,8 @@ def operand(core, instr, role, t, allowed, why):
         raise NkiValidationError(f"{instr}: {role} is {t._outside}")
     if t._rows is not None:  # an indirect view reads the storage as it is now
         t._rows.gather(t)
+    if t._storage.buffer in ON_CHIP:
+        _check_on_chip_access(instr, role, t)
     core.accessed.append((role, t))  # for the trace's reads and writes (_runtime.count)
     liveness = t._storage.liveness
     if liveness is not None:
@@ -667,6 +715,39 @@ def poison(t):
         return None
     unwritten = ~t._written.all(axis=-1)
     return unwritten if unwritten.any() else None
+
+
+_PARTITION_SOURCE = "aws-neuron-sdk 3afa0fdf nki/guides/architecture/trainium_inferentia2_arch.rst l. 704-713"
+_PARTITION_STARTS = ((32, (0, 32, 64, 96)), (64, (0, 64)), (PARTITIONS, (0,)))  # up to n partitions: the starts
+
+
+def _check_on_chip_access(instr, role, t):
+    """Where an instruction may access an SBUF/PSUM tile. A PSUM access starts at a free-dimension address aligned to
+    nl.tile_size.psum_min_align, 4 bytes. A compute engine's access (every instruction but the DMA ones, which move
+    each partition as its own buffer: the same guide, l. 654-658) takes consecutive partitions, no partition
+    striding, and starts at 0 for 65-128 partitions, at 0 or 64 for 33-64, at 0, 32, 64 or 96 for 1-32 (the guide,
+    l. 704-713: "hardware does not allow P dimension striding")."""
+    storage, data = t._storage, t._data
+    row = storage.array.strides[0]
+    offset = data.__array_interface__["data"][0] - storage.array.__array_interface__["data"][0]
+    first_partition, first_byte = storage.address
+    address = first_byte + offset % row
+    if storage.buffer is PSUM and address % PSUM_MIN_ALIGN:
+        raise NkiValidationError(f"{instr}: {role} starts at byte {address} of its PSUM partition, not a multiple of "
+                                 f"{PSUM_MIN_ALIGN} (PSUM free-dimension addresses are {PSUM_MIN_ALIGN}-byte aligned, "
+                                 f"nl.tile_size.psum_min_align: {_PSUM_ALIGN_SOURCE}); {storage.label}")
+    if instr.startswith("dma_") or instr == "sendrecv":
+        return
+    count, start = data.shape[0], first_partition + offset // row
+    if count > 1 and data.strides[0] != row:
+        raise NkiValidationError(f"{instr}: {role} takes partitions with a step of {data.strides[0] // row}; an "
+                                 "instruction accesses consecutive partitions, the hardware does not allow partition "
+                                 f"striding ({_PARTITION_SOURCE}); {storage.label}")
+    starts = next(allowed for most, allowed in _PARTITION_STARTS if count <= most)
+    if start not in starts:
+        raise NkiValidationError(f"{instr}: {role} accesses partitions {start}-{start + count - 1}; an access of "
+                                 f"{count} partitions must start at partition {' or '.join(map(str, starts))} "
+                                 f"({_PARTITION_SOURCE}); {storage.label}")
 
 
 def check_written(instr, role, t):

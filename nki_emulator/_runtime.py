@@ -72,6 +72,14 @@ def target():
     return _target
 
 
+def psum_num_banks():
+    """The PSUM banks a kernel may use per partition: 8, or 7 where the compiler lowers dma_transpose to PE transposes
+    (``NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true`` on trn2 and later), which reserves bank 7 for nc_transpose
+    (aws-neuron-sdk 3afa0fdf nki/api/nki.language.tile_size.rst l. 24-30, psum_num_banks)."""
+    lowered = os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() == "true"
+    return PSUM_PARTITION_BYTES // PSUM_BANK_BYTES - (lowered and _target.nc_version != "gen2")
+
+
 # The NKI release whose documented rules apply. The contest's is 0.4 (Neuron 2.30.0, aws-neuron-sdk 3afa0fdf); 0.6
 # is the current one (Neuron 2.32.0, a3247f5b); 0.7 (Neuron 2.33) traces kernels as plain Python (see _values). A
 # refusal that depends on it names it ("NKI 0.4").

@@ -65,16 +65,18 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
-from ._cost import ENGINE_SPECS, LAUNCH_S, MIN_II, calibration_factor, estimate, instruction_seconds
+from ._cost import ENGINE_SPECS, LAUNCH_S, MIN_II, STATIC_CYCLES, calibration_factor, estimate, instruction_seconds
 from ._runtime import target as current_target
 
-DEPENDENCY_S = 189e-9 - MIN_II / ENGINE_SPECS["trn1"].scalar_hz  # [PERF]: 264-cycle dependent chain, 143 ns extra
+# [PERF]: a chain of dependent one-element ScalarE instructions issues one per ~189 ns (264 cycles on trn1); the
+# calibrated figure charges each MIN_II + STATIC_CYCLES, so the read-after-write edge is the rest (~71 ns)
+DEPENDENCY_S = 189e-9 - (MIN_II + STATIC_CYCLES) / ENGINE_SPECS["trn1"].scalar_hz
 DMA_FIXED_S = 1.3e-6  # [DMA]: "semaphore-to-start latency (~1300 ns cross-engine)" per transfer
 COMPUTE_TRACKS = ("tensor", "vector", "scalar", "gpsimd")
 _MERGE_ABOVE = 32  # accesses kept per tile before they merge into one (keeps long traces linear)
 
-_TIMING = ("an instruction waits for the tiles it reads to be written (+143 ns after a compute engine, [PERF]'s "
-           "dependent chain) and for the tiles it writes to be free; DMA transfers wait in three queues (loads, "
+_TIMING = ("an instruction waits for the tiles it reads to be written (+72 ns after a compute engine: [PERF]'s "
+           "dependent chain less the instructions' MIN_II and static overhead) and for the tiles it writes to be free; DMA transfers wait in three queues (loads, "
            "stores, other copies), each paying 1.3 us of fixed cost ([DMA]) overlapped with other transfers in "
            "flight, and share the DMA bandwidth; every allocation is its own buffer")
 _CALIBRATED = ("each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
@@ -415,8 +417,12 @@ def schedule(trace, generation=None, seconds=instruction_seconds, order="list"):
 
 
 def calibrated_seconds(instruction, generation):
-    """The cost model's time times the calibrated factor for the instruction's engine (_cost.CALIBRATED)."""
-    return instruction_seconds(instruction, generation) * calibration_factor(instruction, generation)
+    """The cost model's time times the calibrated factor for the instruction's engine (_cost.CALIBRATED), plus
+    the static overhead of a VectorE, ScalarE or GpSimd instruction (_cost.STATIC_CYCLES)."""
+    seconds = instruction_seconds(instruction, generation) * calibration_factor(instruction, generation)
+    if instruction.engine in ("vector", "scalar", "gpsimd"):
+        seconds += STATIC_CYCLES / ENGINE_SPECS[generation or current_target().name].hz(instruction.engine)
+    return seconds
 
 
 def _calibrated(trace, generation, order):

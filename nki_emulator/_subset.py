@@ -49,7 +49,8 @@ says anything; the migration guide's "Language restrictions" differ on keyword-o
   format specifiers", gather.c l. 1057).
 - ``with``: only ``with nl.no_reorder():`` (Simplify.lean ``stmt'`` l. 382-393: "NKI only supports
   with statements with a single, simple function call as context"; Annotations.lean ``withType``:
-  "invalid with context ... (only no_reorder is supported)"), which the emulator does not emulate.
+  "invalid with context ... (only no_reorder is supported)"); the block is recorded in the trace for the
+  scheduler (``nl.no_reorder``).
 - Decorators: staticmethod, dataclass and nki.jit ("unsupported decorator ...", Simplify.lean
   ``decorator`` l. 432; matched here by last name, as the front end sees the resolved ``nki.jit`` and
   the emulator's module is called ``nki_emulator``).

@@ -307,28 +307,14 @@ def trace_of(point, sources, folder, cache):
     return counts.trace, note
 
 
-def price(point, trace, note, static_cycles=0):
+def price(point, trace, note):
     bounds, figures = estimate(trace, point["hardware"]), schedule_figures(trace, point["hardware"])
     priced = {"overlap_s": bounds["estimate_s"], "serial_s": bounds["serial_s"], "bottleneck": bounds["bottleneck"],
               "engines_s": bounds["engines"], "scheduled_s": figures["scheduled_s"], "central_s": figures["central_s"],
               "pessimistic_s": figures["pessimistic_s"], "instructions": len(trace),
               "source_hbm_bytes": sum(i.partitions * i.free * _itemsize(i.dtypes[0]) for i in trace
                                       if i.engine == "dma"), "note": note}
-    if static_cycles:
-        priced["static_s"] = with_static_overhead(trace, point["hardware"], static_cycles)
     return priced
-
-
-def with_static_overhead(trace, generation, cycles):
-    """What-if, not the central figure: the central figure's list schedule with ``cycles`` more per VectorE, ScalarE
-    and GpSimd instruction, the "static instruction overhead in the order of ~100 cycles" of aws-neuron-sdk
-    nki/deep-dives/nki_perf_guide.rst (Opt #5a), which [ISA]'s max(MIN_II, N) does not add."""
-    def seconds(instruction, generation):
-        static = instruction.engine in ("vector", "scalar", "gpsimd")
-        return calibrated_seconds(instruction, generation) + (
-            cycles / ENGINE_SPECS[generation].hz(instruction.engine) if static else 0.0)
-    result = schedule(trace, generation, seconds, "list")
-    return result["scheduled_s"] + LAUNCH_S * result["launches"]
 
 
 def _measured(r):
@@ -351,12 +337,6 @@ def table(rows):
                      f"{times} | {ratio} |")
     lines.append("\n(times in ms; a bracket is priced against its middle)")
     lines += summary(rows, "central_s")
-    if any("static_s" in r for r in rows):
-        lines += ["", "What-if, the central figure plus the static overhead per VectorE/ScalarE/GpSimd instruction:",
-                  "| kernel | hw | dtype | measured | what-if | what-if / measured |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['kernel']} | {r['hardware']} | {r['dtype']} | {_measured(r)} | {1e3 * r['static_s']:.3f} | "
-                  f"{r['static_s'] / (r['measured_s'] or r['high_s']):.2f} |" for r in rows]
-        lines += summary(rows, "static_s")
     profiled = [r for r in rows if "measured_engines_s" in r]
     if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
         lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
@@ -410,8 +390,6 @@ def main(argv=None):
     parser.add_argument("--accelopt", default="", help="a checkout (or bare git dir) of zhang677/AccelOpt")
     parser.add_argument("--samples", default="", help="a checkout (or bare git dir) of aws-neuron/nki-samples")
     parser.add_argument("--autocomp", default="", help="a checkout (or bare git dir) of ucb-bar/autocomp")
-    parser.add_argument("--static_cycles", type=float, default=0, help="also print a what-if: the central figure "
-                        "with this many cycles more per VectorE/ScalarE/GpSimd instruction (the perf guide's ~100)")
     parser.add_argument("--only", default="", help="run only the points whose kernel name contains this")
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--cache", default="", help="a folder to keep each point's trace in (pickle), so that a "
@@ -429,8 +407,7 @@ def main(argv=None):
             if args.only not in point["kernel"]:
                 continue
             started = time.time()
-            rows.append({**point, **price(point, *trace_of(point, vars(args), folder, args.cache),
-                                          args.static_cycles)})
+            rows.append({**point, **price(point, *trace_of(point, vars(args), folder, args.cache))})
             print(f"{point['kernel']} {point['shape']}: {time.time() - started:.0f} s to emulate", file=sys.stderr)
             if args.json:  # after each point: a long run keeps what it has
                 with open(args.json, "w") as f:

@@ -386,22 +386,28 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     with _quiet():  # poison (NaN) in an operand
         result = read("nc_matmul", "stationary", stationary).reshape(k, m).T \
             @ read("nc_matmul", "moving", moving).reshape(k, n)
-    result = result.reshape(dst.shape)
-    adds = bool(accumulate)
-    if accumulate is None:
-        started = dst._matmul_written  # elements inside a running accumulation group
-        adds = bool(started.any())
-        if started.all():
-            result = result + np.asarray(dst._data, np.float32)
-        elif adds:
-            result = np.where(started, result + np.asarray(dst._data, np.float32), result)
-    elif accumulate:
-        result = result + read("nc_matmul", "dst (accumulate=True)", dst)
+    result, adds = _accumulated(dst, result.reshape(dst.shape), accumulate)
     write(dst, result)
     dst._matmul_written[...] = True
     wider = max(stationary.dtype, moving.dtype, key=lambda d: d.itemsize)
     count_matmul(k, m, n, wider.name)
     count("nc_matmul", "tensor", k, n, dst, (stationary, moving), stationary=m, accumulate=adds)
+
+
+def _accumulated(dst, result, accumulate):
+    """A matmul's ``result`` combined with what its PSUM ``dst`` holds, and whether it added: accumulate=None adds
+    where an element is inside a running accumulation group (a matmul wrote it before), True always adds, False
+    overwrites."""
+    if accumulate is None:
+        started = dst._matmul_written
+        if started.all():
+            return result + np.asarray(dst._data, np.float32), True
+        if started.any():
+            return np.where(started, result + np.asarray(dst._data, np.float32), result), True
+        return result, False
+    if accumulate:
+        return result + read("nc_matmul", "dst (accumulate=True)", dst), True
+    return result, False
 
 
 def _check_matmul_tiling(tile_position, tile_size):
@@ -992,7 +998,8 @@ def nc_find_index8(dst, data, vals, name=None):
     x = read("nc_find_index8", "data", data).reshape(p, f)
     wanted = read("nc_find_index8", "vals", vals).reshape(p, 8)
     found = _find_each(x, wanted, reverse=False)
-    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), np.broadcast_to(_poisoned_rows(x, wanted), found.shape))
+    poisoned = np.broadcast_to(_poisoned_rows(x, wanted), found.shape)
+    write(dst, np.where(found < 0, np.iinfo(dst.dtype).max, found), poisoned)
     count("nc_find_index8", "vector", p, f, dst, (data, vals))
 
 

@@ -18,9 +18,9 @@ import types
 import numpy as np
 
 from . import _memory, _runtime
-from ._memory import DTYPES, HBM, ON_CHIP, MemoryRegion, NkiTensor
+from ._memory import DTYPES, HBM, ON_CHIP, PSUM_MIN_ALIGN, MemoryRegion, NkiTensor
 from ._runtime import (PARTITIONS, PSUM_BANK_BYTES, NkiValidationError, current, nki_since, nki_version,
-                       no_reorder_block, target)
+                       no_reorder_block, psum_num_banks, target)
 from ._unemulated import UnemulatedDType, module_getattr, not_emulated
 
 # ---- dtypes and buffers -----------------------------------------------------------------------------
@@ -130,7 +130,10 @@ class _TileSize:
     psum_bank_fmax = PSUM_BANK_BYTES // 4  # fp32 elements in one PSUM bank row
     psum_fmax = psum_bank_fmax  # deprecated name of psum_bank_fmax
     psum_bank_fmax_bytes = PSUM_BANK_BYTES
-    psum_num_banks = 8
+    psum_num_banks = property(lambda self: psum_num_banks())
+    # byte alignment of a free-dimension address: the NKI front end's constants (leanprover/KLR KLR/Trace.lean l. 48-49)
+    psum_min_align = PSUM_MIN_ALIGN
+    sbuf_min_align = 1
     gemm_stationary_fmax = 128  # nc_matmul stationary free size (M)
     gemm_moving_fmax = 512  # nc_matmul moving free size (N)
     bn_stats_fmax = 512
@@ -142,14 +145,6 @@ class _TileSize:
     sbuf_size_bytes = property(lambda self: target().sbuf_partition_bytes * PARTITIONS)
     total_available_sbuf_size = sbuf_fmax_bytes
 
-    @property
-    def psum_min_align(self):
-        raise NotImplementedError("nki.language.tile_size.psum_min_align is not emulated")
-
-    @property
-    def sbuf_min_align(self):
-        raise NotImplementedError("nki.language.tile_size.sbuf_min_align is not emulated")
-
 
 tile_size = _TileSize()
 
@@ -158,8 +153,8 @@ tile_size = _TileSize()
 
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
     """Allocate an uninitialised tensor (filled with NaN, integers with 4: never-written memory is poison).
-    ``address`` is accepted and ignored: the emulator places every tile itself."""
-    return _memory.allocate(shape, dtype, buffer, name)
+    ``address``: ``(partition_offset, free_offset)`` of an on-chip tile, checked and kept (see _memory.allocate)."""
+    return _memory.allocate(shape, dtype, buffer, name, address=address)
 
 
 def zeros(shape, dtype, buffer=sbuf, name=""):

@@ -8,7 +8,7 @@ import torch
 import bench
 import kernels
 import train
-from kit import memory, runtime
+from kit import compiled_cost, memory, runtime
 
 
 def test_training_numbers_are_consistent_with_the_stated_formula(tmp_path):
@@ -157,20 +157,104 @@ def test_step_estimate_adds_up_and_grows_with_the_model_as_its_formulas_say(monk
         bench.step_estimate(cfg, GPTConfig(sequence_len=256, n_layer=2, n_embd=128, n_head=1), 3, kernel_costs)
 
 
-def test_step_estimate_prints_the_references_beside_their_measurements(monkeypatch, capsys):
-    tiny = dict(bench.REFERENCE_RUNS[0], args=["--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128",
-                                                "--batch_size=1"], measured_tokens_per_s=1000.0)
+def test_step_estimate_prints_three_figures_and_the_references_priced_as_they_ran(monkeypatch, capsys):
+    tiny = dict(bench.REFERENCE_RUNS[1], args=["--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128",
+                                                "--batch_size=1", "--total_batch_tokens=512"], ranks=2,
+                measured_tokens_per_s=1000.0, host_idle=0.2, micro_batch_step_s={1: 0.2, 2: 0.3, 4: 0.5})
     monkeypatch.setattr(bench, "REFERENCE_RUNS", (tiny,))
     results = bench.main(["--step_estimate", "--n_layer=1", "--n_embd=128", "--n_head=1", "--sequence_len=128",
                           "--batch_size=1", "--compile=false"])
     reference, = results["references"]
-    assert reference["estimate_over_measured"] == pytest.approx(reference["estimate_tokens_per_s"] / 1000.0)
-    assert set(results["step_estimate"]["kernel_costs_s"]) == set(kernels.KERNEL_OPS) | {"rms_norm_fp32"}
     printed = capsys.readouterr().out
-    assert f"{reference['estimate_tokens_per_s']:,.0f} / 1,000" in printed and "left out:" in printed
-    optimistic, central = results["step_estimate"]["tokens_per_s"], results["central"]["tokens_per_s"]
-    assert central < optimistic  # the kernels scheduled, the factors and the launches only add time
-    assert f"optimistic {optimistic:>10,.0f} tokens/s" in printed and f"central {central:>13,.0f} tokens/s" in printed
+    figures = [results[key]["tokens_per_s"] for key in ("step_estimate", "central", "pessimistic")]
+    assert figures[0] > figures[1] >= figures[2]  # scheduled, calibrated, launched; then no fusion
+    for name, rate in zip(bench.FIGURES, figures):
+        assert f"{name:<11} {rate:>10,.0f} tokens/s" in printed
+    for key in ("as_ran", "with_kernels"):  # like with like: the run as it ran, the kit's kernels beside it
+        assert reference[key]["optimistic"] >= reference[key]["central"] >= reference[key]["pessimistic"]
+        assert " / ".join(f"{reference[key][f]:,.0f}" for f in bench.FIGURES) in printed
+    assert reference["as_ran"]["central"] > reference["as_ran"]["pessimistic"]  # plain ops fused, then not
+    assert reference["with_kernels"]["optimistic"] > reference["with_kernels"]["central"]  # kernels scheduled
+    assert reference["measured_compute_tokens_per_s"] == pytest.approx(1000.0 / 0.8)  # the host idle taken out
+    assert reference["central_over_measured_compute"] == pytest.approx(reference["as_ran"]["central"] / 1250.0)
+    assert "host idle 20% of the step (measured)" in printed and "left out:" in printed
+    points = reference["at_micro_batches"]
+    assert [(k, step_s, compute_s) for k, step_s, compute_s, _ in points] == [
+        (1, 0.2, pytest.approx(0.16)), (2, 0.3, pytest.approx(0.24)), (4, 0.5, pytest.approx(0.4))]
+    priced = [priced_s for *_, priced_s in points]
+    assert priced[0] < priced[1] < priced[2]  # the step grows by a micro-batch's forward and backward each
+    assert "per micro-batch 100.0 ms measured, its compute 80.0" in printed  # through (1, 0.2), (2, 0.3), (4, 0.5)
+
+
+def test_eager_dispatch_is_named_apart_with_the_ops_the_step_dispatches():
+    cfg, model_cfg = train.parse_args(["--n_layer=1", "--n_embd=64", "--n_head=2", "--sequence_len=64",
+                                       "--batch_size=1", "--total_batch_tokens=64"])
+    one = bench.eager_ops_per_step(cfg, model_cfg)
+    deeper = bench.eager_ops_per_step(cfg, dataclasses.replace(model_cfg, n_layer=2))
+    two_micro_batches = bench.eager_ops_per_step(dataclasses.replace(cfg, total_batch_tokens=128), model_cfg)
+    assert 0 < one < deeper and one < two_micro_batches < 2 * one  # a micro-batch more: its forward and backward
+    row = {"eager": True, "step_tokens": 1000, "measured_tokens_per_s": 1000.0, "as_ran": {"central": 1250.0},
+           "eager_ops_per_step": one}  # a 1 s step, 0.8 s of it priced
+    line = bench._reference_overheads(row)
+    assert f"eager dispatch: {one:,} ATen ops a step" in line and "leaves 200 ms (20%) to it" in line
+    assert f"{2e5 / one:.1f} us an op" in line
+
+
+def _hbm_values(op):
+    """Values an op moves between HBM and SBUF."""
+    return sum(count * i.partitions * i.free for count, i in op if i.engine == "dma")
+
+
+def _elementwise(output, *inputs, elements=1024):
+    return compiled_cost.Node(output, inputs, "elementwise", ((1, compiled_cost.instruction(
+        "vector", "tensor_tensor" if len(inputs) > 1 else "tensor_scalar", elements, len(inputs), "float32")),))
+
+
+def test_an_elementwise_chain_fuses_into_one_loop_nest_that_reads_and_writes_hbm_once():
+    tensors = {name: (1024, "float32") for name in ("x", "w", "a", "b", "c")}
+    nodes = [_elementwise("a", "x"), _elementwise("b", "a", "w"), _elementwise("c", "b")]
+    fused, = compiled_cost.graph_ops(nodes, tensors, ["c"])
+    assert _hbm_values(fused) == 3 * 1024  # x and w read once, c written once: a and b stay in SBUF
+    unfused = compiled_cost.graph_ops(nodes, tensors, ["c"], fused=False)
+    assert [_hbm_values(op) for op in unfused] == [2 * 1024, 3 * 1024, 2 * 1024]  # every pass an HBM round trip
+    also_read = compiled_cost.graph_ops(nodes + [compiled_cost.Node("y", ("a", "w"), "matmul")],
+                                        {**tensors, "y": (1024, "float32")}, ["c", "y"])
+    assert _hbm_values(also_read[0]) == 4 * 1024  # a is read outside the loop nest: written out too
+    # the chain as bench prices it: fused, cheaper than the pessimistic figure's round trips, same compute
+    fused_passes = compiled_cost.passes(4096, one_input=2, two_input=1, scalar=1)
+    compiled_cost.fusing.append(False)
+    try:
+        unfused_passes = compiled_cost.passes(4096, one_input=2, two_input=1, scalar=1)
+    finally:
+        compiled_cost.fusing.pop()
+    assert _hbm_values(fused_passes) == 3 * 4096 and _hbm_values(unfused_passes) == (2 * 2 + 3 + 2) * 4096
+    compute = [(count, i) for count, i in fused_passes if i.engine != "dma"]
+    assert compute == [(count, i) for count, i in unfused_passes if i.engine != "dma"]
+
+
+def test_fusion_stops_at_matmuls_and_at_another_number_of_values():
+    tensors = {"x": (1024, "float32"), "a": (1024, "float32"), "s": (1024, "float32"), "b": (1024, "float32"),
+               "small": (16, "float32"), "c": (16, "float32")}
+    through_matmul = [_elementwise("a", "x"), compiled_cost.Node("s", ("a",), "matmul"), _elementwise("b", "s")]
+    assert [len(g) for g in compiled_cost.fuse(through_matmul, tensors)] == [1, 1, 1]
+    ops = compiled_cost.graph_ops(through_matmul, tensors, ["b"])
+    assert [_hbm_values(op) for op in ops] == [2 * 1024] * 3  # a and s each written to HBM, then read back
+    other_space = [_elementwise("a", "x"), _elementwise("c", "a", "small", elements=16)]
+    assert [len(g) for g in compiled_cost.fuse(other_space, tensors)] == [1, 1]
+    siblings = [_elementwise("a", "x"), _elementwise("b", "a"), _elementwise("s", "a", "b")]  # a read twice inside
+    assert [len(g) for g in compiled_cost.fuse(siblings, tensors)] == [3]
+
+
+def test_step_figures_are_ordered_optimistic_central_pessimistic():
+    from model import GPTConfig
+
+    cfg, _ = train.parse_args(["--batch_size=2", "--total_batch_tokens=2048"])
+    config = GPTConfig(sequence_len=512, n_layer=2, n_embd=512, n_head=4, vocab_size=512, kernels="torch")
+    costs = dict.fromkeys(kernels.KERNEL_OPS + ("rms_norm_fp32",))  # everything compiled: fusion decides
+    rates = [bench.step_estimate(cfg, config, 1, costs, figure)["tokens_per_s"] for figure in bench.FIGURES]
+    assert rates[0] > rates[1] > rates[2]  # calibrated TensorE (at these widths the matmuls bound), then unfused
+    with pytest.raises(ValueError, match="figure='best': use one of optimistic, central, pessimistic"):
+        bench.step_estimate(cfg, config, 1, costs, "best")
 
 
 NANOGPT_STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nanogpt_standin")

@@ -413,9 +413,19 @@ def test_a_no_reorder_block_keeps_program_order_on_its_engine_and_with_schedule_
     assert track_order(schedule(edged, "trn2"), "vector") == [2, 1, 3]
 
 
+def test_the_emulator_marks_the_matmuls_that_add_onto_their_psum_tile_so_a_kernels_group_stays_together():
+    a, b = np.ones((128, 128), np.float32).astype(nl.bfloat16), np.ones((128, 512), np.float32).astype(nl.bfloat16)
+    with nki_emulator.counting() as counts:
+        matmul_many_times(a, b)
+    matmuls = [n for n, i in enumerate(counts.trace) if i.name == "nc_matmul"]
+    assert [counts.trace[n].accumulate for n in matmuls] == [False] + [True] * 15  # the first overwrites, the rest add
+    assert track_order(schedule(counts.trace, "trn2"), "tensor") == matmuls
+
+
 @nki_emulator.jit
 def recip_and_exp(t):
-    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE."""
+    """aws-neuron-sdk's how-to-scheduling-apis.rst example, its second instruction on ScalarE, its output in
+    nl.shared_hbm (the guide's nl.hbm predates NKI 0.3.0, release-notes/components/nki.rst l. 205)."""
     x = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x, src=t)
     a = nl.ndarray(t.shape, t.dtype, buffer=nl.sbuf)
@@ -423,7 +433,7 @@ def recip_and_exp(t):
     with nl.no_reorder():
         nisa.reciprocal(dst=a, data=x, name="recip")
     nisa.activation(dst=b, op=nl.exp, data=x, name="exp")
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.hbm)
+    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=b)
     return out
 
@@ -488,3 +498,20 @@ def test_calibrated_factors_apply_to_their_engine_dtype_and_generation_only():
     assert calibrated_seconds(long_rows, "trn1") == instruction_seconds(long_rows, "trn1")
     assert calibrated_seconds(short_rows, "trn2") == instruction_seconds(short_rows, "trn2")
     assert all(any(key in line for line in ASSUMPTIONS) for key in ("85.24%", "51.80 ms", "18 us"))  # cited
+
+
+def test_the_calibrated_figure_adds_the_perf_guides_static_overhead_to_vector_scalar_and_gpsimd_only():
+    """nki_perf_guide Opt #5a: "static instruction overhead in the order of ~100 cycles" per VectorE, ScalarE and
+    GpSimd instruction; TensorE and DMA get none. A chain of dependent one-element ScalarE instructions then issues
+    one per ~189 ns on trn1, the guide's measured 264 cycles."""
+    hz = ENGINE_SPECS["trn2"].hz
+    for engine in ("vector", "scalar", "gpsimd"):
+        instruction = vector("tensor_scalar", 512, engine=engine)
+        assert calibrated_seconds(instruction, "trn2") == pytest.approx(
+            instruction_seconds(instruction, "trn2") + 100 / hz(engine))
+    assert calibrated_seconds(matmul(128, 512, FP32), "trn2") == instruction_seconds(matmul(128, 512, FP32), "trn2")
+    assert calibrated_seconds(dma(128, 4096), "trn2") == instruction_seconds(dma(128, 4096), "trn2")
+    one = vector("activation", 1, engine="scalar", ops=("copy",), partitions=1)
+    chain = [on(one, [tile(n)], [tile(n + 1)]) for n in range(11)]
+    slots = schedule(chain, "trn1", calibrated_seconds)["slots"]
+    assert (slots[-1].start - slots[0].start) / 10 == pytest.approx(189e-9, rel=0.01)

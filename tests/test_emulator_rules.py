@@ -376,6 +376,76 @@ def vector_copy(x):
     nisa.tensor_copy(dst=t, src=t, engine=nisa.engine.vector)
 
 
+# ---- addresses as the hardware takes them --------------------------------------------------------------------------
+
+def bf16_transpose_into_psum_at(element):
+    """A bf16 TensorE transpose into a PSUM tile starting at ``element``: byte 2*element of the partition."""
+    def kernel(x):
+        t = load(x, nl.bfloat16)
+        flipped = nl.ndarray((16, 16), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=flipped[:, element:element + 8], data=t)
+    return kernel
+
+
+def psum_tile_at(address, shape=(128, 512)):
+    def kernel(x):
+        nisa.memset(dst=nl.ndarray(shape, nl.float32, buffer=nl.psum, address=address), value=0.0)
+    return kernel
+
+
+def sbuf_tile_at(address):
+    def kernel(x):
+        nisa.memset(dst=nl.ndarray((32, 16), nl.float32, buffer=nl.sbuf, address=address), value=0.0)
+    return kernel
+
+
+def small_psum_tiles(count):
+    """``count`` PSUM tiles of 4 bytes per partition, all live at once: 9 of them fit 16 KiB by bytes, not by banks."""
+    def kernel(x):
+        tiles = []
+        for i in range(count):
+            tile = nl.ndarray((128, 1), nl.float32, buffer=nl.psum)
+            nisa.memset(dst=tile, value=0.0)
+            tiles.append(tile)
+        for i in range(count):
+            nisa.tensor_copy(dst=sbuf((128, 1)), src=tiles[i])
+    return kernel
+
+
+def copy_partitions(start, stop, step=1, instruction="tensor_copy"):
+    """A copy of partitions start..stop-1 (every ``step``-th) of a 128-partition tile into themselves."""
+    def kernel(x):
+        t = sbuf((128, 4))
+        nisa.memset(dst=t, value=1.0)
+        window = t[start:stop:step, :]
+        if instruction == "tensor_copy":
+            nisa.tensor_copy(dst=window, src=window)
+        elif instruction == "activation":
+            nisa.activation(dst=window, op=nl.exp, data=window)
+        else:
+            nisa.dma_copy(dst=window, src=window)
+    return kernel
+
+
+def output_in(buffer):
+    def kernel(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=buffer)
+        nisa.dma_copy(dst=out, src=load(x))
+        return out
+    return kernel
+
+
+def integer_output_rows(rows):
+    """An int32 tile written in its first 4 partitions only, then rows 0..rows-1 of it returned."""
+    def kernel(x):
+        t = nl.ndarray((8, 4), nl.int32, buffer=nl.sbuf)
+        nisa.iota(t[0:4, :], [[1, 4]], offset=0, channel_multiplier=4)
+        out = nl.ndarray((rows, 4), nl.int32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t[0:rows, :])
+        return out
+    return kernel
+
+
 class Rule(NamedTuple):
     broken: object
     twin: object
@@ -447,6 +517,33 @@ RULES = {
     "affine_select on_false_value is a scalar": Rule(affine_select_false(True), affine_select_false(False),
                                                      ("on_false_value",)),
     "ScalarE copy needs trn2": Rule(scalar_copy, vector_copy, ("tensor_copy", "trn1"), target="trn1"),
+    "PSUM free addresses are 4-byte aligned": Rule(bf16_transpose_into_psum_at(1), bf16_transpose_into_psum_at(2),
+                                                   ("byte 2", "psum_min_align", "tile_size.rst l. 56-57")),
+    "a PSUM tile starts at a bank": Rule(psum_tile_at((0, 1024)), psum_tile_at((0, 2048)),
+                                         ("beginning of a bank", "nki-beta2-migration-guide.rst")),
+    "a PSUM tile ends inside PSUM": Rule(psum_tile_at((0, 16384), (128, 8)), psum_tile_at((0, 14336), (128, 8)),
+                                         ("16416", "16384", "PSUM partition")),
+    "a tile at an address stays inside the partitions": Rule(sbuf_tile_at((100, 0)), sbuf_tile_at((96, 0)),
+                                                             ("past partition 127",)),
+    "a tile's address counts in its start partition": Rule(sbuf_tile_at((16, 0)), sbuf_tile_at((32, 0)),
+                                                           ("memset", "partitions 16-47")),
+    "an address is two offsets": Rule(sbuf_tile_at((0, -4)), sbuf_tile_at([0, 4]), ("two ints >= 0",)),
+    "PSUM is counted by whole banks": Rule(small_psum_tiles(9), small_psum_tiles(8),
+                                           ("PSUM", "18432", "16384", "whole banks")),
+    "up to 32 partitions start at 0/32/64/96": Rule(copy_partitions(16, 48), copy_partitions(32, 64),
+                                                    ("partitions 16-47", "0 or 32 or 64 or 96", "arch.rst l. 704-713")),
+    "33-64 partitions start at 0 or 64": Rule(copy_partitions(32, 80, instruction="activation"),
+                                              copy_partitions(64, 112, instruction="activation"),
+                                              ("partitions 32-79", "0 or 64")),
+    "over 64 partitions start at 0": Rule(copy_partitions(32, 128), copy_partitions(0, 96), ("partitions 32-127",)),
+    "a DMA is not held to partition starts": Rule(copy_partitions(16, 48), copy_partitions(16, 48, instruction="dma"),
+                                                  ("tensor_copy", "partitions 16-47")),
+    "no partition striding": Rule(copy_partitions(0, 128, 2), copy_partitions(0, 64),
+                                  ("a step of 2", "partition striding")),
+    "outputs in nl.shared_hbm": Rule(output_in(nl.hbm), output_in(nl.shared_hbm),
+                                     ("nl.shared_hbm", "private_hbm", "nki.rst l. 205")),
+    "an integer output carries no poison": Rule(integer_output_rows(8), integer_output_rows(4),
+                                                ("16 elements of the output", "never written", "int32")),
 }
 
 
@@ -490,6 +587,20 @@ def test_register_reductions_start_from_zero_as_documented():
     maxima = nki_emulator.jit(row_max_kernels)(x)
     np.testing.assert_array_equal(maxima[:, 0], 0.0)
     np.testing.assert_array_equal(maxima[:, 1], x.max(axis=1))
+
+
+def test_bank_7_is_reserved_when_dma_transposes_become_pe_transposes(monkeypatch):
+    """nl.tile_size.psum_num_banks is 7 with NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true on trn2 and later, 8 otherwise
+    (tile_size.rst l. 24-30); the PSUM budget follows it."""
+    assert nl.tile_size.psum_num_banks == 8 and nl.tile_size.psum_min_align == 4
+    nki_emulator.jit(small_psum_tiles(8))(x_in())
+    monkeypatch.setenv("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "true")
+    assert nl.tile_size.psum_num_banks == 7
+    with pytest.raises(NkiValidationError, match="16384 bytes per partition of live tiles, over the 14336"):
+        nki_emulator.jit(small_psum_tiles(8))(x_in())
+    nki_emulator.jit(small_psum_tiles(7))(x_in())
+    nki_emulator.set_target("trn1")
+    assert nl.tile_size.psum_num_banks == 8
 
 
 def test_version_and_target_settings_are_checked():

@@ -677,10 +677,10 @@ def test_shape_and_dtype_mismatches():
     raises(bn_stats_width, rand((1, 1)), match=["bn_stats", "1024", "512"])
 
 
-def test_never_written_memory_is_poison_that_fails_only_where_it_reaches_an_output():
+def test_never_written_lanes_may_be_read_and_dropped_and_reach_an_output_as_nan():
     """As AWS's simulator (aws-neuron-sdk 3afa0fdf nki/guides/nki_simulator.rst l. 212-221): new memory holds NaN,
-    NaN propagates, and an output computed from memory never written carries it (or, where its dtype has no NaN,
-    is refused). A kernel may read lanes it never wrote and drop them, as nki-library's kernels do."""
+    NaN propagates, and an output computed from memory never written carries it. A kernel may read lanes it never
+    wrote and drop them, as nki-library's kernels do."""
     @jit
     def half_written(x, keep_rows):
         tile = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf, name="half")
@@ -701,8 +701,11 @@ def test_never_written_memory_is_poison_that_fails_only_where_it_reaches_an_outp
     out = half_written(x, 128)  # they reach it: NaN, max8's sort included
     assert not np.isnan(out[:64]).any() and np.isnan(out[64:]).all()
 
+
+def test_poison_survives_what_would_drop_a_nan():
+    """A comparison, a max or an integer tile would otherwise hide the NaN: poison passes them."""
     @jit
-    def laundered(x, op):  # a comparison, a max or an integer tile would otherwise hide the NaN
+    def laundered(x, op):
         tile = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile[:, 0:2], src=x)
         result = nl.ndarray((1, 4), nl.int32 if op is None else nl.float32, buffer=nl.sbuf)
@@ -719,6 +722,10 @@ def test_never_written_memory_is_poison_that_fails_only_where_it_reaches_an_outp
         out = laundered(np.ones((1, 2), np.float32), op)
         assert not np.isnan(out[:, 0:2]).any() and np.isnan(out[:, 2:]).all(), op
 
+
+def test_poison_where_no_nan_can_carry_it():
+    """An integer output carrying poison is refused, as is an address read from memory never written; a PSUM tile
+    never written accumulates into NaN."""
     def integer_output(x):
         tile = nl.ndarray((1, 4), nl.int32, buffer=nl.sbuf, name="ints")
         nisa.iota(tile[:, 0:2], [[1, 2]], offset=0)
@@ -756,20 +763,23 @@ def test_never_written_memory_is_poison_that_fails_only_where_it_reaches_an_outp
     assert not np.isnan(out[0]).any() and np.isnan(out[1]).all()
 
 
-def test_outputs_in_private_hbm_and_empty_views():
-    """Outputs in nl.hbm come back (aws-neuron-sdk nki/guides/how-to-scheduling-apis.rst l. 38); an empty slice is
-    a view (nki-library's cross_entropy.py on the core without positions) that no instruction may take."""
-    def to_hbm(x):
+def test_scratch_in_private_hbm_and_empty_views():
+    """Scratch in nl.hbm serves, an output must be in nl.shared_hbm (aws-neuron-sdk release-notes/components/nki.rst
+    l. 205); an empty slice is a view (nki-library's cross_entropy.py on the core without positions) that no
+    instruction may take."""
+    def through_hbm(x):
         tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=x)
-        out = nl.ndarray(x.shape, x.dtype, buffer=nl.hbm)
+        scratch = nl.ndarray(x.shape, x.dtype, buffer=nl.hbm)
         unused = x[0:0]
         assert unused.shape == (0, 4)
-        nisa.dma_copy(dst=out, src=tile)
+        nisa.dma_copy(dst=scratch, src=tile)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=scratch)
         return out
 
     x = rand((4, 4))
-    np.testing.assert_array_equal(jit(to_hbm)(x), x)
+    np.testing.assert_array_equal(jit(through_hbm)(x), x)
 
     def copies_nothing(x):
         nisa.dma_copy(dst=nl.ndarray((1, 4), x.dtype, buffer=nl.sbuf)[0:0], src=x[0:0])
