@@ -67,7 +67,7 @@ if {"--kernels", "--check", "--sweep", "--step_estimate", "--first_hour_step"} &
 import data  # noqa: E402
 import kernels  # noqa: E402
 import train  # noqa: E402
-from kit import ablation, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
+from kit import ablation, build, device_check, first_hour, flags, memory, optim, runtime, sweep_files  # noqa: E402
 from kit.compiled_cost import (ADAMW_PASSES, ENGINES, MUON_PASSES, STEP_ASSUMPTIONS,  # noqa: E402
                                compiled_estimate, compiled_ops, fusing, gemm, linear, op_seconds, passes,
                                pricing)
@@ -101,7 +101,7 @@ def measure_training(cfg, model_cfg, steps, windows, warmup, device_type, device
     raw_model = GPT(model_cfg).to(device)
     shape = (cfg.batch_size, model_cfg.sequence_len)
     batch = [(torch.randint(0, model_cfg.vocab_size, shape), torch.randint(0, model_cfg.vocab_size, shape))]
-    model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
+    model = build.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
     optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
     autocast = runtime.autocast_context(cfg, device_type)
 
@@ -208,7 +208,7 @@ def measure_versus_nanogpt(cfg, model_cfg, folder, steps, windows, warmup, devic
         runs[name] = functools.partial(nanogpt_step, model, raw, optimizer)
     torch.manual_seed(cfg.seed)
     raw_model = GPT(model_cfg).to(device)
-    model = train.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
+    model = build.wrap_for_training(raw_model, cfg, device_type, device, (x.to(device), y.to(device)))
     optimizers = optim.make_optimizers(raw_model, cfg, device_type, runtime.compute_dtype(cfg))
     runs["this kit (train.py's step)"] = lambda: train.train_step(model, raw_model, optimizers, [(x, y)], device, autocast, cfg.grad_clip)
     sync = functools.partial(runtime.synchronize, device_type)
@@ -283,6 +283,30 @@ def _compiled_fallback(model_cfg, name, batch_size, backward):
     return {**estimate, "serial_s": sum(estimate["engines"].values())}
 
 
+def kernel_calls(cfg, model_cfg):
+    """{op: calls of kernels.<op> in one micro-step}: the model's forward on fake tensors (shapes only), each
+    op's public function counted (model.py calls them through the module); each call is one forward and one
+    backward of its kernels in training."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls, inside = dict.fromkeys(kernels.KERNEL_OPS, 0), []
+
+    def counted(op, function):
+        def call(*args, **kwargs):  # the model's calls only, not a PyTorch path's calls of another op
+            calls[op] += not inside
+            inside.append(op)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    with FakeTensorMode(), mock.patch.multiple(kernels, **{op: counted(op, getattr(kernels, op)) for op in calls}):
+        tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long)
+        GPT(model_cfg)(tokens, tokens)
+    return calls
+
+
 def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS, timeline=None):
     """Each kernel op forward and forward + backward at the run's shapes (--batch_size sequences). On Trainium:
     the NKI kernel and the compiled PyTorch fallback both timed (torch.compile, fullgraph). Elsewhere: the
@@ -291,8 +315,10 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
     compiled plain ops ("compiled"). Every row carries `engines` and `bottleneck`: the kernel's, or the
     fallback's where the kernel cannot run (`priced` says which). `choice` is the faster of the two, "nki" or "torch"; `auto`, what
     kernels=auto runs on a Trn2 there. `ops`: the kernel ops to measure. `timeline`: a folder for each emulated
-    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png)."""
+    call's schedule (nki_emulator/timeline.py: a trace-event .json for Perfetto and a .png). `calls`: how
+    many times a micro-step calls the op (kernel_calls)."""
     dtype = runtime.compute_dtype(cfg)
+    calls = kernel_calls(cfg, model_cfg)
     peak = runtime.peak_flops(device_type, dtype, cfg.peak_tflops)
     on_trainium = device_type == "neuron"
     rows = []
@@ -302,7 +328,8 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
             continue
         for direction, flops in (("forward", fwd_flops), ("fwd+bwd", train_flops)):
             backward = direction == "fwd+bwd"
-            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops}
+            row = {"kernel": name, "op": name.split()[0], "direction": direction, "flops": flops,
+                   "calls": calls[name.split()[0]]}
             inputs = make_inputs()
             torch_call = lambda *a: call(*a, "torch")  # noqa: E731
             if on_trainium:  # the fallback as training runs it: one compiled graph
@@ -853,11 +880,12 @@ def main(argv):
     if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
         rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
     if args.first_hour:  # before any device work: the steps do it, each in its own process
-        rows, paid_run, reasons, seconds = first_hour.run_first_hour(rest)
-        first_hour.print_table(rows, paid_run, reasons, seconds)
+        cfg = train.parse_args(rest)[0]  # the paid run's budget and start-up cap
+        rows, paid_run, reasons, seconds, startups = first_hour.run_first_hour(rest, cfg.time_budget_s, cfg.startup_cap_s)
+        first_hour.print_table(rows, paid_run, reasons, seconds, startups)
         return {"first_hour": rows, "first_paid_run": paid_run}
     if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
-        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, rest)
+        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, train.main, rest)
     cfg, model_cfg = train.parse_args(rest)
     if args.check:
         device_check.draw_seed(cfg, rest)
@@ -887,7 +915,7 @@ def main(argv):
         results = {"check": [{"passed": first_hour.run_one(args.first_hour_step, args.first_hour_checkpoint, cfg,
                                                            model_cfg, device_type, device)}]}
     elif args.check:
-        results = {"check": device_check.run_checks(cfg, model_cfg, device_type, device)}
+        results = {"check": device_check.run_checks(cfg, model_cfg, device_type, device, train.train_step)}
         if rank == 0:
             device_check.print_checks(results["check"], device_type)
     elif args.versus_nanogpt:

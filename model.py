@@ -136,10 +136,15 @@ class GPTConfig:
         elif self.n_embd % self.n_head == 0 and self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         try:
-            attention_mode = kernels.parse_kernels(self.kernels)["attention"]
+            modes = kernels.parse_kernels(self.kernels)
         except ValueError as e:
             problems.append(str(e))
-            attention_mode = None
+            modes = {}
+        attention_mode, on_nki = modes.get("attention"), [op for op, mode in modes.items() if mode == "nki"]
+        if on_nki and kernels.NKI_IMPORT_ERROR is not None:
+            problems.append(f"kernels={self.kernels!r} runs {', '.join(on_nki)} on NKI, which is not usable here "
+                            f"({kernels.NKI_IMPORT_ERROR}); use --kernels=auto or torch, or run the kernels under the "
+                            "CPU emulator: NKI_EMULATOR=1 python train.py ... (docs/kernels.md)")
         if attention_mode == "nki" and self.n_embd % self.n_head == 0 and self.head_dim > kernels.ATTENTION_MAX_HEAD_DIM:
             problems.append(f"kernels='nki' needs head_dim <= {kernels.ATTENTION_MAX_HEAD_DIM} (NKI attention contracts "
                             f"it in two 128-partition pieces), got {self.head_dim}; raise n_head or use kernels='auto'")

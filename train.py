@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import kernels  # noqa: E402
-from kit import checkpoint, contest, flags, memory, optim  # noqa: E402
+from kit import build, checkpoint, contest, flags, memory, optim  # noqa: E402
 from model import GPT, GPTConfig, opt  # noqa: E402
 
 
@@ -171,57 +171,6 @@ def apply_schedule(optimizers, values, model=None):
                 group["weight_decay"].copy_(torch.tensor(values["weight_decay"]), non_blocking=True)
     if model is not None and model.extra_loss_weights.numel():
         model.extra_loss_weights.copy_(torch.tensor(values["extra_loss_weights"]), non_blocking=True)
-
-
-def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=False):
-    """The module the training step calls: compiled if asked, and DDP-wrapped under torchrun unless the
-    optimizer is sharded (optim.Sharding then exchanges the gradients itself). `example`:
-    arguments of one forward call (their shapes, dtypes and devices: the kernels' fallbacks are decided and
-    logged on them before compilation, as they cannot be from inside the compiled graph, and kept in
-    raw_model.kernels_ran for the checkpoints)."""
-    model = raw_model
-    with runtime.autocast_context(cfg, device_type):  # what each kernel op runs, logged and kept for scoring
-        raw_model.kernels_ran = kernels.preview_fallbacks(raw_model, *example)
-    if cfg.compile:
-        # the Neuron backend needs one graph for the whole step: fail loudly on a graph break
-        model = torch.compile(raw_model, backend="neuron", fullgraph=True) if device_type == "neuron" else torch.compile(raw_model)
-    if dist.is_initialized() and not sharded:
-        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None)
-    return model
-
-
-def kernel_build_failure(error):
-    """The kernels.KernelBuildError behind `error`, or None: a compiler may have wrapped it (dynamo's
-    BackendCompilerFailed keeps it as its context)."""
-    while error is not None and not isinstance(error, kernels.KernelBuildError):
-        error = error.__cause__ or error.__context__
-    return error
-
-
-def surviving_build_failures(work, trainee, log):
-    """(work(trainee.model), the trainee to go on with), for the first call of the kernels: their build. A
-    paid run cannot be retried, so an NKI kernel that fails to build (kernels.KernelBuildError) does not end
-    it: its op runs on PyTorch for the rest of the run (kernels.BUILD_FAILURES, which the per-op record of the
-    checkpoints then gives as the reason), said in one line; the failed try's gradients are dropped, the
-    module the step calls is built again (compiled: dynamo forgets the old graph and compiles once more,
-    before the clock starts) and `work` runs again, on the same batches. The PyTorch path computes the same
-    function. Any other failure, or one after the first call, ends the run as before. Every rank runs the
-    same kernels at the same shapes, so the ranks fail, and fall back, alike."""
-    while True:
-        try:
-            return work(trainee.model), trainee
-        except Exception as error:
-            failure = kernel_build_failure(error)
-            if failure is None or failure.op in kernels.BUILD_FAILURES:
-                raise
-        kernels.BUILD_FAILURES[failure.op] = failure.why
-        log("kernel_fallback", f"warning: {failure.op}: {failure.why}; {failure.op} runs on PyTorch for the rest of "
-            "the run (docs/troubleshooting.md)", op=failure.op, why=failure.why)
-        trainee.raw_model.zero_grad(set_to_none=True)
-        if trainee.sharding is not None:
-            trainee.sharding.arm_gradients()
-        torch._dynamo.reset()
-        trainee = trainee._replace(model=trainee.rebuild())
 
 
 def train_step(model, raw_model, optimizers, micro_batches, device, autocast, grad_clip, sharding=None):
@@ -396,6 +345,18 @@ def agree(ranks, charged, next_step_s, loss, nonfinite, stopping):
     return decision[0], decision[1], decision[2], decision[3] > 0, decision[4] > 0
 
 
+def periodic_work(cfg, evaluate_now, checkpoints, clock, step):
+    """The evaluation (`evaluate_now`, None without validation data) and checkpoint due after `step`, on the
+    clock unless --charge_evals=false."""
+    t0 = time.monotonic()
+    if evaluate_now is not None and cfg.eval_every and step % cfg.eval_every == 0:
+        evaluate_now(step)
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        checkpoints.periodic(step, clock.charged())  # a failure is a warning: training goes on
+    if not cfg.charge_evals:
+        clock.exclude(time.monotonic() - t0)
+
+
 def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_side_work):
     """Steps from `step` until the step limit, the budget (keeping the final save's reserve) or a stop
     signal; returns (step, why it ended). Each step is synchronised with the device before the clock is
@@ -410,12 +371,11 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
         apply_schedule(trainee.optimizers, scheduled, trainee.raw_model)
         micro_batches = [corpus.next_batch() for _ in range(round(batch.micro_steps * scheduled["batch_fraction"]))]
 
-        def this_step(model):  # on the module given (surviving_build_failures may build another)
+        def this_step(model):  # on the module given: a failed build builds another
             return train_step(model, trainee.raw_model, trainee.optimizers, micro_batches, ranks.device, autocast,
                               cfg.grad_clip, trainee.sharding)
-
         if steps_this_run == 0:  # the backward kernels build here (and all of them with no evaluation before)
-            (loss, grad_norm), trainee = surviving_build_failures(this_step, trainee, watch.log)
+            (loss, grad_norm), trainee = build.surviving_build_failures(this_step, trainee, watch.log, clock)
         else:
             loss, grad_norm = this_step(trainee.model)
         runtime.synchronize(ranks.device_type)
@@ -431,17 +391,13 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
             step_times.append(dt)
             meter.add(dt, batch.tokens * len(micro_batches) // batch.micro_steps)  # fewer tokens during a batch warm-up
         if finite:  # evaluations and checkpoints: never of a non-finite model
-            t_side = time.monotonic()
             run_side_work(step)
-            if not cfg.charge_evals:
-                clock.exclude(time.monotonic() - t_side)
         charged, next_step_s, loss_value, nonfinite, stopping = agree(
             ranks, clock.charged(), next_step_estimate(step_times), loss_value, not finite, watch.stop.received)
         if nonfinite:
-            raise FloatingPointError(
-                f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and no "
-                f"checkpoint was written past the last good one in {cfg.out_dir}. Try a lower --matrix_lr "
-                f"or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
+            raise FloatingPointError(f"step {step}: loss {loss_value}, gradient norm {norm_value}; training stopped and "
+                                     f"no checkpoint was written past the last good one in {cfg.out_dir}. Try a lower "
+                                     "--matrix_lr or --embedding_lr, a smaller --grad_clip, or --dtype=float32")
         if step % cfg.log_every == 0 or step == cfg.max_steps or steps_this_run == 1:
             watch.log("train", f"step {step} | loss {loss_value:.4f} | lr x{scheduled['lr_scale']:.3f} | {meter.read()} | "
                       f"charged {charged:.1f}s", step=step, loss=loss_value, grad_norm=norm_value, lr_scale=scheduled["lr_scale"],
@@ -458,7 +414,7 @@ def train_loop(cfg, step, trainee, corpus, batch, ranks, autocast, watch, run_si
 
 # What a step trains: the module it calls (compiled, DDP-wrapped), the model itself, its optimizers, the
 # optimizer's sharding over the ranks and the weights' EMA (each None when off), and how the module is
-# built (again after a kernel failed to build: surviving_build_failures).
+# built (again after a kernel or the graph failed to build: kit/build.py).
 Trainee = collections.namedtuple("Trainee", "model raw_model optimizers sharding ema rebuild")
 
 
@@ -474,7 +430,7 @@ def make_trainee(cfg, model_cfg, ranks, corpus, state):
     step, charged = checkpoint.restore(state, raw_model, optimizers, sharding, corpus, ranks) if state else (0, 0.0)
     ema = optim.WeightEMA(raw_model, cfg.ema_decay, cfg.ema_every, cfg.ema_blend) if cfg.ema_decay else None
     tokens = torch.zeros(cfg.batch_size, model_cfg.sequence_len, dtype=torch.long, device=ranks.device)
-    rebuild = functools.partial(wrap_for_training, raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens),
+    rebuild = functools.partial(build.wrap_for_training, raw_model, cfg, ranks.device_type, ranks.device, (tokens, tokens),
                                 sharded)
     return Trainee(rebuild(), raw_model, optimizers, sharding, ema, rebuild), step, charged
 
@@ -550,15 +506,9 @@ def main(argv):
             evaluate_now = functools.partial(run_eval, raw_model, corpus, ranks, autocast, stop, log)
             first_eval = None
             if evaluating:  # the forward kernels' first call: they build here
-                first_eval, trainee = surviving_build_failures(lambda _: evaluate_now(step), trainee, log)
+                first_eval, trainee = build.surviving_build_failures(lambda _: evaluate_now(step), trainee, log, clock)
             checkpoints = checkpoint.Checkpoints(cfg, raw_model, trainee.optimizers, trainee.sharding, corpus, ranks, log)
-
-            def side_work(step):
-                if evaluating and cfg.eval_every and step % cfg.eval_every == 0:
-                    evaluate_now(step)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    checkpoints.periodic(step, clock.charged())  # a failure is a warning: training goes on
-
+            side_work = functools.partial(periodic_work, cfg, evaluate_now if evaluating else None, checkpoints, clock)
             ended_by = "signal"
             if not stop.received:
                 watch = Watch(clock, reserve_s, stop, log)

@@ -12,7 +12,6 @@ import time
 
 import torch
 
-import train
 from kit import contest
 
 # A small model on the built-in Shakespeare (bytes), fp32 on one CPU thread: a few minutes for all rows.
@@ -52,8 +51,9 @@ def spread(values):
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def run_ablation(seeds, steps, extra=()):
-    """val_bpb of every ablation row for each seed (extra: more train.py arguments for every run), as a
+def run_ablation(seeds, steps, train_main, extra=()):
+    """val_bpb of every ablation row for each seed, each a run of `train_main` (train.py's main, handed in by
+    bench.py, the program: nothing in kit/ imports train.py; extra: more train.py arguments for every run), as a
     markdown table of mean, spread and change from the baseline. It checks that each lever trains and is
     wired right at this scale; it measures nothing about Trn2, where the levers' gains were measured at far
     larger scale (docs/results.md, "Ablation")."""
@@ -65,7 +65,7 @@ def run_ablation(seeds, steps, extra=()):
                 argv = [*args, *ABLATION_SHAPE, f"--max_steps={steps}", f"--seed={seed}",
                         f"--out_dir={os.path.join(out, f'{row}-{seed}')}", *extra]  # a fresh folder per run
                 with contextlib.redirect_stdout(io.StringIO()):
-                    final = train.main(argv)["final_eval"]["val_bpb"]
+                    final = train_main(argv)["final_eval"]["val_bpb"]
                 results.setdefault(name, []).append(final)
             print(f"{name:>16}: {' '.join(f'{v:.4f}' for v in results[name])}", file=sys.stderr, flush=True)
     # a seed fixes the initialisation and the data order, so each row is compared with the baseline seed by seed

@@ -335,26 +335,6 @@ def load_for_eval(checkpoint_path, device="cpu"):
     return model.to(device).requires_grad_(False)
 
 
-def digest_status(path):
-    """Whether a checkpoint's bytes still match the sha256 digests written with them: "intact", "not recorded"
-    (written before checkpoints had digests) or "damaged: ..." naming what differs. Reads every byte."""
-    try:
-        if os.path.isdir(path):
-            if not os.path.exists(os.path.join(path, checkpoint_io.FOLDER_DIGESTS)):
-                return "not recorded"
-            checkpoint_io.check_folder(path)  # meta.pt and the shards, each file against its listed sha256
-            return "intact"
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        if checkpoint_io.DIGESTS not in state:
-            return "not recorded"
-        checkpoint_io.check_payload(path, state)
-        return "intact"
-    except checkpoint_io.CheckpointError as e:
-        return f"damaged: {e}"
-    except RuntimeError as e:  # the zip reader's: a damaged archive
-        return f"damaged: {str(e).splitlines()[0]}"
-
-
 def describe_checkpoint(path):
     """What a checkpoint is, as `python evaluate.py info` prints it: its kind, step, charged seconds, both
     configs, the per-op kernels record (what each op ran in training, and why) and its digest status. A file
@@ -369,7 +349,7 @@ def describe_checkpoint(path):
         kind = "a final checkpoint (weights and configs, no optimizer state)"
     return {"path": str(path), "kind": kind, "step": state["step"], "train_time": state.get("train_time"),
             "model_config": state["model_config"], "train_config": state["train_config"],
-            "kernels": state.get("kernels"), "digests": digest_status(path)}
+            "kernels": state.get("kernels"), "digests": checkpoint_io.digest_status(path)}
 
 
 # -----------------------------------------------------------------------------

@@ -157,6 +157,26 @@ def check_folder(folder):
                                   "use another checkpoint (--resume=latest takes the newest intact one)")
 
 
+def digest_status(path):
+    """Whether a checkpoint's bytes still match the sha256 digests written with them: "intact", "not recorded"
+    (written before checkpoints had digests) or "damaged: ..." naming what differs. Reads every byte."""
+    try:
+        if os.path.isdir(path):
+            if not os.path.exists(os.path.join(path, FOLDER_DIGESTS)):
+                return "not recorded"
+            check_folder(path)  # meta.pt and the shards, each file against its listed sha256
+            return "intact"
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if DIGESTS not in state:
+            return "not recorded"
+        check_payload(path, state)
+        return "intact"
+    except CheckpointError as e:
+        return f"damaged: {e}"
+    except RuntimeError as e:  # the zip reader's: a damaged archive
+        return f"damaged: {str(e).splitlines()[0]}"
+
+
 class CheckpointError(ValueError):
     """A file that is not a usable checkpoint; the message names it and says why."""
 

@@ -17,8 +17,7 @@ import traceback
 import torch
 
 import kernels
-import train
-from kit import contest, optim, runtime
+from kit import build, contest, optim, runtime
 from kit.inductor_probe import inductor_transpose_line
 from model import GPT, Block, GPTConfig, rotary_tables
 
@@ -163,7 +162,7 @@ def _check_compiled_block(cfg, model_cfg, device_type, device):
         cos, sin = (t.to(where, dtype) for t in rotary_tables(config.sequence_len, config.head_dim, config.rope_base))
         x = torch.randn(2, config.sequence_len, config.n_embd,
                         generator=torch.Generator().manual_seed(cfg.seed + 1)).to(where, dtype)
-        run = train.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
+        run = build.wrap_for_training(block, cfg, device_type, device, (x, cos, sin)) if mode == "nki" else block
         with runtime.autocast_context(cfg, device_type) if not exact else contextlib.nullcontext():
             out = torch.cat(run(x, cos, sin), dim=-1)  # the new residual stream and its norm
         out.float().square().mean().backward()
@@ -184,8 +183,8 @@ def _float64_by_default():
         torch.set_default_dtype(previous)
 
 
-def _training_losses(cfg, model_cfg, mode, device_type, device, exact=False):
-    """Losses of CHECK_STEPS steps of train.py's optimizer step on fixed random tokens; `exact`: the
+def _training_losses(cfg, model_cfg, mode, device_type, device, train_step, exact=False):
+    """Losses of CHECK_STEPS steps of `train_step` (train.py's optimizer step) on fixed random tokens; `exact`: the
     PyTorch path uncompiled on the CPU with everything (weights, optimizer state, hyperparameter tensors,
     Muon's orthogonalisation) in float64."""
     if exact:
@@ -196,21 +195,21 @@ def _training_losses(cfg, model_cfg, mode, device_type, device, exact=False):
         tokens = torch.randint(0, CHECK_MODEL["vocab_size"], (2, CHECK_MODEL["sequence_len"] + 1),
                                generator=torch.Generator().manual_seed(cfg.seed + 2))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
-        model = train.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
+        model = build.wrap_for_training(raw_model, cfg, device_type, device, [t.to(device) for t in batch[0]])
         optimizers = optim.make_optimizers(raw_model, cfg, device_type,
                                            torch.float64 if exact else runtime.compute_dtype(cfg))
         autocast = runtime.autocast_context(cfg, device_type)
         losses = []
         for _ in range(CHECK_STEPS):
-            loss, _ = train.train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
+            loss, _ = train_step(model, raw_model, optimizers, batch, device, autocast, cfg.grad_clip)
             losses.append(loss.item())
     return torch.tensor(losses, dtype=torch.float64)
 
 
-def _check_training(cfg, model_cfg, device_type, device):
-    nki_losses = _training_losses(cfg, model_cfg, "nki", device_type, device)
-    torch_losses = _training_losses(cfg, model_cfg, "torch", device_type, device)
-    exact_losses = _training_losses(cfg, model_cfg, "torch", device_type, device, exact=True)
+def _check_training(cfg, model_cfg, device_type, device, train_step):
+    nki_losses = _training_losses(cfg, model_cfg, "nki", device_type, device, train_step)
+    torch_losses = _training_losses(cfg, model_cfg, "torch", device_type, device, train_step)
+    exact_losses = _training_losses(cfg, model_cfg, "torch", device_type, device, train_step, exact=True)
     # rounding differences grow chaotically as training goes on, so two sound runs part by a ratio that
     # varies from step to step (a per-step bound failed a sound fp32 run at 5.9x): every step is held to the
     # largest difference PyTorch itself shows against float64 over the run
@@ -252,9 +251,10 @@ def _dtype_name(dtype):
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
-def planned_checks(cfg, model_cfg, device_type, device):
+def planned_checks(cfg, model_cfg, device_type, device, train_step):
     """(check, op or None, run) for every check, in order: each kernel case in each of KERNEL_DTYPES, without
-    and with gradients, then the Block, training and causality checks."""
+    and with gradients, then the Block, training and causality checks. `train_step`: train.py's optimizer step,
+    which the training check runs (handed in by bench.py, the program: nothing in kit/ imports train.py)."""
     shapes = check_shapes(model_cfg, cfg.batch_size, device_type == "neuron")
     checks = []
     for dtype in KERNEL_DTYPES:
@@ -267,13 +267,13 @@ def planned_checks(cfg, model_cfg, device_type, device):
         (f"Block (nki{', compiled' if cfg.compile else ''}) vs eager (torch)", None,
          lambda: _check_compiled_block(cfg, model_cfg, device_type, device)),
         (f"{CHECK_STEPS} training steps, nki vs torch", None,
-         lambda: _check_training(cfg, model_cfg, device_type, device)),
+         lambda: _check_training(cfg, model_cfg, device_type, device, train_step)),
         ("causality of the model on nki", None, lambda: _check_causality(cfg, model_cfg, device_type, device)),
     ]
     return checks
 
 
-def run_checks(cfg, model_cfg, device_type, device):
+def run_checks(cfg, model_cfg, device_type, device, train_step):
     """Every check, each caught on its own so that one failure does not hide the others; returns rows of
     (check, op, passed, seconds, first line of the error), and prints each failure's traceback. First the
     seed of this run's random inputs (--seed repeats them) and the inductor line."""
@@ -281,7 +281,7 @@ def run_checks(cfg, model_cfg, device_type, device):
     t0 = time.perf_counter()
     print(f"{inductor_transpose_line()} [{time.perf_counter() - t0:.1f} s]", flush=True)
     rows = []
-    for name, op, check in planned_checks(cfg, model_cfg, device_type, device):
+    for name, op, check in planned_checks(cfg, model_cfg, device_type, device, train_step):
         t0 = time.perf_counter()
         try:
             detail = check()

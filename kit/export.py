@@ -43,7 +43,8 @@ ENTRY_POINTS = ("main", "load_for_eval")  # train.py's run and the contest score
 # modules after it (model.py's kernels.KERNEL_OPS ...); runtime.py first, before any torch import, as in train.py
 BUNDLED = {"runtime": "kit/runtime.py", "contest": "kit/contest.py", "kernels": "kernels.py", "model": "model.py",
            "flags": "kit/flags.py", "optim": "kit/optim.py", "memory": "kit/memory.py",
-           "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "train": "train.py"}
+           "checkpoint_io": "kit/checkpoint_io.py", "checkpoint": "kit/checkpoint.py", "build": "kit/build.py",
+           "train": "train.py"}
 
 
 def defined_names(node):

@@ -5,9 +5,10 @@ Every question a paid run depends on, each step in a child process with its own 
 or hang cannot hide the rest: the versions, each kernel op alone (the fused ones too), `bench.py --check` at
 the run's shapes, 20 compiled steps on PyTorch and on the kernels, sharded ranks with a checkpoint resumed
 on one, load_for_eval. All under the LNC and rank count of the paid run (paid_launch). One table at the end,
-exit code 1 if any step failed, and the paid run's launch string: every kernel op that passed stays on, and
-each one that failed gets `op:torch`, as does each whose kernel failed to build inside a training step (the
-step then went on on PyTorch and passed: its log says so).
+exit code 1 if any step failed, each compiled run's cold start-up against the contest's start-up cap, and the
+paid run's launch string: every kernel op that passed stays on, and each one that failed gets `op:torch`, as
+does each whose kernel failed to build inside a training step (the step then went on on PyTorch and passed:
+its log says so), and each whose start-up past the cap outweighs its gain over the budget (startup_costs).
 
 Off Trainium the same steps rehearse on the CPU and the emulator at FIRST_HOUR_TINY shapes, one micro-step
 of 256 tokens per step, so that it passes on any 2-core CPU. A timeout there is the rehearsal's, not a
@@ -30,8 +31,7 @@ import torch
 
 import kernels
 import nki_emulator
-import train
-from kit import device_check, runtime
+from kit import checkpoint, device_check, runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # FIRST_HOUR_STEPS training steps of 2 sequences of 128 tokens on 2 layers; total_batch_tokens 512 makes a
@@ -40,8 +40,8 @@ FIRST_HOUR_TINY = ["--n_layer=2", "--n_embd=128", "--n_head=2", "--n_kv_head=1",
                    "--total_batch_tokens=512", "--tokenizer=bytes", "--dataset=shakespeare"]
 FIRST_HOUR_STEPS = 20
 # seconds each step may take: (on Trainium, where a cold compile of a graph takes up to ~15 min; off it)
-FIRST_HOUR_TIMEOUTS = {"versions": (120, 60), "kernel": (1800, 300), "check": (3600, 1200), "train": (2400, 600),
-                       "ranks": (2400, 300), "resume": (1800, 200), "eval": (1800, 180)}
+FIRST_HOUR_TIMEOUTS = {"versions": (120, 60), "kernel": (1800, 300), "check": (3600, 1200), "gains": (3600, 600),
+                       "train": (2400, 600), "ranks": (2400, 300), "resume": (1800, 200), "eval": (1800, 180)}
 # a script run with the CPU emulator standing in for `nki` (as bench.py itself does): python -c EMULATED_RUN script args
 EMULATED_RUN = ("import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
                 "import nki_emulator; nki_emulator.install(); runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -142,7 +142,7 @@ def load_for_eval_timings(checkpoint_path, batch_size, device_type, device):
     """Time one load_for_eval forward at (batch, 1024) and at (batch, ODD_EVAL_LEN), the scorer's way (no
     autocast, no grad)."""
     t0 = time.perf_counter()
-    model = train.load_for_eval(checkpoint_path, device)
+    model = checkpoint.load_for_eval(checkpoint_path, device)
     parts = [f"load {time.perf_counter() - t0:.1f} s"]
     vocab = model.config.vocab_size
     for length in (1024, ODD_EVAL_LEN):
@@ -188,6 +188,9 @@ def plan(passthrough, on_trainium, out_dir, lnc, ranks):
         steps.append((f"kernels: {op}", step + [f"kernel:{op}"] + shapes, timeout["kernel"]))
     steps.append(("bench.py --check", [python, bench_py, "--check", f"--json={check_json(out_dir)}", *passthrough],
                   timeout["check"]))
+    shapes_only = [a for a in shapes if not a.startswith("--kernels")]  # bench.py's own --kernels measures them
+    steps.append(("bench.py --kernels (each kernel's gain)", [python, bench_py, "--kernels", *shapes_only,
+                                                              f"--json={gains_json(out_dir)}"], timeout["gains"]))
     torchrun = [python, "-m", "torch.distributed.run", "--standalone"]
     # off Trainium auto is the PyTorch path: there the kernels run under the emulator, installed as `nki` first
     if on_trainium:
@@ -217,6 +220,10 @@ def plan(passthrough, on_trainium, out_dir, lnc, ranks):
 
 def check_json(out_dir):
     return os.path.join(out_dir, "check.json")
+
+
+def gains_json(out_dir):
+    return os.path.join(out_dir, "kernels.json")
 
 
 def run_step(name, command, timeout_s, env=None):
@@ -261,8 +268,9 @@ def _says_no(row, on_trainium):
 
 def build_failures(work):
     """{op: reason} for each kernel op whose NKI kernel failed to build in a training run under `work`: the
-    run went on with that op on PyTorch (train.surviving_build_failures) and its step passed, so only the
-    run's log.jsonl tells (its "kernel_fallback" events, written when it happens: the run may end after).
+    run went on with that op on PyTorch (kit/build.py) and its step passed, so only the run's log.jsonl
+    tells (its "kernel_fallback" events, and "graph_fallback" where the whole compiled graph failed to build
+    with the op's kernels in it, written when it happens: the run may end after).
     A line cut off by a killed run is skipped."""
     failures = {}
     for log in sorted(glob.glob(os.path.join(work, "*", "log.jsonl"))):
@@ -273,8 +281,10 @@ def build_failures(work):
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("event") == "kernel_fallback":
-                    failures.setdefault(event["op"], f"training run '{run}' went on on PyTorch: {event['why']}")
+                # a kernel's failure names its op; the whole graph's, every op it sent to PyTorch
+                ops = {"kernel_fallback": [event.get("op")], "graph_fallback": event.get("ops", [])}.get(event.get("event"), [])
+                for op in ops:
+                    failures.setdefault(op, f"training run '{run}' went on on PyTorch: {event['why']}")
     return failures
 
 
@@ -303,6 +313,77 @@ def paid_run_kernels(rows, check_rows, on_trainium, fallbacks=None):
     return ",".join(["auto"] + [f"{op}:torch" for op in failed]) if failed else "auto", reasons
 
 
+def kernel_gains(kernel_rows):
+    """{op: seconds its NKI kernels save in one micro-step, forward and backward, at its calls per micro-step}
+    from bench.py --kernels's rows: measured against the compiled PyTorch path on a device, estimated for a Trn2
+    elsewhere (the kernel's trace against the fallback as compiled plain ops); an op's cases averaged."""
+    saved = {}
+    for r in kernel_rows or ():
+        if r["direction"] == "fwd+bwd" and "nki_unavailable" not in r:
+            nki_s, torch_s = (r["nki_s"], r["torch_s"]) if "nki_s" in r else (r["estimate_s"], r["compiled"]["estimate_s"])
+            saved.setdefault(r["op"], []).append(r["calls"] * (torch_s - nki_s))
+    return {op: sum(values) / len(values) for op, values in saved.items()}
+
+
+def compiled_runs(work):
+    """{run folder: its cold start-up (s), tokens/s of its last timed steps, micro-steps and tokens per optimizer
+    step}, from the log.jsonl of each compiled training run under `work` (steps_*) that got past its start-up."""
+    runs = {}
+    for log in sorted(glob.glob(os.path.join(work, "steps_*", "log.jsonl"))):
+        with open(log) as f:
+            events = [json.loads(line) for line in f if line.endswith("\n")]  # a killed run's torn line left out
+        config = next((e for e in events if e["event"] == "config"), None)
+        timed = [e for e in events if e["event"] == "train" and e.get("tokens_per_s")]
+        started = [e["startup_time"] for e in events if e.get("startup_time")]
+        if config and started:
+            t, m = config["train_config"], config["model_config"]
+            micro_tokens = t["batch_size"] * m["sequence_len"] * config["world_size"]
+            step_tokens = t["total_batch_tokens"] or micro_tokens
+            runs[os.path.basename(os.path.dirname(log))] = {
+                "startup_s": started[0], "tokens_per_s": timed[-1]["tokens_per_s"] if timed else None,
+                "micro_steps": step_tokens // micro_tokens, "step_tokens": step_tokens}
+    return runs
+
+
+def startup_report(runs, cap_s):
+    """One line per compiled run: its start-up (cold where the machine's compile cache held none of its graphs,
+    as in a first session) against the contest's start-up cap (TRAIN_STARTUP_ALLOWANCE_CAP_SECONDS, 900 s;
+    prepare.py charges start-up past it to the run: docs/contest.md)."""
+    lines = []
+    for name, run in runs.items():
+        s = run["startup_s"]
+        lines.append(f"cold start-up of {name}: {s:.0f} s of the {cap_s:.0f} s cap, " + (
+            f"{s - cap_s:.0f} s past it (charged to the run)" if s > cap_s else f"{cap_s - s:.0f} s to spare"))
+    return lines
+
+
+def startup_costs(rows, runs, gains, budget_s, cap_s):
+    """{op: why} for each kernel op whose start-up past the cap outweighs its gain over the training budget.
+    The run on the kernels (steps_auto, or steps_nki in a rehearsal) gives the start-up, past the cap by
+    `excess`; each op's kernels add about what its step alone took beyond the bare `versions` step (its kernels'
+    cold compile, on a device); its gain is its saved seconds per micro-step (kernel_gains) as a share of the
+    PyTorch run's step, times `budget_s`. Ops with the least gain per second of start-up go first, each charged
+    what of its start-up still lies past the cap, until none does; an op without a gain estimate is kept."""
+    kernel_run = runs.get("steps_auto") or runs.get("steps_nki")
+    torch_run = runs.get("steps_torch")
+    seconds = {r["step"]: r["seconds"] for r in rows}
+    if not kernel_run or not torch_run or not torch_run["tokens_per_s"] or "versions" not in seconds:
+        return {}
+    excess = kernel_run["startup_s"] - cap_s
+    step_s = torch_run["step_tokens"] / torch_run["tokens_per_s"]
+    added = {op: max(0.0, seconds.get(f"kernels: {op}", 0.0) - seconds["versions"]) for op in gains}
+    gain_s = {op: budget_s * gains[op] * torch_run["micro_steps"] / step_s for op in gains}
+    off = {}
+    for op in sorted(gains, key=lambda op: gain_s[op] / max(added[op], 1e-9)):
+        charged = min(added[op], excess)
+        if charged > 0 and gain_s[op] < charged:
+            off[op] = (f"its kernels add about {added[op]:.0f} s of start-up, {charged:.0f} s of it past the "
+                       f"{cap_s:.0f} s start-up cap (charged to the run), for about {gain_s[op]:.0f} s of training "
+                       f"gained over the {budget_s:.0f} s budget")
+            excess -= charged
+    return off
+
+
 def paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks, fallbacks=None):
     """The first paid run's launch string, and the reasons for any op it runs on PyTorch."""
     setting, reasons = paid_run_kernels(rows, check_rows, on_trainium, fallbacks)
@@ -311,33 +392,44 @@ def paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks, fal
     return command if on_trainium else f"(on a Trn2) {command}", reasons
 
 
-def print_table(rows, command, reasons, seconds):
+def print_table(rows, command, reasons, seconds, startup_lines=()):
     print(f"\nfirst device session: {sum(r['passed'] for r in rows)} of {len(rows)} steps passed in {seconds:.0f} s")
     print(f"{'step':<52} {'result':<6} {'s':>7}  detail")
     for r in rows:
         print(f"{r['step']:<52} {'pass' if r['passed'] else 'FAIL':<6} {r['seconds']:>7.1f}  {r['detail']}")
     code = 0 if all(r["passed"] for r in rows) else 1
     print(f"exit code {code}")
+    for line in startup_lines:
+        print(line)
     for reason in reasons:
         print(f"on PyTorch: {reason}")
     print(f"first paid run: {command}")
     return code
 
 
-def run_first_hour(passthrough, out_dir=None):
+def run_first_hour(passthrough, budget_s, cap_s, out_dir=None):
     """Every step of plan() in turn under the paid run's LNC; returns the rows, the paid run's launch
-    string, the reasons for each op it keeps off NKI, and the seconds it all took."""
+    string, the reasons for each op it keeps off NKI, the seconds it all took and a line per compiled run on
+    its cold start-up against the cap. `budget_s`, `cap_s`: the paid run's --time_budget_s and --startup_cap_s.
+    Off Trainium the start-ups are the CPU's: reported, never turning a kernel off."""
     on_trainium = runtime.detect_device() == "neuron"
     lnc, ranks = paid_launch()
     env = {**os.environ, "NEURON_LOGICAL_NC_CONFIG": str(lnc)}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="first_hour_", dir=out_dir) as work:
         rows = [run_step(*step, env=env) for step in plan(passthrough, on_trainium, work, lnc, ranks)]
-        try:
-            with open(check_json(work)) as f:
-                check_rows = json.load(f)["check"]
-        except (OSError, ValueError, KeyError):
-            check_rows = None
-        fallbacks = build_failures(work)
+        check_rows, kernel_rows = read_rows(check_json(work), "check"), read_rows(gains_json(work), "kernels")
+        runs, fallbacks = compiled_runs(work), build_failures(work)
+    if on_trainium:
+        fallbacks = {**startup_costs(rows, runs, kernel_gains(kernel_rows), budget_s, cap_s), **fallbacks}
     command, reasons = paid_run_command(rows, check_rows, passthrough, on_trainium, lnc, ranks, fallbacks)
-    return rows, command, reasons, time.perf_counter() - t0
+    return rows, command, reasons, time.perf_counter() - t0, startup_report(runs, cap_s)
+
+
+def read_rows(path, key):
+    """The rows a step wrote to the JSON file `path` under `key`, or None where it wrote none."""
+    try:
+        with open(path) as f:
+            return json.load(f)[key]
+    except (OSError, ValueError, KeyError):
+        return None

@@ -148,6 +148,9 @@ def test_bad_flags_and_a_missing_device_print_one_line_without_a_traceback(tmp_p
         (["--log_every", "0"], ["--log_every=0 must be >= 1"]),
         (["--device=cuda", "--max_steps=1", f"--out_dir={tmp_path}"], ["--device=cuda: no CUDA device"]),
         (["--resume=nowhere.pt", f"--out_dir={tmp_path}"], ["--resume=nowhere.pt: no such checkpoint"]),
+        # a fresh interpreter: no Neuron SDK here, and no emulator unless asked for (docs/kernels.md)
+        (["--kernels=attention:nki", f"--out_dir={tmp_path}"], ["kernels='attention:nki' runs attention on NKI, which "
+                                                                "is not usable here", "NKI_EMULATOR=1 python train.py"]),
     ]
     for (rc, stderr), (_, needles) in zip(cli_cases("train.py", [args for args, _ in cases]), cases, strict=True):
         assert_one_line_error(rc, stderr, *needles)

@@ -93,6 +93,11 @@ def test_kernels_json_has_engine_seconds_and_a_bottleneck_for_every_kernel(tmp_p
         compiled = r["compiled"]  # the fallback, priced as the step estimate prices it
         assert compiled["bottleneck"] in compiled["engines"] and 0 < compiled["estimate_s"] <= compiled["serial_s"]
         assert r["choice"] == ("nki" if r["estimate_s"] < compiled["estimate_s"] else "torch") and r["priced"] == "nki"
+    # a micro-step's calls of each op, which --first_hour weighs a kernel's gain by: one layer's attention, MLP and
+    # rotary norms of q and k; one loss; the layer's two residual adds with their norms
+    calls = {r["op"]: r["calls"] for r in rows}
+    assert calls == {"attention": 1, "mlp": 1, "rope_norm": 2, "softcap_cross_entropy": 1, "add_rms_norm": 2,
+                     "rms_norm": calls["rms_norm"]} and calls["rms_norm"] >= 1
 
 
 def test_bench_kernels_with_a_value_is_the_model_setting_and_alone_the_measurement(monkeypatch):

@@ -30,8 +30,8 @@ def test_on_a_device_the_kernels_are_checked_at_the_runs_own_shapes():
     assert shapes.activations == ("leaky_relu2",) and shapes.vocab == 8192 and shapes.mlp_chunk_tiles == 0
     # the MLP at its width: the backward in several chunks, as kernels._mlp_chunk_tiles plans it there
     assert kernels.mlp_chunks(shapes, False, torch.bfloat16, backward=True) > 1
-    names = [name for name, _, _ in device_check.planned_checks(cfg, model_cfg, "neuron", "cpu")]
-    ops = {op for _, op, _ in device_check.planned_checks(cfg, model_cfg, "neuron", "cpu") if op}
+    names = [name for name, _, _ in device_check.planned_checks(cfg, model_cfg, "neuron", "cpu", train.train_step)]
+    ops = {op for _, op, _ in device_check.planned_checks(cfg, model_cfg, "neuron", "cpu", train.train_step) if op}
     assert ops == set(kernels.KERNEL_OPS)
     for dtype in ("bf16", "fp32"):
         for direction in ("forward, no grad", "forward+backward"):

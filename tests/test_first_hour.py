@@ -10,7 +10,7 @@ import torch
 
 import kernels
 import train
-from kit import first_hour, runtime
+from kit import build, first_hour, runtime
 
 
 @pytest.mark.parametrize("version, front_end", [("0.4.0b4+2581.ge7", "parser"), ("0.6.0", "parser"),
@@ -44,14 +44,18 @@ def _train_args(command):
 def test_the_plan_runs_every_kernel_op_alone_and_on_a_device_the_paid_runs_ranks(tmp_path):
     plan = first_hour.plan(["--preset=baseline"], False, str(tmp_path), 1, 8)
     names = [name for name, _, _ in plan]
-    assert names[:len(kernels.KERNEL_OPS) + 2] == (["versions"] + [f"kernels: {op}" for op in kernels.KERNEL_OPS]
-                                                   + ["bench.py --check"])
+    assert names[:len(kernels.KERNEL_OPS) + 3] == (["versions"] + [f"kernels: {op}" for op in kernels.KERNEL_OPS]
+                                                   + ["bench.py --check", "bench.py --kernels (each kernel's gain)"])
     assert any("--kernels=torch" in n for n in names) and any("--kernels=nki" in n for n in names)
     assert any("2 ranks" in n for n in names) and any("resume" in n for n in names) and "load_for_eval" in names[-1]
     assert all(set(first_hour.FIRST_HOUR_TINY) <= set(command) for name, command, _ in plan
                if name != "bench.py --check")
     check = dict((name, command) for name, command, _ in plan)["bench.py --check"]
     assert f"--json={first_hour.check_json(str(tmp_path))}" in check  # the per-op results the flags are drawn from
+    gains = dict((name, command) for name, command, _ in first_hour.plan(["--kernels=nki"], False, str(tmp_path), 1, 8))
+    gains = gains["bench.py --kernels (each kernel's gain)"]  # measures, rather than taking the model's --kernels=nki
+    assert gains[2] == "--kernels" and not any(a.startswith("--kernels=") for a in gains)
+    assert gains[-1] == f"--json={first_hour.gains_json(str(tmp_path))}"
     on_trainium = first_hour.plan(["--preset=baseline"], True, str(tmp_path), 1, 8)
     assert not any(set(first_hour.FIRST_HOUR_TINY) & set(command) for _, command, _ in on_trainium)
     training = [command for name, command, _ in on_trainium if "compiled steps" in name or "sharded" in name]
@@ -147,7 +151,7 @@ def fallback_run(run_dir, op, monkeypatch):
 
     trainee = collections.namedtuple("Trainee", "model raw_model sharding rebuild")(
         "compiled", torch.nn.Linear(1, 1), None, lambda: "rebuilt")
-    train.surviving_build_failures(first_step, trainee, log)
+    build.surviving_build_failures(first_step, trainee, log, train.ChargedClock(0, 1, 900.0))
     with open(os.path.join(run_dir, "log.jsonl"), "a") as f:
         f.write('{"event": "train", "lo')
 
@@ -168,6 +172,16 @@ def test_an_op_whose_kernel_failed_to_build_in_a_training_step_goes_to_pytorch(t
     assert first_hour.build_failures(str(tmp_path / "data")) == {}
 
 
+def test_the_ops_a_compiled_graph_that_failed_to_build_sent_to_pytorch_stay_there(tmp_path):
+    os.makedirs(tmp_path / "steps_auto")
+    log = runtime.Logger(str(tmp_path / "steps_auto"), enabled=True, append=False)
+    log("graph_fallback", "warning line", ops=["attention", "mlp"], why="the compiled graph failed to build: E")
+    failures = first_hour.build_failures(str(tmp_path))
+    assert failures == dict.fromkeys(["attention", "mlp"], "training run 'steps_auto' went on on PyTorch: the "
+                                                           "compiled graph failed to build: E")
+    assert first_hour.paid_run_kernels(_rows(), _check_rows(), True, failures)[0] == "auto,attention:torch,mlp:torch"
+
+
 def test_the_session_reads_the_training_runs_logs_before_it_removes_them(tmp_path, monkeypatch):
     """run_first_hour's wiring: a step (standing in for the training steps) leaves a fallback in its run's
     log, and the paid run's launch string turns that op off."""
@@ -177,10 +191,10 @@ def test_the_session_reads_the_training_runs_logs_before_it_removes_them(tmp_pat
     monkeypatch.setattr(first_hour, "plan", lambda passthrough, on_trainium, work, lnc, ranks: [
         ("20 compiled steps, --kernels=auto", [sys.executable, "-c", writes_log,
                                                os.path.join(work, "steps_auto"), fallback], 60)])
-    rows, command, reasons, _ = first_hour.run_first_hour(["--preset=baseline"], out_dir=str(tmp_path))
+    rows, command, reasons, _, startups = first_hour.run_first_hour(["--preset=baseline"], 1800.0, 900.0, out_dir=str(tmp_path))
     assert rows[0]["passed"] and command.endswith("--preset=baseline --kernels=auto,mlp:torch")
     assert "mlp: training run 'steps_auto' went on on PyTorch: NKI kernel failed to build: E" in reasons
-    assert os.listdir(tmp_path) == []  # the session's folder is gone
+    assert os.listdir(tmp_path) == [] and startups == []  # the session's folder is gone; no run got past its start-up
 
 
 def test_a_fused_kernel_runs_alone(capsys):
@@ -191,3 +205,62 @@ def test_a_fused_kernel_runs_alone(capsys):
                                                "add_rms_norm_bwd_kernel: front end ok / backend ok")
     with pytest.raises(ValueError, match="kernel:norm: not a kernel op; the ops are attention, mlp"):
         first_hour.kernel_alone(GPTConfig(), 1, "cpu", "cpu", "norm")
+
+
+def test_each_kernels_gain_is_its_saving_per_call_times_its_calls_measured_or_estimated():
+    device = [{"op": "mlp", "direction": "fwd+bwd", "calls": 4, "nki_s": 0.001, "torch_s": 0.003},
+              {"op": "mlp", "direction": "forward", "calls": 4, "nki_s": 0.0, "torch_s": 1.0},  # training runs both
+              {"op": "attention", "direction": "fwd+bwd", "calls": 4, "nki_unavailable": "head_dim 512", "torch_s": 1.0}]
+    assert first_hour.kernel_gains(device) == {"mlp": pytest.approx(0.008)}
+    estimated = [{"op": "attention", "direction": "fwd+bwd", "calls": 2, "estimate_s": 0.002, "compiled": {"estimate_s": 0.001}},
+                 {"op": "attention", "direction": "fwd+bwd", "calls": 2, "estimate_s": 0.001, "compiled": {"estimate_s": 0.004}}]
+    assert first_hour.kernel_gains(estimated) == {"attention": pytest.approx(0.002)}  # its two cases averaged
+    assert first_hour.kernel_gains(None) == {}
+
+
+def compiled_run(work, name, startup_s, tokens_per_s=65536.0):
+    """A compiled training run's folder: its config event, a start-up step, a timed step, a torn last line."""
+    os.makedirs(os.path.join(work, name))
+    log = runtime.Logger(os.path.join(work, name), enabled=True, append=False)
+    log("config", "config line", train_config={"batch_size": 8, "total_batch_tokens": 65536},
+        model_config={"sequence_len": 1024}, world_size=8)
+    log("train", "step 1", step=1, startup_time=0.0, tokens_per_s=0.0)  # the clock not started yet
+    log("train", "step 20", step=20, startup_time=startup_s, tokens_per_s=tokens_per_s)
+    with open(os.path.join(work, name, "log.jsonl"), "a") as f:
+        f.write('{"event": "done", "startup_ti')
+
+
+def test_each_compiled_runs_cold_start_up_is_reported_against_the_cap(tmp_path):
+    compiled_run(str(tmp_path), "steps_torch", 497.0)
+    compiled_run(str(tmp_path), "steps_auto", 951.0)
+    runs = first_hour.compiled_runs(str(tmp_path))
+    assert runs["steps_auto"] == {"startup_s": 951.0, "tokens_per_s": 65536.0, "micro_steps": 1, "step_tokens": 65536}
+    assert first_hour.startup_report(runs, 900.0) == [
+        "cold start-up of steps_auto: 951 s of the 900 s cap, 51 s past it (charged to the run)",
+        "cold start-up of steps_torch: 497 s of the 900 s cap, 403 s to spare"]
+
+
+def _startup_rows():
+    """Each kernel op's step alone and the bare versions step: each op's kernels add what their step took beyond it."""
+    seconds = {"versions": 20.0, "kernels: attention": 100.0, "kernels: mlp": 80.0, "kernels: rms_norm": 50.0}
+    return [{"step": step, "passed": True, "timed_out": False, "seconds": s, "detail": ""} for step, s in seconds.items()]
+
+
+def test_a_kernel_whose_start_up_past_the_cap_outweighs_its_gain_over_the_budget_goes_to_pytorch():
+    """The run on the kernels starts up 100 s past the cap; a step of the PyTorch run takes 1 s. The ops with
+    least gain per second of start-up go first: mlp (60 s of start-up, all past the cap, for 6 s of training
+    gained), then rms_norm (30 s for 6 s); attention's 500 s gained outweigh the 10 s still past the cap."""
+    runs = {"steps_torch": {"startup_s": 497.0, "tokens_per_s": 65536.0, "micro_steps": 1, "step_tokens": 65536},
+            "steps_auto": {"startup_s": 1000.0, "tokens_per_s": 90000.0, "micro_steps": 1, "step_tokens": 65536}}
+    gains = {"attention": 0.5, "mlp": 0.006, "rms_norm": 0.006}  # seconds a micro-step, over a 1000 s budget
+    off = first_hour.startup_costs(_startup_rows(), runs, gains, 1000.0, 900.0)
+    assert list(off) == ["mlp", "rms_norm"]
+    assert off["mlp"] == ("its kernels add about 60 s of start-up, 60 s of it past the 900 s start-up cap "
+                          "(charged to the run), for about 6 s of training gained over the 1000 s budget")
+    assert off["rms_norm"].startswith("its kernels add about 30 s of start-up, 30 s of it past")
+    setting, reasons = first_hour.paid_run_kernels(_rows(), _check_rows(), True, off)
+    assert setting == "auto,mlp:torch,rms_norm:torch" and reasons == [f"{op}: {why}" for op, why in off.items()]
+    runs["steps_auto"]["startup_s"] = 839.0  # inside the cap: its start-up costs the run nothing
+    assert first_hour.startup_costs(_startup_rows(), runs, gains, 1000.0, 900.0) == {}
+    runs["steps_auto"]["startup_s"] = 1000.0
+    assert first_hour.startup_costs(_startup_rows(), runs, gains, 100_000.0, 900.0) == {}  # a long budget pays for them

@@ -1,6 +1,8 @@
 """An NKI kernel that fails to build at its first call does not end a run: its op goes on on PyTorch, said in
 one line and in the checkpoint's per-op record; compiled, the graph is built once more. The failures are the
-emulator's own refusals (a tile of 256 partitions), injected by swapping a kernel for one that makes it."""
+emulator's own refusals (a tile of 256 partitions), injected by swapping a kernel for one that makes it. Nor
+does a compiled graph that fails to build as a whole, outside any kernel (injected by a compiler backend that
+refuses it): it is built once more with every op on PyTorch."""
 import collections
 import functools
 import json
@@ -14,6 +16,7 @@ import torch
 import kernels
 import nki.language as nl
 import train
+from kit import build
 from tiny import TINY_RUN
 
 REAL_FWD, REAL_BWD = kernels.flash_attention_fwd_kernel, kernels.flash_attention_bwd_kernel
@@ -90,6 +93,7 @@ def test_every_kernel_names_its_op():
 
 
 Trainee = collections.namedtuple("Trainee", "model raw_model sharding rebuild")
+CLOCK = train.ChargedClock(0, 1, 900.0)
 
 
 def test_only_a_build_failure_is_survived_and_each_op_falls_back_once():
@@ -108,15 +112,15 @@ def test_only_a_build_failure_is_survived_and_each_op_falls_back_once():
                 raise RuntimeError("backend compiler failed") from None  # as dynamo wraps it: the context kept
         return "done"
 
-    result, trainee = train.surviving_build_failures(work, trainee, lambda *a, **fields: logged.append(fields))
+    result, trainee = build.surviving_build_failures(work, trainee, lambda *a, **fields: logged.append(fields), CLOCK)
     assert (result, trainee.model, tries) == ("done", "rebuilt", ["first", "rebuilt"])
     why = "NKI kernel failed to build: ValueError: no such instruction"
     assert kernels.BUILD_FAILURES == {"mlp": why} and logged == [{"op": "mlp", "why": why}]
     assert raw_model.weight.grad is None
     with pytest.raises(kernels.KernelBuildError):  # mlp again: on PyTorch already, so not a build of it
-        train.surviving_build_failures(lambda _: fails_to_build("mlp"), trainee, logged.append)
+        build.surviving_build_failures(lambda _: fails_to_build("mlp"), trainee, logged.append, CLOCK)
     with pytest.raises(ZeroDivisionError):
-        train.surviving_build_failures(lambda _: 1 / 0, trainee, logged.append)
+        build.surviving_build_failures(lambda _: 1 / 0, trainee, logged.append, CLOCK)
     assert len(logged) == 1
 
 
@@ -167,3 +171,97 @@ def test_a_run_whose_attention_kernel_fails_to_build_finishes_on_pytorch_attenti
     steps = [[(e["loss"], e["grad_norm"]) for e in events(tmp_path / out, "train")] for out in ("fell_back", "torch")]
     assert len(steps[0]) == 2 and steps[0] == [pytest.approx(s, rel=1e-6) for s in steps[1]]
     assert result["final_eval"]["val_bpb"] == pytest.approx(on_torch["final_eval"]["val_bpb"], rel=1e-6)
+
+
+class NEFFCompilationError(Exception):
+    """TorchNeuron's error for a graph the Neuron compiler fails to build (by its name, as build.py knows it)."""
+
+
+def test_a_graph_build_failure_is_told_by_the_compilers_own_errors_anywhere_in_the_chain():
+    try:
+        try:
+            raise RuntimeError("Neuron backend NEFF execution setup failed with unexpected error: E")
+        except RuntimeError:
+            raise ValueError("in the first step") from None  # the context kept, as a wrapper keeps it
+    except ValueError as wrapped:
+        assert str(build.graph_build_failure(wrapped)).startswith("Neuron backend NEFF")
+    assert build.graph_build_failure(RuntimeError("[NCC_EVRF007] the compiler gave up")) is not None
+    assert isinstance(build.graph_build_failure(NEFFCompilationError("E")), NEFFCompilationError)
+    assert build.graph_build_failure(RuntimeError("CUDA out of memory")) is None
+    assert build.graph_build_failure(ZeroDivisionError()) is None
+
+
+def test_a_graph_that_fails_to_build_is_built_once_more_with_every_op_that_was_on_nki_on_pytorch():
+    """Said in one line with the start-up so far and after a rebuild as long as the failed build, against
+    the cap; the ops already on PyTorch keep their own reason; a graph that fails again without a kernel
+    in it ends the run."""
+    raw_model = torch.nn.Linear(2, 2)
+    raw_model.kernels_ran = {"attention": {"ran": "nki", "why": "kernels=nki"}, "mlp": {"ran": "torch", "why": "kernels=torch"},
+                             "rms_norm": {"ran": "nki and torch", "why": "..."}}
+    seconds = iter([300.0, 700.0, 720.0])  # the failed build from 300 s to 700 s of start-up; the rebuild's start
+    clock = train.ChargedClock(0, 1, 900.0, process_start=0.0, now=lambda: next(seconds))
+    logged, tries = [], []
+
+    def work(model):
+        tries.append(model)
+        if len(tries) == 1:  # TorchNeuron's wrapper of the compiler's error: the compiler's is the reason
+            raise NEFFCompilationError("NEFF compilation failed") from RuntimeError("[NCC_EXTP004] too many "
+                                                                                   "instructions in the graph")
+        return "trained"
+
+    result, _ = build.surviving_build_failures(work, Trainee("first", raw_model, None, lambda: "rebuilt"),
+                                               lambda event, text, **fields: logged.append((event, text, fields)), clock)
+    why = ("the compiled graph failed to build with NKI kernels in it: RuntimeError: [NCC_EXTP004] too many "
+           "instructions in the graph")
+    assert (result, tries) == ("trained", ["first", "rebuilt"])
+    assert kernels.BUILD_FAILURES == {"attention": why, "rms_norm": why}
+    [(event, text, fields)] = logged
+    assert event == "graph_fallback" and fields["ops"] == ["attention", "rms_norm"] and fields["why"] == why
+    assert text == (f"warning: {why}; building it once more with every op on PyTorch (on NKI until now: attention, rms_norm): "
+                    "start-up 700 s, about 1100 s after the rebuild, against the 900 s start-up cap, past it: the excess "
+                    "is charged to the run (docs/troubleshooting.md)")
+    raw_model.kernels_ran = {op: {"ran": "torch", "why": why} for op in ("attention", "rms_norm")}  # as rebuilt
+    clock.now = lambda: 800.0
+    with pytest.raises(NEFFCompilationError):  # no kernel left to turn off: the graph's own failure ends the run
+        build.surviving_build_failures(fails_to_compile, Trainee("second", raw_model, None, lambda: "again"),
+                                       logged.append, clock)
+    assert len(logged) == 1
+
+
+def fails_to_compile(model):
+    raise NEFFCompilationError("[NCC_EXTP004] too many instructions in the graph")
+
+
+def refuses_nki_ops(graph, example_inputs):
+    """A compiler backend that fails to build any graph with an NKI kernel's op in it, as a Neuron compile error
+    of the whole graph would, outside any kernel's trace; it compiles the rest as AOT autograd does."""
+    if any("nanogpt_trn" in str(node.target) for node in graph.graph.nodes):
+        raise RuntimeError("[NCC_INLA001] the graph around the kernels failed to build (injected)")
+    from torch._dynamo.backends.debugging import aot_eager_default_partitioner
+    return aot_eager_default_partitioner(graph, example_inputs)
+
+
+def test_a_compiled_run_whose_graph_fails_to_build_finishes_on_pytorch(tmp_path, data_dir, monkeypatch, capsys):
+    """The first step's graph, with attention's NKI kernel in it, fails to build; the run builds it once more
+    with attention on PyTorch, and trains as a run on PyTorch from the start does; final.pt says why."""
+    compiles = []
+
+    def compile_refusing_kernels(model, **_):
+        if isinstance(model, torch.nn.Module):  # the model; Muon's update is compiled too on CPU
+            compiles.append(model)
+            return COMPILE(model, backend=refuses_nki_ops, fullgraph=True)
+        return COMPILE(model, backend="aot_eager_default_partitioner", fullgraph=True)
+
+    monkeypatch.setattr(build.torch, "compile", compile_refusing_kernels)
+    run(tmp_path / "rebuilt", data_dir, "--compile=true")
+    [fallback] = events(tmp_path / "rebuilt", "graph_fallback")
+    assert fallback["ops"] == ["attention"] and fallback["why"].endswith(
+        "RuntimeError: [NCC_INLA001] the graph around the kernels failed to build (injected)") and not events(tmp_path / "rebuilt", "kernel_fallback")
+    said = [line for line in capsys.readouterr().out.splitlines() if "failed to build" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: {fallback['why']}; building it once more with every op on PyTorch")
+    record = torch.load(tmp_path / "rebuilt" / "final.pt", weights_only=True)["kernels"]
+    assert record["attention"] == {"ran": "torch", "why": fallback["why"]} and record["mlp"]["why"] == "kernels=torch"
+    assert len(compiles) == 2 and kernels.BUILD_FAILURES == {}
+    run(tmp_path / "torch", data_dir, "--compile=false", "--kernels=torch")
+    steps = [[(e["loss"], e["grad_norm"]) for e in events(tmp_path / out, "train")] for out in ("rebuilt", "torch")]
+    assert len(steps[0]) == 2 and steps[0] == [pytest.approx(s, rel=1e-5) for s in steps[1]]

@@ -250,6 +250,6 @@ def test_the_ablation_runs_every_seed_of_a_row_in_its_own_folder(monkeypatch, tm
     from kit import ablation
     rows = ablation.ablation_rows(2)
     monkeypatch.setattr(ablation, "ablation_rows", lambda steps: [rows[0], rows[-1]])  # baseline and + chunked_ce
-    results = ablation.run_ablation(seeds=2, steps=2, extra=[f"--data_dir={tmp_path}", "--eval_tokens=2048"])
+    results = ablation.run_ablation(seeds=2, steps=2, train_main=train.main, extra=[f"--data_dir={tmp_path}", "--eval_tokens=2048"])
     assert list(results) == ["baseline", "+ chunked_ce"] and all(len(v) == 2 and all(map(math.isfinite, v)) for v in results.values())
     assert "| + chunked_ce |" in capsys.readouterr().out

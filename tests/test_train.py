@@ -196,6 +196,21 @@ def test_a_run_with_nki_kernels_evaluates_and_samples_at_any_length(tmp_path, da
         assert model(torch.randint(0, 257, (1, 50))).shape == (1, 50, 257)
 
 
+def test_the_emulator_switch_trains_a_laptop_run_on_every_nki_kernel(tmp_path, data_dir):
+    """NKI_EMULATOR=1 python train.py --kernels=nki, as docs/kernels.md gives it, in a process of its own with
+    no Neuron SDK: every op's kernels run under the emulator (final.pt's record says so) and the loss falls."""
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "--kernels=nki", "--n_layer=1", "--n_embd=128",
+               "--n_head=1", "--sequence_len=128", "--batch_size=1", "--max_steps=8", "--warmup_steps=2",
+               "--eval_tokens=128", "--compile=false", "--dtype=float32", "--time_budget_s=0", "--sample_tokens=0",
+               "--log_every=1", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"]
+    proc = subprocess.run(command, env={**os.environ, "NKI_EMULATOR": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = torch.load(tmp_path / "final.pt", weights_only=True)["kernels"]
+    assert set(record) == set(kernels.KERNEL_OPS) and all(r["ran"] == "nki" for r in record.values()), record
+    losses = [e["loss"] for e in events(tmp_path, "train")]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0
+
+
 def test_a_config_field_is_declared_once_on_its_line(capsys):
     """A field added with nothing but its dataclass line is parsed, listed in --help, range-checked and
     compared on resume (unless it says a resumed run may change it)."""

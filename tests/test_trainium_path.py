@@ -52,7 +52,7 @@ def relative_error(got, want):
 
 
 def compile_for_trainium(module, *example, backend="aot_eager_default_partitioner"):
-    """As train.wrap_for_training compiles for the Neuron backend: fallbacks previewed, then one graph."""
+    """As kit/build.py (wrap_for_training) compiles for the Neuron backend: fallbacks previewed, then one graph."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         kernels.preview_fallbacks(module, *example)
     return torch.compile(module, backend=backend, fullgraph=True)
