@@ -321,7 +321,9 @@ def _dict_method(mapping, name):
 
 
 def _string_key(key, prefix, source):
-    if kind(key) != "string":
+    """A dict key is a string; a dtype (an opaque value here) is one in KLR (Term.lean ``attr`` "dtype", l. 521-527,
+    gives the dtype's name), and nki-library's kernel_helpers.py l. 394 looks dtypes up in a dict on hardware."""
+    if kind(key) not in ("string", "opaque"):
         refuse(f"{prefix}expecting 'string', got '{_klr_name(key)}'", "dict keys are strings", source)
 
 

@@ -479,3 +479,15 @@ def test_nki_0_7_takes_the_whole_language():
         nki_emulator.jit(comprehension)
     nki_emulator.set_nki_version("0.7")
     assert nki_emulator.jit(comprehension)(x) == 48
+
+
+_LARGEST = {nl.float32: 3.4e38, nl.bfloat16: 3.39e38}
+
+
+def largest_of_dtype(x):
+    """A dtype is a string to KLR (Term.lean l. 521-527): nki-library's kernel_helpers.py l. 394 keys a dict by it."""
+    return _LARGEST.get(x.dtype, None)
+
+
+def test_a_dtype_keys_a_dict():
+    assert nki_emulator.jit(largest_of_dtype)(np.zeros((8, 16), np.float32)) == 3.4e38
