@@ -1616,15 +1616,7 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
             for j in range(tiles):
                 start, stop = j * TILE, (j + 1) * TILE
                 if b == 0 and start % BANK_FP32 == 0:  # the next 512 units' weights, as the first block needs them
-                    group = slice(units.start + start, units.start + min(start + BANK_FP32, tiles * TILE))
-                    for w in range(len(weights)):
-                        _transpose_pieces_into(weights_t[w], start, _load_row_pieces(
-                            weights[w], group.start, group.stop - group.start, slice(0, dim)))
-                    w_down_group = _sbuf_tiles((group.stop - group.start) // TILE, (TILE, dim), w_down.dtype)
-                    for d_rows in _spans(0, dim, BANK_FP32):  # w_down[:, group].T, 512 rows of d at a time
-                        _transpose_pieces_into(w_down_group, d_rows[0],
-                                               _load_row_pieces(w_down, d_rows[0], d_rows[1], group))
-                    w_down_t += w_down_group
+                    w_down_t += _mlp_load_weight_group(weights, w_down, weights_t, units.start, start, tiles * TILE)
                 up = _matmul_into_psum(_column_slices(weights_t[0], start, stop), x_t)
                 gate = _matmul_into_psum(_column_slices(weights_t[1], start, stop), x_t) if gated else None
                 if save_preactivation:
@@ -1633,21 +1625,46 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
                     if gated:
                         _store_from_psum(gate_saved[saved, block], gate, False)
                 act_t.append(_mlp_activation(activation, up, gate, x.dtype))
-
-            for piece in _spans(0, block_tokens, TILE):
-                offset, tokens = piece
-                sums = []  # this chunk's share of y for the piece's tokens, one PSUM bank per 512 columns
-                for columns in _spans(0, dim, BANK_FP32):
-                    col, width = columns
-                    sums.append(_matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
-                                                  _column_slices(w_down_t, col, col + width)))
-                rows = slice(block_start + offset, block_start + offset + tokens)
-                _finish_rows(y, partial, rows, program_start, sums, k, len(chunks), offset // TILE)
+            _mlp_down_projection(y, partial, act_t, w_down_t, block_start, block_tokens, program_start, k, len(chunks))
     if not save_preactivation:
         return y  # one output: TorchNeuron hands it back bare
     if gated:
         return y, up_saved, gate_saved
     return y, up_saved
+
+
+def _mlp_load_weight_group(weights, w_down, weights_t, chunk_start, start, chunk_units):
+    """The weights of the chunk's next <= 512 hidden units (the group from unit chunk_start + start) into SBUF, as
+    the chunk's first block reaches them: w_up[group] (and w_gate[group]) transposed into columns start.. of
+    weights_t (d/128 tiles [128 of d, chunk_units]), and w_down[:, group].T returned as (group units)/128 tiles
+    [128 units, d] for the chunk's w_down_t."""
+    dim = w_down.shape[0]
+    group = slice(chunk_start + start, chunk_start + min(start + BANK_FP32, chunk_units))
+    for w in range(len(weights)):
+        _transpose_pieces_into(weights_t[w], start, _load_row_pieces(
+            weights[w], group.start, group.stop - group.start, slice(0, dim)))
+    w_down_group = _sbuf_tiles((group.stop - group.start) // TILE, (TILE, dim), w_down.dtype)
+    for d_rows in _spans(0, dim, BANK_FP32):  # w_down[:, group].T, 512 rows of d at a time
+        _transpose_pieces_into(w_down_group, d_rows[0],
+                               _load_row_pieces(w_down, d_rows[0], d_rows[1], group))
+    return w_down_group
+
+
+def _mlp_down_projection(y, partial, act_t, w_down_t, block_start, block_tokens, program_start, chunk, n_chunks):
+    """A block's down projection for one chunk: per 128 tokens, y[128 tokens, <=512 of d] += act.T[128 units,
+    128 tokens].T @ w_down.T[128 units, <=512] summed over the chunk's hidden tiles in PSUM (act_t: the chunk's
+    tiles [128 units, block_tokens]; w_down_t: its tiles [128 units, d]), then _finish_rows adds it to y's rows
+    (through `partial` when there are several chunks)."""
+    dim = y.shape[1]
+    for piece in _spans(0, block_tokens, TILE):
+        offset, tokens = piece
+        sums = []  # this chunk's share of y for the piece's tokens, one PSUM bank per 512 columns
+        for columns in _spans(0, dim, BANK_FP32):
+            col, width = columns
+            sums.append(_matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
+                                          _column_slices(w_down_t, col, col + width)))
+        rows = slice(block_start + offset, block_start + offset + tokens)
+        _finish_rows(y, partial, rows, program_start, sums, chunk, n_chunks, offset // TILE)
 
 
 def _partial_sums(program_start, program_stop, dim, chunks):
