@@ -2350,27 +2350,43 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
             nisa.tensor_tensor(dst=product, data1=out, data2=dy_tile, op=nl.add)
             nisa.activation(dst=out, op=nl.copy, data=product, scale=rstd)
         else:  # dx = c x + g; the weight gradient's dy x r summed over the rows by a matmul with ones
-            nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
-                                      operand1=g)
-            normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
-                                      operand1=dy_tile)
-            for c in range(len(dweight_acc)):
-                col = c * BANK_FP32
-                nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:count],
-                               moving=normed_dy[:, col:col + dweight_acc[c].shape[1]], accumulate=s > 0)
+            _rms_norm_weighted_dx(out, x_tile, dy_tile, rstd, x_coef, g, ones_column, dweight_acc, s > 0)
         nisa.dma_copy(dst=dx[rows, :], src=out)
     if weight is None:
         return dx  # one output: TorchNeuron hands it back bare
-    partial = nl.ndarray((1, dim), nl.float32, buffer=nl.sbuf)
-    if program_start == program_stop:  # this program got no rows
+    _store_dweight_partial(dweight[program:program + 1, :], dweight_acc, program_start == program_stop)
+    return dx, dweight
+
+
+def _rms_norm_weighted_dx(out, x_tile, dy_tile, rstd, x_coef, g, ones_column, dweight_acc, accumulate):
+    """With a weight, a row tile's dx and its share of the weight gradient: out = c x + g (x_coef [rows, 1] c,
+    g [rows, d] = r dy weight, fp32), and dy x r (rstd [rows, 1] r) summed over the tile's rows into dweight_acc
+    (PSUM rows [1, <=512], one per 512 columns) by a matmul with ones_column, accumulating onto what earlier tiles
+    left there unless this is the program's first tile."""
+    count, dim = x_tile.shape
+    nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
+                              operand1=g)
+    normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                              operand1=dy_tile)
+    for c in range(len(dweight_acc)):
+        col = c * BANK_FP32
+        nisa.nc_matmul(dst=dweight_acc[c], stationary=ones_column[:count],
+                       moving=normed_dy[:, col:col + dweight_acc[c].shape[1]], accumulate=accumulate)
+
+
+def _store_dweight_partial(dweight_row, dweight_acc, no_rows):
+    """This program's partial weight gradient to its row of dweight (HBM, [1, d] fp32): the PSUM sums of
+    dweight_acc (rows [1, <=512], one per 512 columns) copied into one SBUF row, or zeros when the program got
+    no rows (no_rows) and so never wrote its PSUM."""
+    partial = nl.ndarray(dweight_row.shape, nl.float32, buffer=nl.sbuf)
+    if no_rows:
         nisa.memset(dst=partial, value=0.0)
     else:
         for c in range(len(dweight_acc)):
             col = c * BANK_FP32
             nisa.tensor_copy(dst=partial[:, col:col + dweight_acc[c].shape[1]], src=dweight_acc[c])
-    nisa.dma_copy(dst=dweight[program:program + 1, :], src=partial)
-    return dx, dweight
+    nisa.dma_copy(dst=dweight_row, src=partial)
 
 
 def _broadcast_to_partitions(vector):
