@@ -1995,26 +1995,7 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
         nisa.tensor_tensor(dst=act, data1=twice, data2=slope, op=nl.multiply)
         act_scale = 0.25
     elif activation == "gelu":
-        # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
-        # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
-        nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
-        u2 = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=u2, op=nl.square, data=up)
-        cubic = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + k u^3) / k
-        nisa.scalar_tensor_tensor(dst=cubic, data=u2, op0=nl.add, operand0=1 / _GELU_K, op1=nl.multiply, operand1=up)
-        s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=s, op=nl.sigmoid, data=cubic, scale=2 * _GELU_C * _GELU_K)
-        one_minus_s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=one_minus_s, op=nl.sigmoid, data=cubic, scale=-2 * _GELU_C * _GELU_K)
-        poly = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + 3k u^3) / (3k)
-        nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply,
-                                  operand1=up)
-        slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (1 - s) 2c u (1 + 3k u^2)
-        nisa.scalar_tensor_tensor(dst=slope, data=one_minus_s, op0=nl.multiply, operand0=6 * _GELU_C * _GELU_K,
-                                  op1=nl.multiply, operand1=poly)
-        s_d_act = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=s_d_act, data1=s, data2=d_act, op=nl.multiply)
-        nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=s_d_act)
+        _gelu_tanh_backward(up, d_act, act, d_up)
     else:  # swiglu: act = silu(g) u; d_up = d_act silu(g); d_gate = d_act u silu'(g)
         d_gate = nl.ndarray(shape, dtype, buffer=nl.sbuf)
         silu = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
@@ -2027,6 +2008,33 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
         nisa.tensor_tensor(dst=u_d_act, data1=up, data2=d_act, op=nl.multiply)
         nisa.tensor_tensor(dst=d_gate, data1=u_d_act, data2=silu_dx, op=nl.multiply)
     return act, act_scale, d_up, d_gate
+
+
+def _gelu_tanh_backward(up, d_act, act, d_up):
+    """The tanh-approximated GELU's step of _mlp_activation_backward: from the pre-activation u (`up`, SBUF
+    [128, tokens]) and dL/d act (`d_act`, fp32 PSUM), writes act = gelu(u) into `act` and d_up = d_act * act'(u)
+    into `d_up` (both SBUF [128, tokens] in the matmul dtype); intermediates fp32."""
+    shape = up.shape
+    # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
+    # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
+    nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
+    u2 = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=u2, op=nl.square, data=up)
+    cubic = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + k u^3) / k
+    nisa.scalar_tensor_tensor(dst=cubic, data=u2, op0=nl.add, operand0=1 / _GELU_K, op1=nl.multiply, operand1=up)
+    s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=s, op=nl.sigmoid, data=cubic, scale=2 * _GELU_C * _GELU_K)
+    one_minus_s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=one_minus_s, op=nl.sigmoid, data=cubic, scale=-2 * _GELU_C * _GELU_K)
+    poly = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + 3k u^3) / (3k)
+    nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply,
+                              operand1=up)
+    slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (1 - s) 2c u (1 + 3k u^2)
+    nisa.scalar_tensor_tensor(dst=slope, data=one_minus_s, op0=nl.multiply, operand0=6 * _GELU_C * _GELU_K,
+                              op1=nl.multiply, operand1=poly)
+    s_d_act = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=s_d_act, data1=s, data2=d_act, op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=d_up, data=slope, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=s_d_act)
 
 
 # mlp: the PyTorch ops around the kernels, the PyTorch path, the shape and cost rules, the checks
