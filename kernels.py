@@ -1634,10 +1634,9 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
 
 
 def _mlp_load_weight_group(weights, w_down, weights_t, chunk_start, start, chunk_units):
-    """The weights of the chunk's next <= 512 hidden units (the group from unit chunk_start + start) into SBUF, as
-    the chunk's first block reaches them: w_up[group] (and w_gate[group]) transposed into columns start.. of
-    weights_t (d/128 tiles [128 of d, chunk_units]), and w_down[:, group].T returned as (group units)/128 tiles
-    [128 units, d] for the chunk's w_down_t."""
+    """The chunk's next <= 512 hidden units' weights (from unit chunk_start + start) into SBUF: w_up's (and w_gate's)
+    transposed into columns start.. of weights_t (d/128 tiles [128, chunk_units]); returns w_down[:, units].T as
+    tiles [128 units, d]."""
     dim = w_down.shape[0]
     group = slice(chunk_start + start, chunk_start + min(start + BANK_FP32, chunk_units))
     for w in range(len(weights)):
@@ -1645,16 +1644,12 @@ def _mlp_load_weight_group(weights, w_down, weights_t, chunk_start, start, chunk
             weights[w], group.start, group.stop - group.start, slice(0, dim)))
     w_down_group = _sbuf_tiles((group.stop - group.start) // TILE, (TILE, dim), w_down.dtype)
     for d_rows in _spans(0, dim, BANK_FP32):  # w_down[:, group].T, 512 rows of d at a time
-        _transpose_pieces_into(w_down_group, d_rows[0],
-                               _load_row_pieces(w_down, d_rows[0], d_rows[1], group))
+        _transpose_pieces_into(w_down_group, d_rows[0], _load_row_pieces(w_down, d_rows[0], d_rows[1], group))
     return w_down_group
 
 
 def _mlp_down_projection(y, partial, act_t, w_down_t, block_start, block_tokens, program_start, chunk, n_chunks):
-    """A block's down projection for one chunk: per 128 tokens, y[128 tokens, <=512 of d] += act.T[128 units,
-    128 tokens].T @ w_down.T[128 units, <=512] summed over the chunk's hidden tiles in PSUM (act_t: the chunk's
-    tiles [128 units, block_tokens]; w_down_t: its tiles [128 units, d]), then _finish_rows adds it to y's rows
-    (through `partial` when there are several chunks)."""
+    """One chunk's share of a block's y: per 128 tokens, act_t (tiles [128 units, tokens]).T @ w_down_t ([128, d])."""
     dim = y.shape[1]
     for piece in _spans(0, block_tokens, TILE):
         offset, tokens = piece
@@ -2011,9 +2006,7 @@ def _mlp_activation_backward(activation, up, gate, d_act, dtype):
 
 
 def _gelu_tanh_backward(up, d_act, act, d_up):
-    """The tanh-approximated GELU's step of _mlp_activation_backward: from the pre-activation u (`up`, SBUF
-    [128, tokens]) and dL/d act (`d_act`, fp32 PSUM), writes act = gelu(u) into `act` and d_up = d_act * act'(u)
-    into `d_up` (both SBUF [128, tokens] in the matmul dtype); intermediates fp32."""
+    """The tanh GELU's act and d_up = d_act act'(u) from up (SBUF [128, tokens]) and d_act (fp32 PSUM); fp32 inside."""
     shape = up.shape
     # act = u s with s = sigmoid(z), z = 2c (u + k u^3); act' = s (1 + (1 - s) 2c u (1 + 3k u^2)).
     # ScalarE has no derivative of the tanh approximation (gelu_dx is the erf GELU's), so build it.
@@ -2027,8 +2020,7 @@ def _gelu_tanh_backward(up, d_act, act, d_up):
     one_minus_s = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=one_minus_s, op=nl.sigmoid, data=cubic, scale=-2 * _GELU_C * _GELU_K)
     poly = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (u + 3k u^3) / (3k)
-    nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply,
-                              operand1=up)
+    nisa.scalar_tensor_tensor(dst=poly, data=u2, op0=nl.add, operand0=1 / (3 * _GELU_K), op1=nl.multiply, operand1=up)
     slope = nl.ndarray(shape, nl.float32, buffer=nl.sbuf)  # (1 - s) 2c u (1 + 3k u^2)
     nisa.scalar_tensor_tensor(dst=slope, data=one_minus_s, op0=nl.multiply, operand0=6 * _GELU_C * _GELU_K,
                               op1=nl.multiply, operand1=poly)
@@ -2367,13 +2359,9 @@ def rms_norm_bwd_kernel(dy, x, weight, eps):
 
 
 def _rms_norm_weighted_dx(out, x_tile, dy_tile, rstd, x_coef, g, ones_column, dweight_acc, accumulate):
-    """With a weight, a row tile's dx and its share of the weight gradient: out = c x + g (x_coef [rows, 1] c,
-    g [rows, d] = r dy weight, fp32), and dy x r (rstd [rows, 1] r) summed over the tile's rows into dweight_acc
-    (PSUM rows [1, <=512], one per 512 columns) by a matmul with ones_column, accumulating onto what earlier tiles
-    left there unless this is the program's first tile."""
+    """A weighted tile's dx = c x + g into out (c: x_coef [rows, 1]); dy x r summed over its rows into dweight_acc."""
     count, dim = x_tile.shape
-    nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add,
-                              operand1=g)
+    nisa.scalar_tensor_tensor(dst=out, data=x_tile, op0=nl.multiply, operand0=x_coef, op1=nl.add, operand1=g)
     normed_dy = nl.ndarray((count, dim), nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=normed_dy, data=x_tile, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                               operand1=dy_tile)
@@ -2384,9 +2372,7 @@ def _rms_norm_weighted_dx(out, x_tile, dy_tile, rstd, x_coef, g, ones_column, dw
 
 
 def _store_dweight_partial(dweight_row, dweight_acc, no_rows):
-    """This program's partial weight gradient to its row of dweight (HBM, [1, d] fp32): the PSUM sums of
-    dweight_acc (rows [1, <=512], one per 512 columns) copied into one SBUF row, or zeros when the program got
-    no rows (no_rows) and so never wrote its PSUM."""
+    """The program's partial weight gradient, dweight_acc's PSUM rows (zeros if it had no rows), to its dweight row."""
     partial = nl.ndarray(dweight_row.shape, nl.float32, buffer=nl.sbuf)
     if no_rows:
         nisa.memset(dst=partial, value=0.0)
