@@ -349,25 +349,34 @@ def measure_kernels(cfg, model_cfg, device_type, device, ops=kernels.KERNEL_OPS,
                     row.update(nki_s=seconds, nki_flops_per_s=flops / seconds, nki_fraction_of_peak=flops / seconds / peak,
                                choice="nki" if seconds < row["torch_s"] else "torch")
             else:
-                # estimated for Trn2 as training runs there: bf16 inputs, whatever this CPU computes in
-                row["compiled"] = _compiled_fallback(model_cfg, row["op"], cfg.batch_size, backward)
-                cpu_inputs = [t.detach().cpu().to(torch.bfloat16).requires_grad_() if t is not None else None
-                              for t in make_inputs()]
-                try:
-                    counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
-                except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
-                    row.update(nki_unavailable=str(e).splitlines()[0], choice="torch", priced="compiled",
-                               **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
-                else:
-                    row.update(kernel_estimate(counts), priced="nki")
-                    if timeline:
-                        central = nki_emulator.schedule(counts.trace, "trn2", nki_emulator.calibrated_seconds)
-                        nki_emulator.timeline.write(counts.trace, central, timeline,
-                                                    f"{row['op']}_{direction.replace('+', '_')}", f"{name} {direction}")
-                    row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
+                _price_on_trn2(row, model_cfg, cfg.batch_size, name, direction, call, make_inputs, timeline)
             row["auto"] = auto_choice(row, model_cfg, cfg.batch_size * model_cfg.sequence_len)
             rows.append(row)
     return rows
+
+
+def _price_on_trn2(row, model_cfg, batch_size, name, direction, call, make_inputs, timeline):
+    """Off Trainium, measure_kernels' pricing of one op and direction for one Trn2 NeuronCore, into `row`: the
+    fallback as compiled plain ops ("compiled") and the kernel by its emulated trace (kernel_estimate), or
+    `nki_unavailable` with the fallback's engines and bottleneck where the kernel refuses the shapes; `priced`,
+    which was used, and `choice`, the faster. With `timeline`, writes the emulated call's schedule there."""
+    # estimated for Trn2 as training runs there: bf16 inputs, whatever this CPU computes in
+    backward = direction == "fwd+bwd"
+    row["compiled"] = _compiled_fallback(model_cfg, row["op"], batch_size, backward)
+    cpu_inputs = [t.detach().cpu().to(torch.bfloat16).requires_grad_() if t is not None else None
+                  for t in make_inputs()]
+    try:
+        counts = emulate(lambda *a: call(*a, "nki"), cpu_inputs, backward)
+    except (RuntimeError, ValueError) as e:  # a shape the kernel cannot take: say why
+        row.update(nki_unavailable=str(e).splitlines()[0], choice="torch", priced="compiled",
+                   **{k: row["compiled"][k] for k in ("engines", "bottleneck")})
+    else:
+        row.update(kernel_estimate(counts), priced="nki")
+        if timeline:
+            central = nki_emulator.schedule(counts.trace, "trn2", nki_emulator.calibrated_seconds)
+            nki_emulator.timeline.write(counts.trace, central, timeline,
+                                        f"{row['op']}_{direction.replace('+', '_')}", f"{name} {direction}")
+        row["choice"] = "nki" if row["estimate_s"] < row["compiled"]["estimate_s"] else "torch"
 
 
 def _cost_declines(op, model_cfg, tokens):
