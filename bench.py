@@ -858,7 +858,9 @@ def run_sweep(cfg, model_cfg, args, device_type, device, ranks=1):
 
 # -----------------------------------------------------------------------------
 
-def main(argv):
+def _parser():
+    """bench.py's command line: its own flags and those of the kit/ programs it runs (device_check, first_hour,
+    ablation); main passes what it leaves (train.py's fields) to train.parse_args."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Any train.py field is accepted, as --field=value or --field value.")
     parser.add_argument("--bench_steps", type=int, default=10, help="optimizer steps per timed window")
@@ -885,29 +887,12 @@ def main(argv):
                         "schedule as a trace-event .json (open in ui.perfetto.dev) and a .png in DIR")
     for program in (device_check, first_hour, ablation):  # the programs in kit/ that bench.py runs
         program.add_flags(parser)
-    args, rest = parser.parse_known_args(argv)
-    if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
-        rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
-    if args.first_hour:  # before any device work: the steps do it, each in its own process
-        cfg = train.parse_args(rest)[0]  # the paid run's budget and start-up cap
-        rows, paid_run, reasons, seconds, startups = first_hour.run_first_hour(rest, cfg.time_budget_s, cfg.startup_cap_s)
-        first_hour.print_table(rows, paid_run, reasons, seconds, startups)
-        return {"first_hour": rows, "first_paid_run": paid_run}
-    if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
-        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, train.main, rest)
-    cfg, model_cfg = train.parse_args(rest)
-    if args.check:
-        device_check.draw_seed(cfg, rest)
-    flags.validate_config(cfg, model_cfg)
-    if args.memory:
-        return memory.print_plan(cfg, model_cfg, args.world_size)
-    model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
-    model_cfg.validate()
-    rank, world_size, device, device_type, control = runtime.start_ranks(runtime.device_type(cfg.device))
-    dtype_reason = runtime.choose_dtype(cfg, device_type, control)
-    if rank == 0:
-        print(f"computing in {cfg.dtype} because {dtype_reason}")
-    ranks = args.ranks or world_size
+    return parser
+
+
+def _run_mode(args, cfg, model_cfg, rank, ranks, device_type, device):
+    """The measurement the flags ask for (--step_estimate, --sweep, --first_hour_step, --check, --versus_nanogpt,
+    --kernels, else training throughput), printed on rank 0; returns its results dict, as main returns it."""
     if args.step_estimate:
         figures = step_figures(cfg, model_cfg, ranks)
         results = {"step_estimate": figures["optimistic"], "central": figures["central"],
@@ -939,6 +924,34 @@ def main(argv):
         results = measure_training(cfg, model_cfg, args.bench_steps, args.bench_windows, args.bench_warmup, device_type, device)
         if rank == 0:
             print_training(results, args.bench_steps, args.bench_windows)
+    return results
+
+
+def main(argv):
+    args, rest = _parser().parse_known_args(argv)
+    if isinstance(args.kernels, str):  # --kernels=VALUE is the model's setting, not the measurement
+        rest, args.kernels = rest + [f"--kernels={args.kernels}"], False
+    if args.first_hour:  # before any device work: the steps do it, each in its own process
+        cfg = train.parse_args(rest)[0]  # the paid run's budget and start-up cap
+        rows, paid_run, reasons, seconds, startups = first_hour.run_first_hour(rest, cfg.time_budget_s, cfg.startup_cap_s)
+        first_hour.print_table(rows, paid_run, reasons, seconds, startups)
+        return {"first_hour": rows, "first_paid_run": paid_run}
+    if args.ablation:  # any other --field=value (e.g. --data_dir) goes to every run
+        return ablation.run_ablation(args.ablation_seeds, args.ablation_steps, train.main, rest)
+    cfg, model_cfg = train.parse_args(rest)
+    if args.check:
+        device_check.draw_seed(cfg, rest)
+    flags.validate_config(cfg, model_cfg)
+    if args.memory:
+        return memory.print_plan(cfg, model_cfg, args.world_size)
+    model_cfg.vocab_size = data.get_tokenizer(cfg.tokenizer, cfg.dataset, cfg.data_dir).n_vocab
+    model_cfg.validate()
+    rank, world_size, device, device_type, control = runtime.start_ranks(runtime.device_type(cfg.device))
+    dtype_reason = runtime.choose_dtype(cfg, device_type, control)
+    if rank == 0:
+        print(f"computing in {cfg.dtype} because {dtype_reason}")
+    ranks = args.ranks or world_size
+    results = _run_mode(args, cfg, model_cfg, rank, ranks, device_type, device)
     fallbacks = runtime.cpu_fallbacks(device_type)  # on neuron: which ops TorchNeuron ran on the CPU
     if fallbacks and rank == 0:
         print(fallbacks)
