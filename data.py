@@ -764,22 +764,9 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
         os.remove(stale)
 
     workers = workers or os.cpu_count() or 1
-    splits, t0 = {}, time.time()
-    for split in ("train", "val"):
-        tasks = [t for s in sources if s["split"] == split for t in file_tasks(s["path"], s["kind"], text_field)]
-        writer = ShardWriter(out, split, shard_tokens, enc.eot_token)
-        docs = nbytes = 0
-        with tqdm(total=len(tasks), desc=f"tokenising {dataset} {split}", unit="chunk") as bar:
-            for tokens, n_docs, n_bytes in _tokenise(tasks, enc, workers, text_field):
-                writer.add(tokens)
-                docs, nbytes = docs + n_docs, nbytes + n_bytes
-                bar.update()
-        writer.flush()
-        if not writer.shards:
-            raise ValueError(f"{dataset} has no {split} documents")
-        tokens = sum(s["tokens"] for s in writer.shards)
-        splits[split] = {"documents": docs, "tokens": tokens, "bytes": nbytes,
-                         "bytes_per_token": round(nbytes / (tokens - docs), 4), "shards": writer.shards}
+    t0 = time.time()
+    splits = {split: _write_split(out, dataset, split, sources, enc, workers, text_field, shard_tokens)
+              for split in ("train", "val")}
     seconds = time.time() - t0
     manifest = {
         "dataset": dataset,
@@ -794,6 +781,27 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
     }
     write_file(manifest_path, json.dumps(manifest, indent=1).encode())  # last: its presence means complete
     return out
+
+
+def _write_split(out, dataset, split, sources, enc, workers, text_field, shard_tokens):
+    """Tokenises the ``split`` ("train" or "val") sources into <out>/<split>_*.bin shards and returns the
+    split's entry of the manifest: its document, token and byte counts and its shards."""
+    from tqdm import tqdm
+
+    tasks = [t for s in sources if s["split"] == split for t in file_tasks(s["path"], s["kind"], text_field)]
+    writer = ShardWriter(out, split, shard_tokens, enc.eot_token)
+    docs = nbytes = 0
+    with tqdm(total=len(tasks), desc=f"tokenising {dataset} {split}", unit="chunk") as bar:
+        for tokens, n_docs, n_bytes in _tokenise(tasks, enc, workers, text_field):
+            writer.add(tokens)
+            docs, nbytes = docs + n_docs, nbytes + n_bytes
+            bar.update()
+    writer.flush()
+    if not writer.shards:
+        raise ValueError(f"{dataset} has no {split} documents")
+    tokens = sum(s["tokens"] for s in writer.shards)
+    return {"documents": docs, "tokens": tokens, "bytes": nbytes,
+            "bytes_per_token": round(nbytes / (tokens - docs), 4), "shards": writer.shards}
 
 
 # -----------------------------------------------------------------------------

@@ -175,58 +175,27 @@ def _problems(function, tree):
     def builtin(name):  # the name means Python's builtin here
         return name in vars(builtins) and name not in local_names and name not in function.__globals__
 
-    def problem(node):
-        if type(node) in _STATEMENTS:
-            return _STATEMENTS[type(node)]
-        if type(node) in _EXPRESSIONS:
-            return f"unsupported expression ({_EXPRESSIONS[type(node)]})"
+    def name_problem(node):
+        """What is wrong with ``node`` where that depends on what a name means in ``function``: a local, one
+        of ``function``'s globals or modules, or a Python builtin."""
         match node:
-            case ast.For(orelse=[_, *_]):
-                return "for-orelse is not supported in NKI"
-            case ast.While(orelse=[_, *_]):
-                return "while-orelse is not supported in NKI"
-            case ast.For(target=target) if not isinstance(target, ast.Name):
-                return (f"expecting simple variable (the loop target {ast.unparse(target)}; loop over one name "
-                        "and unpack it in the body)")
-            case ast.Assign(targets=targets):
-                return _assignment_problem(targets)
-            case ast.With(items=items):
-                return _with_problem(items)
-            case ast.BinOp(op=ast.MatMult()) | ast.AugAssign(op=ast.MatMult()):
-                return "the matmul operator is not supported in NKI"
-            case ast.Compare():
-                return _comparison_problem(node)
-            case ast.Starred():
-                return "tuple expansion is not supported"
-            case ast.keyword(arg=None):
-                return "keyword expansion is not supported"
-            case ast.Dict(keys=keys) if not all(isinstance(key, ast.Constant) and isinstance(key.value, str)
-                                                for key in keys):
-                return "expecting string (dict keys must be string literals)"
-            case ast.Constant(value=value) if value is Ellipsis and id(node) not in indexes:
-                return "invalid use of ellipsis"
-            case ast.Constant(value=int(value)) if not isinstance(value, bool) and value > _INT32_MAX:
-                return f"integer value ({value}) is too large"
-            case ast.FormattedValue(format_spec=spec) if spec is not None:
-                return "NKI does no support format specifiers"
             case ast.Name(id=name, ctx=ast.Load()) if builtin(name) and name not in _BUILTINS:
-                return f"{name} is not one of NKI's Python builtins"
+                return f"{name} is not one of NKI's Python builtins"  # Trace/Python.lean, builtin.python.*
             case ast.Attribute(value=ast.Name(id=name), attr=attr) if function.__globals__.get(name) is math:
-                return None if attr in _MATH else f"math.{attr} is not in NKI's math library"
+                return None if attr in _MATH else f"math.{attr} is not in NKI's math library"  # pythonEnv
             case ast.Attribute(value=ast.Name(id=name), attr=attr) if name not in local_names \
                     and isinstance(function.__globals__.get(name), types.ModuleType):
                 return _module_attribute_problem(function.__globals__[name], attr)
             case ast.Name(id=name, ctx=ast.Load()) if name not in local_names and name in function.__globals__:
                 return _constant_problem(function.__globals__[name], name)
-            case ast.For(iter=ast.Dict() | ast.Call(func=ast.Name(id="dict"))):
-                return "not an iterable object (a dict; loop over its .keys(), .values() or .items())"
             case ast.Call(func=callee, args=args, keywords=keywords) if _last_name(callee) in _RANGES:
+                # Trace/NKI.lean range: "only in a for-loop context"; Annotations.lean iterator
                 if id(node) not in loop_iterators:
                     return f"{ast.unparse(callee)}() outside a for-loop header (a range is only a loop's iterator)"
                 if keywords or not 1 <= len(args) <= 3:
                     return "invalid range arguments (1 to 3 positional arguments)"
             case ast.Call(func=ast.Name(id="min" | "max" as name), args=args, keywords=keywords) if builtin(name):
-                if keywords or len(args) not in (1, 2):
+                if keywords or len(args) not in (1, 2):  # Trace/Python.lean, l. 150-191
                     return f"invalid arguments ({name}() takes one sequence or two numbers)"
         return None
 
@@ -236,9 +205,60 @@ def _problems(function, tree):
         if _last_name(decorator.func if isinstance(decorator, ast.Call) else decorator) not in _DECORATORS:
             yield decorator.lineno, f"unsupported decorator {ast.unparse(decorator)}"
     for node in nodes:
-        what = problem(node)
+        what = _statement_problem(node) or _expression_problem(node, indexes) or name_problem(node)
         if what:
             yield node.lineno, what
+
+
+def _statement_problem(node):
+    """What the front end refuses in a statement, whatever its names mean: whole kinds of statement
+    (gather.c ``stmt``, l. 1322-1371), loops (Simplify.lean ``stmt'``, l. 371-380), assignments and
+    ``with`` blocks."""
+    if type(node) in _STATEMENTS:
+        return _STATEMENTS[type(node)]
+    match node:
+        case ast.For(orelse=[_, *_]):
+            return "for-orelse is not supported in NKI"  # stmt' l. 371
+        case ast.While(orelse=[_, *_]):
+            return "while-orelse is not supported in NKI"  # stmt' l. 380
+        case ast.For(target=target) if not isinstance(target, ast.Name):  # simpleVar l. 279, from stmt' l. 372
+            return (f"expecting simple variable (the loop target {ast.unparse(target)}; loop over one name "
+                    "and unpack it in the body)")
+        case ast.For(iter=ast.Dict() | ast.Call(func=ast.Name(id="dict"))):  # Trace/Python.lean fetchIter l. 246-254
+            return "not an iterable object (a dict; loop over its .keys(), .values() or .items())"
+        case ast.Assign(targets=targets):
+            return _assignment_problem(targets)
+        case ast.With(items=items):
+            return _with_problem(items)
+    return None
+
+
+def _expression_problem(node, indexes):
+    """What the front end refuses in an expression, whatever its names mean: gather.c ``expr`` (l. 1079)
+    and ``value`` (l. 819, 1057); Simplify.lean ``expr'``, ``binOp``, ``cmpOp``, ``keywords``,
+    ``strValue`` and ``value``. ``indexes`` holds the ids of the nodes that are (one of) a subscript's
+    indexes, the only place for ``...``."""
+    if type(node) in _EXPRESSIONS:
+        return f"unsupported expression ({_EXPRESSIONS[type(node)]})"
+    match node:
+        case ast.BinOp(op=ast.MatMult()) | ast.AugAssign(op=ast.MatMult()):
+            return "the matmul operator is not supported in NKI"  # binOp l. 106
+        case ast.Compare():
+            return _comparison_problem(node)
+        case ast.Starred():
+            return "tuple expansion is not supported"  # expr' l. 224
+        case ast.keyword(arg=None):
+            return "keyword expansion is not supported"  # keywords l. 264
+        case ast.Dict(keys=keys) if not all(isinstance(key, ast.Constant) and isinstance(key.value, str)
+                                            for key in keys):
+            return "expecting string (dict keys must be string literals)"  # strValue
+        case ast.Constant(value=value) if value is Ellipsis and id(node) not in indexes:
+            return "invalid use of ellipsis"  # value l. 60, index
+        case ast.Constant(value=int(value)) if not isinstance(value, bool) and value > _INT32_MAX:
+            return f"integer value ({value}) is too large"  # gather.c value l. 819
+        case ast.FormattedValue(format_spec=spec) if spec is not None:
+            return "NKI does no support format specifiers"  # gather.c l. 1057
+    return None
 
 
 def _constant_problem(value, name):
