@@ -737,8 +737,6 @@ def prepare(dataset="shakespeare", tokenizer="bytes", data_dir="data_cache", *, 
     dataset is returned at once unless files, val_files, shards or base_url are given and differ from what
     it was prepared from; then its shards are made again (its trained tokenizer is kept: delete the
     directory to start from scratch). Downloads and a trained tokenizer survive an interrupted run."""
-    from tqdm import tqdm
-
     tokenizer = tokenizer_name(tokenizer)
     out = dataset_dir(dataset, tokenizer, data_dir)
     manifest_path = os.path.join(out, "manifest.json")

@@ -47,9 +47,9 @@ import numpy as np
 
 import nki_emulator
 from nki_emulator import legacy_trace
-from nki_emulator._cost import ENGINE_SPECS, LAUNCH_S, _itemsize, estimate
+from nki_emulator._cost import _itemsize, estimate
 from nki_emulator._memory import DTYPES
-from nki_emulator._schedule import calibrated_seconds, schedule, schedule_figures
+from nki_emulator._schedule import schedule_figures
 
 SDK_TUTORIAL = "nki/guides/tutorials/kernel-optimization.rst"
 SDK_MATMUL = "nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py"
