@@ -27,12 +27,17 @@ def wrap_for_training(raw_model, cfg, device_type, device, example, sharded=Fals
     return model
 
 
+def error_chain(error):
+    """`error` and the errors behind it, outermost first (each one's __cause__, else its __context__)."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def kernel_build_failure(error):
     """The kernels.KernelBuildError behind `error`, or None: a compiler may have wrapped it (dynamo's
     BackendCompilerFailed keeps it as its context)."""
-    while error is not None and not isinstance(error, kernels.KernelBuildError):
-        error = error.__cause__ or error.__context__
-    return error
+    return next((e for e in error_chain(error) if isinstance(e, kernels.KernelBuildError)), None)
 
 
 GRAPH_BUILD_ERRORS = ("BackendCompilerFailed", "NEFFCompilationError")
@@ -47,17 +52,13 @@ def graph_build_failure(error):
     compile (at the first backward) raises unwrapped (torch_neuronx/neuron_dynamo_backend/exceptions.py, and
     backend.py, neuron_backend_fx_compiler; public copy in parmoham-aws/test-repo-parmoham); a neuronx-cc
     error code, NCC_..."""
-    while error is not None:
-        if type(error).__name__ in GRAPH_BUILD_ERRORS or any(m in str(error) for m in GRAPH_BUILD_MESSAGES):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
+    return next((e for e in error_chain(error) if type(e).__name__ in GRAPH_BUILD_ERRORS
+                 or any(m in str(e) for m in GRAPH_BUILD_MESSAGES)), None)
 
 
 def root_cause(error):
     """The error at the bottom of `error`'s chain (a compiler's own, under dynamo's wrapper): its type and first line."""
-    while error.__cause__ or error.__context__:
-        error = error.__cause__ or error.__context__
+    *_, error = error_chain(error)
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}" + (f": {lines[0][:300]}" if lines else "")
 
