@@ -30,7 +30,8 @@ instructions measured ~264 cycles each on trn1, [PERF] Opt #5a, where this model
 instruction issue and DMA latency (~1.3 us per transfer, [DMA]: hidden here behind queued transfers),
 access-pattern strides (a minor stride over 16
 bytes halves SBUF bandwidth, [ARCH]), SBUF/PSUM port sharing (VectorE/GpSimd on SBUF, VectorE/ScalarE
-on PSUM: exclusive on trn1, shared with arbitration from trn2), compiler spills, trn3's background
+on PSUM: exclusive on trn1, shared with arbitration from trn2), compiler spills (the schedules add them:
+_spill.py; this overlap bound does not), trn3's background
 transposes and fast VectorE exp, and the fp8/MX matmul modes (not emulated).
 """
 

@@ -34,8 +34,8 @@ from enum import Enum
 import ml_dtypes
 import numpy as np
 
-from ._runtime import (NkiValidationError, PARTITIONS, PSUM_BANK_BYTES, PSUM_PARTITION_BYTES, current, psum_num_banks,
-                       target)
+from ._runtime import (NkiValidationError, PARTITIONS, PSUM_BANK_BYTES, PSUM_PARTITION_BYTES, SbufTile, current,
+                       psum_num_banks, target)
 from ._unemulated import UnemulatedDType
 
 
@@ -588,6 +588,8 @@ def allocate(shape, dtype, buffer, name, what="ndarray", address=None):
     if buffer in ON_CHIP:
         storage.liveness = _Liveness(storage.array.size // shape[0] * dtype.itemsize, buffer, label)
         core.tiles.append(storage.liveness)
+    if buffer is SBUF and address is None:  # the compiler places it (and may spill it): the trace says its size
+        storage.serial = SbufTile(storage.serial, shape[0], storage.liveness.nbytes)
     if buffer is MemoryRegion.shared_hbm:
         core.launch.shared_hbm.append(storage)
         core.shared_hbm_next += 1

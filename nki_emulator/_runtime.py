@@ -145,6 +145,17 @@ class Counts:
                 f"matmul_flops={self.matmul_flops})")
 
 
+class SbufTile(NamedTuple):
+    """The identity of an SBUF tile the compiler places (allocated without ``address=``), as the first element of an
+    Instruction.reads / writes rectangle names it in place of a bare storage serial, so that the spill model
+    (._spill) knows its size: ``partitions`` x ``row_bytes`` bytes per partition, as the emulator's SBUF
+    accounting counts it (_memory.check_capacity)."""
+
+    serial: int
+    partitions: int
+    row_bytes: int
+
+
 class Instruction(NamedTuple):
     """One executed instruction, as the cost model reads it."""
 
@@ -157,9 +168,9 @@ class Instruction(NamedTuple):
     ops: tuple = ()  # names of the operators applied (ALU ops, activation function); memset of 0: ("zero",)
     stationary: int = 0  # nc_matmul: the stationary free size M
     reads_accumulator: bool = False  # ScalarE also writes its accumulation registers out (reduce_res)
-    # what the scheduler (._schedule) orders by: the tiles read and written, each a rectangle (storage serial,
-    # first partition, last partition + 1, first byte, last byte + 1; HBM: partitions 0..1, bytes of the whole
-    # view), and the kernel launch the instruction belongs to
+    # what the scheduler (._schedule) orders by: the tiles read and written, each a rectangle (storage serial, or
+    # an SbufTile for an SBUF tile the compiler places; first partition, last partition + 1, first byte, last
+    # byte + 1; HBM: partitions 0..1, bytes of the whole view), and the kernel launch the instruction belongs to
     reads: tuple = ()
     writes: tuple = ()
     launch: int = 0

@@ -19,8 +19,8 @@ bound. :func:`schedule` places each instruction of ``Counts.trace`` in time inst
   nc_matmul that adds onto a PSUM tile follows the one before it and, once its group has started, goes before
   other TensorE work. [ARCH] allows eight groups in flight, so keeping one together is the modelled compiler's
   choice (it errs slow where a group waits on an operand). The graph has every ordering the program's data
-  imposes and no other, so the schedule may run loads as early as the data allow, as if every allocation had its
-  own buffer.
+  imposes, and the SBUF reuse edges of :mod:`._spill` (a tile's bytes go to another only once its last access has
+  ended): the schedule may run loads as early as the data and SBUF's room allow.
 - ``order="program"`` (:func:`program_order_schedule`, the pessimistic figure): every engine runs its instructions
   in program order, as written.
 
@@ -31,6 +31,9 @@ Both schedules share the timing rules:
   and the tiles it writes are no longer being read or written (write after read / write). Tiles are rectangles of
   partitions x bytes (``Instruction.reads`` / ``writes``), so two column slices of one tile do not wait for each
   other. Every allocation is its own tile, so a tile allocated inside a loop is a fresh one each iteration.
+- both schedule the trace as the compiler must have compiled it (:func:`._spill.with_spills`): where the SBUF
+  tiles live at once in program order exceed what a kernel may use, spill transfers out to HBM and back (Belady's
+  choice of victim), and a tile placed in SBUF bytes another held waits for that one's last access.
 - a DMA transfer waits in its queue (loads into SBUF, stores out of it and other copies are three queues) and pays
   the fixed cost DMA_FIXED_S, which transfers in flight overlap, then moves its bytes over the DMA engines that all
   transfers share (its cost-model time, in the first gap of their bandwidth long enough); each transfer is drawn on
@@ -54,9 +57,9 @@ Sources (aws-neuron/aws-neuron-sdk at HEAD, as in :mod:`._cost`, unless named):
 - [ARCH] nki/guides/architecture/trainium_inferentia2_arch.rst (3afa0fdf l. 834-837, 864-867): a matmul
   accumulation group; "TensorE can have up to eight outstanding matmul accumulation groups".
 
-Not modelled: limits on DMA transfers in flight, the SBUF and PSUM a hoisted load or an early matmul would need
-(the list schedule may run further ahead than the memory allows), SBUF/PSUM port contention; the two programs of an
-LNC=2 launch are scheduled on one core's engines (the estimates launch at LNC=1).
+Not modelled: limits on DMA transfers in flight, the PSUM an early matmul would need (the list schedule may run
+further ahead than PSUM allows; SBUF: :mod:`._spill`), SBUF/PSUM port contention; the two programs of an LNC=2
+launch are scheduled on one core's engines (the estimates launch at LNC=1).
 """
 
 import bisect
@@ -67,6 +70,7 @@ from typing import NamedTuple
 
 from ._cost import ENGINE_SPECS, LAUNCH_S, MIN_II, STATIC_CYCLES, calibration_factor, estimate, instruction_seconds
 from ._runtime import target as current_target
+from ._spill import ASSUMPTIONS as SPILL_ASSUMPTIONS, with_spills
 
 # [PERF]: a chain of dependent one-element ScalarE instructions issues one per ~189 ns (264 cycles on trn1); the
 # calibrated figure charges each MIN_II + STATIC_CYCLES, so the read-after-write edge is the rest (~71 ns)
@@ -78,7 +82,7 @@ _MERGE_ABOVE = 32  # accesses kept per tile before they merge into one (keeps lo
 _TIMING = ("an instruction waits for the tiles it reads to be written (+72 ns after a compute engine: [PERF]'s "
            "dependent chain less the instructions' MIN_II and static overhead) and for the tiles it writes to be free; DMA transfers wait in three queues (loads, "
            "stores, other copies), each paying 1.3 us of fixed cost ([DMA]) overlapped with other transfers in "
-           "flight, and share the DMA bandwidth; every allocation is its own buffer")
+           "flight, and share the DMA bandwidth; every allocation is its own buffer, as far as SBUF has room")
 _CALIBRATED = ("each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
                "docs/results.md), and a fixed cost per kernel launch (_cost.LAUNCH_S)")
 CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes beyond the cost model
@@ -86,16 +90,19 @@ CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes 
     "and DMA queue starts, of the instructions whose dependencies have ended, the next of an accumulation group it "
     "is in, else the one issued first; dependencies: tiles read and written, with_schedule edges, no_reorder "
     "blocks; " + _TIMING,
+    *SPILL_ASSUMPTIONS,
     _CALIBRATED,
 )
 PESSIMISTIC_ASSUMPTIONS = (  # the pessimistic estimate (pessimistic_estimate)
     "each kernel call is scheduled in program order: every engine runs its instructions as written; " + _TIMING,
+    SPILL_ASSUMPTIONS[0],
     _CALIBRATED,
 )
 NOT_MODELLED = ("host dispatch idle (FrontierForge measured ~19% of a compiled K82s4 step idle on it; it would lower "
-                "both figures); the compiler's fusions and spills, either way; the SBUF and PSUM that the list "
-                "schedule's look-ahead would need (it may run further ahead than the memory allows: lower); "
-                "SBUF/PSUM port contention (lower)")
+                "both figures); the compiler's fusions, and any reordering that would need less SBUF than program "
+                "order (spills are priced as program order needs them: higher); the PSUM that the list schedule's "
+                "look-ahead would need (it may run further ahead than PSUM allows: lower); SBUF/PSUM port "
+                "contention (lower)")
 
 
 class Slot(NamedTuple):
@@ -409,11 +416,16 @@ def schedule(trace, generation=None, seconds=instruction_seconds, order="list"):
     """Schedule ``trace`` (``counts.trace``) on one NeuronCore of ``generation`` (default: the emulator's target).
     ``seconds(instruction, generation)`` prices each instruction (default: the cost model's). ``order``: "list" (the
     compiler's scheduler modelled: the central schedule) or "program" (each engine in program order: the pessimistic
-    one). Returns ``{"slots": [Slot] in trace order, "scheduled_s": when the last instruction ends, "launches":
-    kernel launches}``."""
+    one). Both schedule the trace as compiled (_spill.with_spills: the spill transfers where the live SBUF tiles
+    exceed what a kernel may use, and SBUF reuse as edges). Returns ``{"slots": [Slot] in the order of that trace
+    (the given one, with spill_store / spill_reload / refetch transfers inserted where a tile goes out and comes
+    back), "scheduled_s": when the last instruction ends, "launches": kernel launches, "spilled_bytes":
+    {"spill_store", "spill_reload", "refetch": bytes moved, "unplaced": stays that found no gap}}``."""
     if order not in ORDERS:
         raise ValueError(f"schedule: order={order!r}; use one of {', '.join(ORDERS)}")
-    return ORDERS[order](list(trace), generation, seconds)
+    generation = generation or current_target().name
+    compiled, spilled = with_spills(trace, generation)
+    return {**ORDERS[order](compiled, generation, seconds), "spilled_bytes": spilled}
 
 
 def calibrated_seconds(instruction, generation):
@@ -433,9 +445,11 @@ def _calibrated(trace, generation, order):
 def central_estimate(trace, generation=None):
     """The central estimate of a kernel call: its list schedule (the compiler's scheduler modelled) with the
     calibrated factors, plus LAUNCH_S per kernel launch. ``{"central_s", "scheduled_s" (that schedule, without the
-    launches), "launches"}``."""
+    launches), "launches", "spilled_bytes" (with_spills' bytes stored, reloaded and refetched, and stays left
+    unplaced)}``."""
     central_s, result = _calibrated(trace, generation, "list")
-    return {"central_s": central_s, "scheduled_s": result["scheduled_s"], "launches": result["launches"]}
+    return {"central_s": central_s, "scheduled_s": result["scheduled_s"], "launches": result["launches"],
+            "spilled_bytes": result["spilled_bytes"]}
 
 
 def pessimistic_estimate(trace, generation=None):
@@ -449,9 +463,11 @@ def schedule_figures(trace, generation=None):
     """A kernel call's three figures: ``optimistic_s`` (the overlap bound: the busiest engine, the cost model as it
     is), ``central_s`` (central_estimate: the list schedule, calibrated, with launches), ``pessimistic_s``
     (pessimistic_estimate: program order, calibrated, with launches); and ``scheduled_s`` (the list schedule with the
-    cost model as it is, no launches) and ``launches``."""
+    cost model as it is, no launches), ``launches`` and ``spilled_bytes`` (the SBUF spills the two schedules
+    include: _spill.with_spills)."""
     trace = list(trace)
     central = central_estimate(trace, generation)
     return {"optimistic_s": estimate(trace, generation)["estimate_s"], "central_s": central["central_s"],
             "pessimistic_s": pessimistic_estimate(trace, generation)["pessimistic_s"],
-            "scheduled_s": schedule(trace, generation)["scheduled_s"], "launches": central["launches"]}
+            "scheduled_s": schedule(trace, generation)["scheduled_s"], "launches": central["launches"],
+            "spilled_bytes": central["spilled_bytes"]}

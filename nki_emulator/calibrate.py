@@ -313,7 +313,9 @@ def price(point, trace, note):
               "engines_s": bounds["engines"], "scheduled_s": figures["scheduled_s"], "central_s": figures["central_s"],
               "pessimistic_s": figures["pessimistic_s"], "instructions": len(trace),
               "source_hbm_bytes": sum(i.partitions * i.free * _itemsize(i.dtypes[0]) for i in trace
-                                      if i.engine == "dma"), "note": note}
+                                      if i.engine == "dma"), "note": note,
+              "spilled_bytes": figures["spilled_bytes"]["spill_store"] + figures["spilled_bytes"]["spill_reload"],
+              "refetched_bytes": figures["spilled_bytes"]["refetch"]}
     return priced
 
 
@@ -340,12 +342,14 @@ def table(rows):
     profiled = [r for r in rows if "measured_engines_s" in r]
     if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
         lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
-                  "profile (spilled) |", "|---|---|---|---|"]
+                  "profile (spilled) | spilled MB: model / profile | refetched MB: model |", "|---|---|---|---|---|---|"]
         for r in profiled:
             engines = " | ".join(f"{1e3 * r['engines_s'][e]:.3f} / {1e3 * r['measured_engines_s'][e]:.3f}"
                                  for e in ("vector", "scalar"))
             lines.append(f"| {r['kernel']} | {engines} | {r['source_hbm_bytes'] / 1e6:.0f} / "
-                         f"{r['measured_hbm_bytes'] / 1e6:.0f} ({r['measured_spill_bytes'] / 1e6:.0f}) |")
+                         f"{r['measured_hbm_bytes'] / 1e6:.0f} ({r['measured_spill_bytes'] / 1e6:.0f}) | "
+                         f"{r['spilled_bytes'] / 1e6:,.0f} / {r['measured_spill_bytes'] / 1e6:,.0f} | "
+                         f"{r['refetched_bytes'] / 1e6:,.0f} |")
     return "\n".join(lines)
 
 

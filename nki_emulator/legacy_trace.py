@@ -21,7 +21,7 @@ import numpy as np
 
 from ._cost import instruction_seconds
 from ._memory import DTYPES
-from ._runtime import Instruction
+from ._runtime import Instruction, SbufTile
 
 PARTITIONS = 128
 ASSUMPTIONS = (
@@ -58,12 +58,16 @@ def _op_name(op):
 
 
 class _Storage:
-    """One on-chip block (the indices before par_dim pick it) or one HBM tensor: a serial for the scheduler."""
+    """One on-chip block (the indices before par_dim pick it) or one HBM tensor: a serial for the scheduler; an
+    SBUF block the compiler places (no direct allocation) is named by an SbufTile, which carries its size."""
 
     serials = itertools.count(1)
 
-    def __init__(self):
+    def __init__(self, sbuf_rows=None):
+        """``sbuf_rows``: (partitions, bytes per partition) of an SBUF block the compiler places."""
         self.serial = next(self.serials)
+        if sbuf_rows:
+            self.serial = SbufTile(self.serial, *sbuf_rows)
 
 
 class Tensor:
@@ -82,7 +86,11 @@ class Tensor:
     def storage(self, block):
         if self.address is not None:
             return _state.addresses.setdefault((self.buffer, self.address(block)), _Storage()).serial
-        return self.blocks.setdefault(block, _Storage()).serial
+        if block not in self.blocks:
+            sbuf = self.buffer == "sbuf"
+            self.blocks[block] = _Storage(sbuf and (self.shape[self.par],
+                                                    math.prod(self.shape[self.par + 1:]) * self.dtype.itemsize))
+        return self.blocks[block].serial
 
     def __getitem__(self, key):
         return View.of(self, key)

@@ -153,7 +153,8 @@ def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(
     priced = next(line for line in out.splitlines() if line.startswith("| scale | [AO] scale_M256"))
     assert "| trn1 | 256 | float32 | 0.050 |" in priced
     engines = next(line for line in out.splitlines() if line.startswith("| scale |") and "/" in line)
-    assert engines.endswith("| 1 / 1 (0) |")  # the trace moves the profile's 917,504 bytes: 1 MB either way
+    assert engines.endswith("| 1 / 1 (0) | 0 / 0 | 0 |")  # the trace moves the profile's 917,504 bytes: 1 MB either
+    # way; it fits SBUF, so the model spills nothing, as the profile says
     assert engines.split("|")[2].strip().endswith("/ 0.025")  # VectorE active: 50% of 0.05 ms
     assert all(assumption in out for assumption in legacy_trace.ASSUMPTIONS)  # what the tracer assumed, printed
 
