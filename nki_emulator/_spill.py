@@ -11,8 +11,11 @@ left without: a compiler may reorder a kernel so that it needs less SBUF than pr
   (:func:`._memory.check_capacity`), so that a kernel the emulator accepts never spills. Capacity: the SBUF a
   kernel may use per partition, ``Target.sbuf_usable_bytes`` (leanprover/KLR KLR/Trace.lean l. 52-54: 180224 on
   trn1, 212984 on trn2).
-- **Spills**: before each instruction, once the tiles it touches are in SBUF, while the live tiles take more than
-  the capacity, the one whose next access is furthest away goes out (Belady's MIN: L. A. Belady, "A study of
+- **Spills** (AWS's description: aws-neuron-sdk 3afa0fdf nki/deep-dives/nki_perf_guide.rst l. 142-164, Opt #2:
+  an intermediate that does not fit in SBUF is saved to device memory by "compiler generated spilling" and
+  reloaded where it is used, counted by the profiler's spill_save_bytes and spill_reload_bytes): before each
+  instruction, once the tiles it touches are in SBUF, while the live tiles take more than the capacity, the one
+  whose next access is furthest away goes out (Belady's MIN: L. A. Belady, "A study of
   replacement algorithms for a virtual-storage computer", IBM Systems Journal 5(2), 1966: the fewest reloads of
   any choice; the rule that M. Braun and S. Hack, "Register Spilling and Live-Range Splitting for SSA-Form
   Programs", CC 2009, spill by). A tile goes out with a ``spill_store`` (SBUF to HBM, after its last write; only if
@@ -71,11 +74,14 @@ def _whole_tile(tile):
     return (tile, 0, tile.partitions, 0, tile.row_bytes)
 
 
+def _writes_whole(instruction, tile):
+    return any(r[0] == tile and r[1] <= 0 and r[2] >= tile.partitions and r[3] <= 0 and r[4] >= tile.row_bytes
+               for r in instruction.writes)
+
+
 def _overwrites(instruction, tile):
     """Whether ``instruction`` writes all of ``tile`` without reading it (its old value is dead)."""
-    return tile not in _tiles(instruction.reads) and any(
-        r[0] == tile and r[1] <= 0 and r[2] >= tile.partitions and r[3] <= 0 and r[4] >= tile.row_bytes
-        for r in instruction.writes)
+    return tile not in _tiles(instruction.reads) and _writes_whole(instruction, tile)
 
 
 def _transfer(name, tile, launch, source=None, writes=()):
@@ -91,11 +97,8 @@ def _transfer(name, tile, launch, source=None, writes=()):
 
 def _loaded_from(instruction, tile):
     """The HBM rectangle ``instruction`` loads all of ``tile`` from, if it is such a load (else None)."""
-    if instruction.engine != "dma" or len(instruction.reads) != 1 or not instruction.buffers[1].endswith("hbm"):
-        return None
-    whole = [r for r in instruction.writes if r[0] == tile and r[1] <= 0 and r[2] >= tile.partitions
-             and r[3] <= 0 and r[4] >= tile.row_bytes]
-    return instruction.reads[0] if whole else None
+    loads = instruction.engine == "dma" and len(instruction.reads) == 1 and instruction.buffers[1].endswith("hbm")
+    return instruction.reads[0] if loads and _writes_whole(instruction, tile) else None
 
 
 class _Bytes:
@@ -172,7 +175,7 @@ class _Walk:
         self.moved = {"spill_store": 0, "spill_reload": 0, "refetch": 0}  # bytes
 
     def run(self):
-        for i, instruction in enumerate(self.instructions):
+        for instruction in self.instructions:
             self._step(instruction)
         return [instruction._replace(reads=instruction.reads + tuple(self.token_reads[p]))
                 if p in self.token_reads else instruction for p, instruction in enumerate(self.out)]

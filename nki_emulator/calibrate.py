@@ -342,7 +342,8 @@ def table(rows):
     profiled = [r for r in rows if "measured_engines_s" in r]
     if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
         lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
-                  "profile (spilled) | spilled MB: model / profile | refetched MB: model |", "|---|---|---|---|---|---|"]
+                  "profile (spilled) | spilled MB: model / profile | refetched MB: model |",
+                  "|---|---|---|---|---|---|"]
         for r in profiled:
             engines = " | ".join(f"{1e3 * r['engines_s'][e]:.3f} / {1e3 * r['measured_engines_s'][e]:.3f}"
                                  for e in ("vector", "scalar"))
