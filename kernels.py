@@ -1652,10 +1652,7 @@ def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
         else:
             _evict(out[:, cols], sums[c], (turn + c) % 2)
         col = cols.stop
-    if last:
-        nisa.dma_copy(dst=dst[rows, :], src=out)
-    else:
-        nisa.dma_copy(dst=partial[local, :], src=out)
+    nisa.dma_copy(dst=dst[rows, :] if last else partial[local, :], src=out)
 
 
 def _mlp_activation(activation, pre, dtype):
