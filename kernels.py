@@ -13,8 +13,8 @@ ops its fallback is priced as, and last its declaration (`KernelOp`), from which
 `bench.py --check` / `--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists.
 docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
 
-Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
-picks its path with `_use_nki`:
+Each op takes `mode`, the model's `kernels` setting: one mode, or one per op as `parse_kernels` reads a
+setting such as "attention:nki,mlp:torch" ({op: mode}). Each op picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
   CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy; the half-split rotary).
@@ -271,7 +271,8 @@ BUILD_FAILURES = {}  # {op: why} of the ops whose NKI kernel failed to build in 
 
 
 def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
-    """Whether `op_name` runs its NKI kernel, for kernels=`setting` (parse_kernels) on tensors of `device_type`.
+    """Whether `op_name` runs its NKI kernel on tensors of `device_type`, for kernels=`setting`: one mode for
+    every op, or parse_kernels' {op: mode} (the model parses its setting once, at construction).
 
     shape_problem: None when the kernel takes these shapes, else which limit they break and the fix.
     cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
@@ -284,7 +285,10 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
         raise ValueError(f"{op_name!r} is not a declared kernel op ({', '.join(OPS)}); declare it with "
                          "NAME_OP = _declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
                          "\"Adding a kernel op\")")
-    mode = parse_kernels(setting)[op_name]
+    mode = setting[op_name] if isinstance(setting, dict) else setting
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{op_name}: mode={mode!r} is not a mode; pass one of {', '.join(KERNEL_MODES)}, or "
+                         "parse_kernels(setting) for a setting per op such as 'attention:nki,mlp:torch'")
     use_nki, fell_back = False, True
     if mode == "torch" or op_name in BUILD_FAILURES:  # chosen, not fallen back (train.py said a failure)
         reason, fell_back = "kernels=torch" if mode == "torch" else BUILD_FAILURES[op_name], False

@@ -17,13 +17,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MLP_FORWARD = (["mlp"], r"_torch$|_fake$|bwd|backward|_vjp$|_setup_context$|check_cases|model_cases|plain_ops")
 
 # The issue asks for at most 15 definitions and 300 lines. Where the path stands now, as a ceiling: a change
-# that lengthens it fails here (lower the figures when you shorten it). It is 25 definitions because the path
-# crosses the shared dispatch (_use_nki with parse_kernels), the launch (_run_kernel, KernelBuildError, the LNC),
-# the registration, the op's shape, cost and SBUF rules and eight shared tile helpers besides the kernel's own.
-MLP_FORWARD_MOST = {"definitions": 25, "lines": 428}
+# that lengthens it fails here (lower the figures when you shorten it). It is 24 definitions because the path
+# crosses the dispatch (_use_nki), the launch (_run_kernel, KernelBuildError, the LNC), the registration, the
+# op's glue and its shape, cost and SBUF rules, and eight shared tile helpers besides the kernel's own five.
+MLP_FORWARD_MOST = {"definitions": 24, "lines": 407}
 # The same path without the helpers the kernels share (the banner "hardware constants and the helpers the
 # kernels share" up to the first op's section): the op's own section and the shared launch path.
-MLP_FORWARD_OWN_MOST = {"definitions": 17, "lines": 357}
+MLP_FORWARD_OWN_MOST = {"definitions": 16, "lines": 336}
 
 
 def top_level(source):
@@ -106,6 +106,7 @@ def test_the_mlp_forward_path_grows_no_longer():
     own = {name: lines for name, lines in counted.items() if name not in shared}
     assert {"mlp", "_use_nki", "_run_kernel", "_register_kernel_ops", "mlp_fwd_kernel", "_spans"} <= set(counted)
     assert "mlp_bwd_kernel" not in counted and "_mlp_torch" not in counted and "_spans" not in own
+    assert "parse_kernels" not in counted  # the model parses its kernels setting once, not each call
     found = {"definitions": len(counted), "lines": sum(counted.values())}
     found_own = {"definitions": len(own), "lines": sum(own.values())}
     assert found["definitions"] <= MLP_FORWARD_MOST["definitions"] and found["lines"] <= MLP_FORWARD_MOST["lines"], \
