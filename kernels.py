@@ -1547,14 +1547,15 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     d over 128-row tiles), activated straight out of PSUM into SBUF in the matmul dtype. act.T stays in SBUF for the
     whole block: it is exactly the stationary operand the down projection wants, y[128 tokens, <=512 of d] +=
     act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless
-    saved for the backward) and needs no transpose. With several chunks each
-    adds its share of y to an fp32 partial sum in HBM (_finish_rows).
+    saved for the backward) and needs no transpose. With several chunks each adds its share of y to an fp32 partial
+    sum in HBM (_finish_rows).
 
     SBUF per partition (_mlp_chunk_tiles): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
     and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch and y's rows. bf16:
     d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20 and 32 tiles); d=1536,
-    hidden=6144 (phase2) in 3 chunks of 16. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes'
-    bank and up to four banks of y.
+    hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984 bytes
+    usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes' bank and up to
+    four banks of y.
 
     Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
     128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
@@ -1751,8 +1752,7 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     chunks = _spans(0, hidden // TILE, chunk_tiles, even=True)
     kernel = MlpBwd(dy=dy, x=x, up_saved=up_saved, gate_saved=gate_saved, activation=activation, dx=dx, grads=grads,
                     weights=[w_up, w_gate] if w_gate is not None else [w_up], program_start=program_start,
-                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks),
-                    partial=None)
+                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks))
     if len(chunks) > 1:  # dx's rows of this program in fp32 while several chunks add their shares
         kernel.partial = nl.ndarray((max(1, program_stop - program_start), dim), nl.float32,
                                     buffer=nl.private_hbm)

