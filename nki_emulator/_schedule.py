@@ -106,7 +106,8 @@ NOT_MODELLED = ("host dispatch idle (FrontierForge measured ~19% of a compiled K
 
 
 class Slot(NamedTuple):
-    """One scheduled instruction: its position in the trace, name, track (an engine or "dma queue k"), times."""
+    """One scheduled instruction: its position in the trace as scheduled (the given one with _spill's transfers
+    inserted, where SBUF overflows), name, track (an engine or "dma queue k"), times."""
 
     index: int
     name: str
@@ -420,12 +421,13 @@ def schedule(trace, generation=None, seconds=instruction_seconds, order="list"):
     exceed what a kernel may use, and SBUF reuse as edges). Returns ``{"slots": [Slot] in the order of that trace
     (the given one, with spill_store / spill_reload / refetch transfers inserted where a tile goes out and comes
     back), "scheduled_s": when the last instruction ends, "launches": kernel launches, "spilled_bytes":
-    {"spill_store", "spill_reload", "refetch": bytes moved, "unplaced": stays that found no gap}}``."""
+    {"spill_store", "spill_reload", "refetch": bytes moved, "unplaced": stays that found no gap}, "trace": that
+    trace}``."""
     if order not in ORDERS:
         raise ValueError(f"schedule: order={order!r}; use one of {', '.join(ORDERS)}")
     generation = generation or current_target().name
     compiled, spilled = with_spills(trace, generation)
-    return {**ORDERS[order](compiled, generation, seconds), "spilled_bytes": spilled}
+    return {**ORDERS[order](compiled, generation, seconds), "spilled_bytes": spilled, "trace": compiled}
 
 
 def calibrated_seconds(instruction, generation):

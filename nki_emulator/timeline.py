@@ -21,6 +21,7 @@ def _tracks(slots):
 
 def trace_events(trace, result, title):
     """The Trace Event Format object of one schedule (``result``) of ``trace``."""
+    trace = result.get("trace", trace)  # as scheduled: with the spill transfers (_spill) where SBUF overflowed
     tracks = _tracks(result["slots"])
     tid = {track: n for n, track in enumerate(tracks)}
     events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": title}}]

@@ -9,7 +9,7 @@ import pytest
 import nki_emulator
 import nki_emulator.isa as nisa
 import nki_emulator.language as nl
-from nki_emulator import Instruction, legacy_trace
+from nki_emulator import Instruction, legacy_trace, timeline
 from nki_emulator._runtime import TARGETS, SbufTile
 from nki_emulator._schedule import list_schedule, program_order_schedule, schedule
 from nki_emulator._spill import with_spills
@@ -123,6 +123,14 @@ def test_a_tile_takes_the_bytes_of_one_that_died_only_after_its_last_reader_ends
     assert slots[2].start >= slots[1].end and spills(with_spills(trace, "trn2")[0]) == []
     roomy = schedule(reuse_trace(50_000), "trn2")["slots"]  # room for both: it runs ahead as before
     assert roomy[2].start < roomy[1].end
+
+
+def test_a_timeline_of_a_spilling_trace_draws_its_spill_transfers():
+    _, trace = three_tiles_then_uses(80_000)
+    events = timeline.trace_events(trace, schedule(trace, "trn2"), "spills")["traceEvents"]
+    drawn = [e for e in events if e["ph"] == "X"]
+    assert {"spill_store", "spill_reload"} <= {e["name"] for e in drawn}
+    assert len(drawn) == len(trace) + 4  # each instruction and transfer, once
 
 
 def tiles_of(trace):
