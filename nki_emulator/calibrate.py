@@ -263,6 +263,9 @@ def legacy_trace_of(point, sources, folder):
 
 
 LEGACY_KINDS = ("legacy", "accelopt", "samples", "autocomp")
+# in a cached trace's name: traces kept before their rectangles named SBUF tiles (SbufTile) would be priced
+# without the spill model's transfers, so they are not read back
+TRACE_FORMAT = "_sbuf_tiles"
 
 
 def trace_of(point, sources, folder, cache):
@@ -271,7 +274,7 @@ def trace_of(point, sources, folder, cache):
     {"sdk": checkout, "accelopt": checkout}."""
     traced = point["code"][0] in LEGACY_KINDS  # by legacy_trace, not run
     name = f"{'legacy_' if traced else ''}{point['kernel']}_{point['shape']}_{point['dtype']}"
-    path = cache and os.path.join(cache, re.sub(r"\W+", "_", name) + ".pkl")
+    path = cache and os.path.join(cache, re.sub(r"\W+", "_", name) + TRACE_FORMAT + ".pkl")
     if path and os.path.exists(path):
         with open(path, "rb") as f:
             return pickle.load(f)

@@ -4,6 +4,7 @@ NKIBench has: compiler-generated (nl.arange indices, blocks before par_dim) and 
 
 import csv
 import json
+import pickle
 import subprocess
 
 import numpy as np
@@ -125,9 +126,8 @@ def test_an_unsupported_index_is_refused_by_name():
         trace_of(source, (128, 512), (512,))
 
 
-def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(tmp_path, capsys):
-    """calibrate.py --accelopt on a tiny repository shaped like zhang677/AccelOpt: the profile row's measured time,
-    the traced kernel's estimates, and the engines / HBM table."""
+def accelopt_checkout(tmp_path):
+    """A tiny repository shaped like zhang677/AccelOpt: one NKIBench kernel, its reference and a profile row."""
     (tmp_path / "NKIBench" / "kernels").mkdir(parents=True)
     (tmp_path / "NKIBench" / "reference").mkdir()
     (tmp_path / "experiments" / "full_complete_local").mkdir(parents=True)
@@ -147,7 +147,13 @@ def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(
     subprocess.run(git + ["init", "-q"], check=True)
     subprocess.run(git + ["add", "-A"], check=True)
     subprocess.run(git + ["commit", "-qm", "fixture"], check=True)
+    return tmp_path
 
+
+def test_calibrate_prices_an_nkibench_checkout_laid_out_as_accelopt_lays_it_out(tmp_path, capsys):
+    """calibrate.py --accelopt on a tiny repository shaped like zhang677/AccelOpt: the profile row's measured time,
+    the traced kernel's estimates, and the engines / HBM table."""
+    accelopt_checkout(tmp_path)
     calibrate.main(["--accelopt", str(tmp_path)])
     out = capsys.readouterr().out
     priced = next(line for line in out.splitlines() if line.startswith("| scale | [AO] scale_M256"))
@@ -296,3 +302,16 @@ def test_a_matmul_added_onto_psum_is_marked_as_accumulating_for_the_scheduler():
     body = ("    a = nl.ndarray((128, 128), dtype=np.float32, buffer=nl.sbuf)\n"
             "    b = nl.ndarray((128, 512), dtype=np.float32, buffer=nl.sbuf)\n    p = nisa.nc_matmul(a, b)")
     assert not traced(body, (1, 1))[0].accumulate
+
+
+def test_calibrate_does_not_price_a_trace_cached_before_traces_named_sbuf_tiles(tmp_path, capsys):
+    """A cached trace whose rectangles carry no SbufTile would be priced without spills: its file is not read."""
+    repo, cache = accelopt_checkout(tmp_path / "repo"), tmp_path / "traces"
+    calibrate.main(["--accelopt", str(repo), f"--cache={cache}"])
+    first = capsys.readouterr().out
+    [kept] = cache.iterdir()
+    assert kept.name.endswith(calibrate.TRACE_FORMAT + ".pkl")
+    with open(cache / kept.name.replace(calibrate.TRACE_FORMAT, ""), "wb") as f:  # the old name, an empty trace
+        pickle.dump(([], ""), f)
+    calibrate.main(["--accelopt", str(repo), f"--cache={cache}"])
+    assert capsys.readouterr().out == first  # the kept trace again, not the old-format file
