@@ -439,9 +439,8 @@ def calibrated_seconds(instruction, generation):
     return seconds
 
 
-def _calibrated(trace, generation, order):
-    result = schedule(trace, generation, calibrated_seconds, order)
-    return result["scheduled_s"] + LAUNCH_S * result["launches"], result
+def _with_launches(result):
+    return result["scheduled_s"] + LAUNCH_S * result["launches"]
 
 
 def central_estimate(trace, generation=None):
@@ -449,16 +448,17 @@ def central_estimate(trace, generation=None):
     calibrated factors, plus LAUNCH_S per kernel launch. ``{"central_s", "scheduled_s" (that schedule, without the
     launches), "launches", "spilled_bytes" (with_spills' bytes stored, reloaded and refetched, and stays left
     unplaced)}``."""
-    central_s, result = _calibrated(trace, generation, "list")
-    return {"central_s": central_s, "scheduled_s": result["scheduled_s"], "launches": result["launches"],
+    result = schedule(trace, generation, calibrated_seconds, "list")
+    return {"central_s": _with_launches(result), "scheduled_s": result["scheduled_s"], "launches": result["launches"],
             "spilled_bytes": result["spilled_bytes"]}
 
 
 def pessimistic_estimate(trace, generation=None):
     """The pessimistic estimate of a kernel call: as central_estimate, but every engine in program order (the
     compiler reorders nothing). ``{"pessimistic_s", "scheduled_s", "launches"}``."""
-    pessimistic_s, result = _calibrated(trace, generation, "program")
-    return {"pessimistic_s": pessimistic_s, "scheduled_s": result["scheduled_s"], "launches": result["launches"]}
+    result = schedule(trace, generation, calibrated_seconds, "program")
+    return {"pessimistic_s": _with_launches(result), "scheduled_s": result["scheduled_s"],
+            "launches": result["launches"]}
 
 
 def schedule_figures(trace, generation=None):
@@ -467,9 +467,10 @@ def schedule_figures(trace, generation=None):
     (pessimistic_estimate: program order, calibrated, with launches); and ``scheduled_s`` (the list schedule with the
     cost model as it is, no launches), ``launches`` and ``spilled_bytes`` (the SBUF spills the two schedules
     include: _spill.with_spills)."""
-    trace = list(trace)
-    central = central_estimate(trace, generation)
-    return {"optimistic_s": estimate(trace, generation)["estimate_s"], "central_s": central["central_s"],
-            "pessimistic_s": pessimistic_estimate(trace, generation)["pessimistic_s"],
-            "scheduled_s": schedule(trace, generation)["scheduled_s"], "launches": central["launches"],
-            "spilled_bytes": central["spilled_bytes"]}
+    trace, generation = list(trace), generation or current_target().name
+    compiled, spilled = with_spills(trace, generation)  # once for the three schedules
+    central = list_schedule(compiled, generation, calibrated_seconds)
+    return {"optimistic_s": estimate(trace, generation)["estimate_s"], "central_s": _with_launches(central),
+            "pessimistic_s": _with_launches(program_order_schedule(compiled, generation, calibrated_seconds)),
+            "scheduled_s": list_schedule(compiled, generation)["scheduled_s"], "launches": central["launches"],
+            "spilled_bytes": spilled}
