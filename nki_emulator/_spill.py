@@ -184,9 +184,10 @@ class _Walk:
         touched = sorted(_tiles(instruction.reads) | _tiles(instruction.writes))
         arriving = [tile for tile in touched if tile not in self.stay]
         self.used += sum(tile.row_bytes for tile in arriving)
-        if self._evict(set(touched), self._deferrable(instruction, arriving, touched)):
-            self.deferred[touched[0]] = instruction  # the load moves to where its tile is next used
-            self.next[touched[0]] += 1
+        deferrable = self._deferrable(instruction, arriving, touched)
+        if self._evict(set(touched), deferrable):  # the load moves to where its tile is next used
+            self.deferred[deferrable], self.source[deferrable] = instruction, instruction.reads[0]
+            self.next[deferrable] += 1
             return
         writes = ()
         for tile in arriving:
@@ -207,10 +208,8 @@ class _Walk:
         """The tile a load brings in whole from HBM, where that is all the instruction does and the tile is used
         after it: Belady may leave it out of SBUF for now (a bypass), the load moving to the tile's next use."""
         tile = touched[0] if len(touched) == 1 and arriving else None
-        if tile and _loaded_from(instruction, tile) and self.next[tile] + 1 < len(self.uses[tile]):
-            self.source[tile] = _loaded_from(instruction, tile)
-            return tile
-        return None
+        used_after = tile and _loaded_from(instruction, tile) and self.next[tile] + 1 < len(self.uses[tile])
+        return tile if used_after else None
 
     def _emit(self, transfer, tile):
         self.out.append(transfer)
@@ -248,8 +247,6 @@ class _Walk:
             self.in_hbm.add(tile)
         for entry in kept:
             heapq.heappush(self.heap, entry)
-        if deferrable and not deferred:
-            self.source.pop(deferrable)  # it stays: _after records what it holds
         return deferred
 
     def _victim(self, touched, kept):
