@@ -288,7 +288,9 @@ class _LaunchState:
         self.graph, self.n, self.resource = graph, n, resource
         self.ready_at, self.end, self.visible = [start_at] * total, [start_at] * total, [start_at] * total
         self.remaining = list(graph.npreds)
-        self.pending = {r: [] for r in set(resource)}  # resource -> heap of (ready_at, node) whose preds are done
+        # resource -> heap of (ready_at, node) whose preds are done; sorted, so that a tie between two resources
+        # (_next_resource) goes the same way in every process (a set of strings iterates in a per-process order)
+        self.pending = {r: [] for r in sorted(set(resource))}
         for node in range(n):
             if not self.remaining[node]:  # appended in order, at one time: already heaps
                 self.pending[resource[node]].append((start_at, node))

@@ -4,6 +4,9 @@ engine reported bound by it, and costs growing with shapes as the documented for
 here is a cycle count or a documented rate: nothing depends on the speed of this CPU."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -297,6 +300,21 @@ def test_two_independent_engines_overlap_and_a_dependency_between_them_serialise
     # writing a tile that is still being read waits for the reader (write after read), without the latency
     overwrite = [on(vec, [tile(1)], [tile(2)]), on(act, [tile(3)], [tile(1)])]
     assert schedule(overwrite, "trn2")["scheduled_s"] == pytest.approx(estimate(overwrite, "trn2")["serial_s"])
+
+
+def test_the_list_schedule_breaks_a_tie_between_two_queues_the_same_way_in_every_process():
+    """A load and a store ready at once share the DMA bandwidth: the one started first ends first, whichever
+    string hashing (PYTHONHASHSEED) the process has."""
+    program = ("from nki_emulator import Instruction\nfrom nki_emulator._schedule import schedule\n"
+               "load = Instruction('dma_copy', 'dma', 128, 1024, ('bfloat16',) * 2, ('sbuf', 'shared_hbm'), "
+               "reads=((1, 0, 1, 0, 1),), writes=((2, 0, 128, 0, 2048),), launch=1)\n"
+               "store = load._replace(buffers=('shared_hbm', 'sbuf'), reads=((3, 0, 128, 0, 2048),), "
+               "writes=((4, 0, 1, 0, 1),))\n"
+               "print([s.end for s in schedule([load, store], 'trn2')['slots']])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ends = {subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True, cwd=root,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (0, 1, 3)}
+    assert len(ends) == 1
 
 
 def test_disjoint_slices_of_one_tile_do_not_wait_for_each_other():
