@@ -278,18 +278,17 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     "nki" raises when the kernel cannot run (RuntimeError without NKI, ValueError on shapes); "auto" and
     "prefer" fall back to PyTorch and log why, once per (op, reason): a warning on a neuron device or under
     "prefer", info elsewhere. An op in BUILD_FAILURES runs on PyTorch in every mode, unlogged here (train.py
-    said it when the kernel failed).
+    said it when the kernel failed). While preview_fallbacks runs, each choice and its reason are noted.
     """
     if op_name not in OPS:
         raise ValueError(f"{op_name!r} is not a declared kernel op ({', '.join(OPS)}); declare it with "
                          "NAME_OP = _declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
                          "\"Adding a kernel op\")")
     mode = parse_kernels(setting)[op_name]
-    if mode == "torch":
-        return _chose(op_name, False, "kernels=torch")
-    if op_name in BUILD_FAILURES:  # in any mode: train.py said so when it happened
-        return _chose(op_name, False, BUILD_FAILURES[op_name])
-    if nki is None:
+    use_nki, fell_back = False, True
+    if mode == "torch" or op_name in BUILD_FAILURES:  # chosen, not fallen back (train.py said a failure)
+        reason, fell_back = "kernels=torch" if mode == "torch" else BUILD_FAILURES[op_name], False
+    elif nki is None:
         if mode == "nki":
             raise RuntimeError(f"{op_name}: kernels='nki' needs NKI, which is not usable ({NKI_IMPORT_ERROR}); "
                                "use kernels='auto' or kernels='torch' on machines without the Neuron SDK")
@@ -304,22 +303,17 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
     elif mode == "auto" and cost_problem is not None:
         reason = cost_problem
     else:
-        return _chose(op_name, True, f"kernels={mode}: the NKI kernel takes these shapes"
-                      + (" and the cost model expects it faster" if mode == "auto" else ""))
-    if torch.compiler.is_compiling():  # a log call would break the graph: preview_fallbacks said it before
-        return False
-    # NKI missing holds for every op alike: said once per process, not once per op
-    key = reason if nki is None else (op_name, reason)
-    if key not in _fallbacks_logged:
+        use_nki, fell_back = True, False
+        reason = (f"kernels={mode}: the NKI kernel takes these shapes"
+                  + (" and the cost model expects it faster" if mode == "auto" else ""))
+    if torch.compiler.is_compiling():  # no log call (a graph break), no global read (a guard): preview_fallbacks
+        return use_nki  # made this choice before compiling, and said it
+    key = reason if nki is None else (op_name, reason)  # NKI missing holds for every op alike: said once
+    if fell_back and key not in _fallbacks_logged:
         _fallbacks_logged.add(key)
         level = logging.WARNING if device_type == "neuron" or mode == "prefer" else logging.INFO
         logger.log(level, "%s: using the PyTorch path: %s", "all kernels" if nki is None else op_name, reason)
-    return _chose(op_name, False, reason)
-
-
-def _chose(op_name, use_nki, reason):
-    """use_nki, noted while preview_fallbacks collects the choices (never in a compiled region)."""
-    if not torch.compiler.is_compiling() and _choices is not None:  # in that order: no guard on the global
+    if _choices is not None:
         reasons = _choices.setdefault(op_name, {}).setdefault("nki" if use_nki else "torch", [])
         if reason not in reasons:
             reasons.append(reason)
@@ -369,11 +363,6 @@ def _logical_core_degree():
     return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
 
 
-@functools.cache
-def _jitted(kernel, lnc):
-    return nki.jit(kernel)[lnc]
-
-
 class KernelBuildError(Exception):
     """An NKI kernel failed at its first call: a compile or trace error (under the emulator, any exception of
     its first run). `op`: its op in KERNEL_OPS, which can run on PyTorch instead; `why`: the record's reason.
@@ -386,24 +375,21 @@ class KernelBuildError(Exception):
         super().__init__(f"{op}: {self.why}")
 
 
+_launches = {}  # (kernel, LNC) -> nki.jit(kernel)[LNC], jitted once per process
 _built_kernels = set()  # each kernel variant (_run_kernel's `variant`) that has run once in this process
 
 
 def _run_kernel(kernel, *args):
-    """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its
-    outputs, always as a tuple, on the inputs' device. On a neuron device the jitted kernel runs on the
-    NeuronCores; anywhere else the tensors go to the CPU and the kernel runs under nki.simulate (the
-    emulator in the tests). TorchNeuron hands a kernel's only output back as a bare tensor and several
-    as a tuple (torch_neuronx/nki_hop.py and torch_neuronx/python_ops/torch_mlir/nki_op_impl.py; public
-    copy: parmoham-aws/test-repo-parmoham); the tuple here hides the difference. An exception at the first
-    call of a kernel variant in this process (its build: trace and compile, under the emulator
-    its first run) comes out as KernelBuildError naming the op; at any later call, as it is.
+    """Launch the NKI kernel function `kernel` on `args` (tensors and Python scalars) and return its outputs,
+    always as a tuple (TorchNeuron hands a single output back bare: torch_neuronx/nki_hop.py, public copy
+    parmoham-aws/test-repo-parmoham), on the inputs' device: jitted on the NeuronCores of a neuron device,
+    elsewhere on the CPU under nki.simulate (the emulator in the tests). An exception at the first call of a
+    kernel variant in this process (its build: trace and compile; under the emulator its first run) comes out
+    as KernelBuildError naming the op; at any later call, as it is.
 
-    A kernel indexes its HBM arguments as dense row-major arrays, so every tensor goes in contiguous: the
-    model's v is a transposed view of c_v's output, and the gradient reaching attention's output one of
-    c_proj's input. The copy is made here, inside the op, where the compiled graph does not see it (a
-    transpose + copy feeding the op is what inductor miscompiles in 16 bits on some CPUs); a tensor that
-    is already dense is passed as it is."""
+    Every tensor goes in contiguous (a kernel indexes HBM as dense row-major arrays; the model's v is a
+    transposed view), copied here inside the op, where the compiled graph does not see it (a transpose + copy
+    feeding the op is what inductor miscompiles in 16 bits on some CPUs)."""
     args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     lnc = _logical_core_degree()
@@ -411,11 +397,13 @@ def _run_kernel(kernel, *args):
     # shapes and dtypes (a sliding window's attention is a build of its own, a new shape is compiled anew)
     variant = (kernel, lnc, *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     try:
-        launch = _jitted(kernel, lnc)
+        if (kernel, lnc) not in _launches:
+            _launches[kernel, lnc] = nki.jit(kernel)[lnc]
         if device.type == "neuron":
-            outputs = launch(*args)
+            outputs = _launches[kernel, lnc](*args)
         else:
-            outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+            outputs = nki.simulate(_launches[kernel, lnc])(*(a.cpu() if isinstance(a, torch.Tensor) else a
+                                                             for a in args))
     except Exception as error:
         if variant in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
             raise
@@ -428,28 +416,24 @@ def _run_kernel(kernel, *args):
     return tuple(out.to(device) for out in outputs)
 
 
-def _custom_op(name, impl, fake):
-    """Register `impl` (a function with type annotations, which calls `_run_kernel`) as the PyTorch op
-    nanogpt_trn::<name>: with `torch_neuronx.nki_op` on Trainium, with `torch.library.custom_op`
-    elsewhere. `fake` (same signature; returns empty tensors of the output shapes and dtypes) gives
-    torch.compile and meta tensors the shapes without running the kernel."""
-    qualname = f"nanogpt_trn::{name}"
-    if torch_neuronx is not None:
-        op = torch_neuronx.nki_op(qualname, mutates_args=())(impl)
-    else:
-        op = torch.library.custom_op(qualname, impl, mutates_args=())
-    op.register_fake(fake)
-    return op
-
-
 def _register_kernel_ops(name, forward, forward_fake, backward, backward_fake, setup_context, vjp):
-    """Register a differentiable NKI operation as two PyTorch ops, <name>_fwd and <name>_bwd (see
-    `_custom_op` for impl/fake), and return the forward op, which autograd differentiates through
-    `vjp(backward_op, ctx, *output_grads)` after `setup_context(ctx, inputs, output)` saved what it needs."""
-    forward_op = _custom_op(f"{name}_fwd", forward, forward_fake)
-    backward_op = _custom_op(f"{name}_bwd", backward, backward_fake)
-    forward_op.register_autograd(functools.partial(vjp, backward_op), setup_context=setup_context)
-    return forward_op
+    """Register a differentiable NKI operation as two PyTorch ops, nanogpt_trn::<name>_fwd and <name>_bwd, and
+    return the forward op, which autograd differentiates through `vjp(backward_op, ctx, *output_grads)` after
+    `setup_context(ctx, inputs, output)` saved what it needs. `forward` and `backward` (functions with type
+    annotations, which call `_run_kernel`) are registered with `torch_neuronx.nki_op` on Trainium, with
+    `torch.library.custom_op` elsewhere; each fake (same signature, returning empty tensors of the outputs'
+    shapes and dtypes) gives torch.compile and meta tensors the shapes without running the kernel."""
+    ops = []
+    for impl, fake, direction in ((forward, forward_fake, "fwd"), (backward, backward_fake, "bwd")):
+        qualname = f"nanogpt_trn::{name}_{direction}"
+        if torch_neuronx is not None:
+            op = torch_neuronx.nki_op(qualname, mutates_args=())(impl)
+        else:
+            op = torch.library.custom_op(qualname, impl, mutates_args=())
+        op.register_fake(fake)
+        ops.append(op)
+    ops[0].register_autograd(functools.partial(vjp, ops[1]), setup_context=setup_context)
+    return ops[0]
 
 
 # -----------------------------------------------------------------------------

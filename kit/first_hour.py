@@ -109,7 +109,7 @@ def kernel_alone(model_cfg, batch_size, device_type, device, op):
     def launch(kernel, *args):
         name = kernel.__name__
         try:
-            kernels._jitted(kernel, kernels._logical_core_degree())
+            kernels.nki.jit(kernel)[kernels._logical_core_degree()]
         except Exception as error:
             results[name] = f"front end FAILED ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
             raise
