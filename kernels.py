@@ -629,7 +629,7 @@ ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
-def _mask_operands(kernel, k, window):
+def _limits_and_mask(kernel, k, window):
     """Both kernels' entry: their limits asserted (`_attention_shape_problem` says the same to the glue), then
     the mask operands into the kernel's state: 128x128 tiles whose matmul identity.T @ bias adds a bias onto a
     partly visible key chunk's scores in PSUM (`_scores`). TensorE adds it, so masking costs one small matmul
@@ -732,7 +732,7 @@ class AttentionFwd(_NKIObject):
     out = None
     lse = None  # (B, H, 128, S/128) fp32
     scale = None
-    window = None  # the mask operands (`_mask_operands`)
+    window = None  # the mask operands (`_limits_and_mask`)
     identity = None
     diagonal = None
     edge = None
@@ -878,7 +878,8 @@ def _fwd_transposes(tile, kernel):
 
 
 def _fwd_probs_t(tile, kernel):
-    """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns)."""
+    """Stage 4 of a group: P^T copied out of PSUM, one copy a block, VectorE and ScalarE by turns (VectorE reads
+    bf16 from PSUM at twice ScalarE's rate, [TRN2] performance mode, but it also makes the row maxes)."""
     tile.probs_t = []
     for j in range(len(tile.transposed)):
         tile.probs_t.append(nl.ndarray(tile.transposed[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf))
@@ -998,7 +999,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_heads, TILE, seq_len // TILE), dtype=nl.float32, buffer=nl.shared_hbm)
     kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale)
-    _mask_operands(kernel, k, window)
+    _limits_and_mask(kernel, k, window)
     tiles = _fwd_query_tiles(q, k, window)
     if seq_len > KEY_GROUP:  # a tile's groups carry its online softmax: in order
         for t in range(len(tiles)):
@@ -1029,7 +1030,7 @@ class AttentionBwd(_NKIObject):
     dv = None
     scale = None
     group = None  # query heads per kv head
-    window = None  # the mask operands (`_mask_operands`)
+    window = None  # the mask operands (`_limits_and_mask`)
     identity = None
     diagonal = None
     edge = None
@@ -1059,14 +1060,13 @@ class AttentionBwd(_NKIObject):
 
 
 def _bwd_scores(kernel, query_tile, first, width):
-    """Query tile `query_tile` against the key block's keys first .. first + width: S = q.T k and dP = dO @ V.T
-    over the d pieces (TensorE, PSUM); P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM);
-    dS = P * (dP - D), the scale applied at the end (ScalarE takes dP - D out of PSUM, so VectorE's product has
-    both inputs in SBUF in the input dtype: its fast case, N cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q
-    into the key block's PSUM accumulators (queries are already on the partitions; chunk c's sum starts at the
-    query tile on its diagonal, the first that sees its keys). The block's first tile makes the accumulators,
-    packed side by side into as few banks as hold them (4 a bank at d = 128, 2 at d = 256): the compiler gives
-    each PSUM tile whole banks, so 8 separate tiles would leave no bank for the scores. Returns dS (SBUF)."""
+    """Query tile `query_tile` against the key block's keys first .. first + width: S and dP over the d pieces,
+    P recomputed from lse, dS = P * (dP - D) unscaled (ScalarE takes dP - D out of PSUM, so VectorE's product
+    has both inputs in SBUF in the input dtype: its fast case, N cycles, not 2N); dV += P.T @ dO and
+    dK += dS.T @ Q into the block's PSUM slots (chunk c's sum starts at the query tile on its diagonal, the
+    first that sees its keys). The block's first tile makes the slots, packed into as few banks as hold them
+    (4 a bank at d = 128, 2 at d = 256): the compiler gives each PSUM tile whole banks, so 8 separate tiles
+    would leave no bank for the scores. Returns dS (SBUF)."""
     queries, column = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1)
     dtype, head_dim, chunks = kernel.q.dtype, kernel.q.shape[3], kernel.chunks
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
@@ -1107,12 +1107,11 @@ def _bwd_scores(kernel, query_tile, first, width):
 
 
 def _bwd_dq(kernel, query_tile, first, dscores, block_last):
-    """dQ = dS @ K contracts over keys: dS transposed chunk by chunk by TensorE into PSUM, copied out by VectorE.
-    On the block's last tile, the head's dK and dV of the block (PSUM) onto the pair's, (128, chunks, d) each: the
-    output rows (input dtype) on the group's last head, stored then, else fp32 sums; scaled. The first head
-    copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot read PSUM): VectorE makes dS. Then dQ
-    of the tile from this block (TensorE, PSUM) added into the head's SBUF accumulator (VectorE), opened by the
-    tile's first block: after its diagonal block, its last, scaled and stored."""
+    """dS transposed chunk by chunk for dQ = dS @ K, which contracts over keys. On the block's last tile, the
+    head's dK and dV of the block onto the pair's, scaled: the output rows on the group's last head, stored then,
+    else the fp32 sums (added on GpSimd, which cannot read PSUM: VectorE makes dS). Then dQ of the tile from
+    this block into the head's SBUF sum, opened by the tile's first block: after its diagonal block, its last,
+    scaled and stored."""
     i, chunks, n_chunks = query_tile, kernel.chunks, dscores.shape[1] // TILE
     dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dscores.dtype, buffer=nl.psum)
     for c in range(n_chunks):
@@ -1182,7 +1181,7 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
                           dq=nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm),
                           dk=nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm),
                           dv=nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm))
-    _mask_operands(kernel, k, window)
+    _limits_and_mask(kernel, k, window)
     for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         kernel.b = b
