@@ -615,12 +615,9 @@ def attention(q, k, v, mode="auto", window=None):
         raise ValueError(f"window={window}: the earlier keys a query sees, >= 0; None for all of them")
     if window is not None and window >= seq_len - 1:  # it reaches key 0 from every query
         window = None
-    if not _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
-        return _attention_torch(q, k, v, window)
-    # as they come, no copies in the graph: the kernels change layouts on chip, and _run_kernel makes
-    # v (the model's transposed view of a (B, T, Hkv, D) tensor) dense inside the op
-    out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)), seq_len if window is None else window)
-    return out
+    if _use_nki(ATTENTION_OP.name, mode, q.device.type, _attention_shape_problem(q, k, v, window)):
+        return _attention_nki(q, k, v, window)
+    return _attention_torch(q, k, v, window)
 
 
 KEY_BLOCK = 512  # keys per score block: nl.tile_size.gemm_moving_fmax, one PSUM bank of fp32
@@ -632,8 +629,10 @@ _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it 
 def _limits_and_mask(kernel, k, window):
     """Both kernels' entry: their limits asserted (`_attention_shape_problem` says the same to the glue), then
     the mask operands into the kernel's state: 128x128 tiles whose matmul identity.T @ bias adds a bias onto a
-    partly visible key chunk's scores in PSUM (`_scores`). TensorE adds it, so masking costs one small matmul
-    instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the busiest engines."""
+    partly visible key chunk's scores in PSUM (`_scores`), the bias `diagonal` (0 where key <= query, i.e. free
+    index <= partition, _MASKED_SCORE above) or, where a window starts after key 0, `edge` (0 where key >=
+    query - window, _MASKED_SCORE below). TensorE adds it, so masking costs one small matmul instead of a
+    PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the busiest engines."""
     batch, n_heads, seq_len, head_dim = kernel.q.shape
     assert k.shape[0] == batch and k.shape[2] == seq_len and k.shape[3] == head_dim and n_heads % k.shape[1] == 0, \
         "q (B, H, S, d) and k, v (B, Hkv, S, d) with Hkv dividing H"
@@ -1160,14 +1159,13 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     compares a software pipeline): (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for
     dQ) and cols (for scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows
     and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, idle otherwise, sum on VectorE), an fp32 dQ
-    accumulator. Per key block (<= 512 keys), the 128-query tiles that see it, one after another
-    (`_bwd_scores`, `_bwd_dq`): P = exp(scale * q.T k - lse) (ScalarE from PSUM; the causal bias on the
-    diagonal chunk, the window's edge bias on a tile's first; chunks nobody sees skipped), dP = dO V^T,
-    dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF); dV += P^T dO and
-    dK += dS^T Q accumulate in PSUM over the query tiles, dQ += dS K needs dS transposed (TensorE, copied out
-    by VectorE) and is added into SBUF. The softmax scale is applied when dQ and dK are written; a pair's
-    first head writes dK and dV from PSUM, later ones add onto them (ScalarE copy, GpSimd add), the last in
-    the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV once final.
+    accumulator. Per key block (<= 512 keys), the 128-query tiles that see it, one after another (chunks nobody
+    sees skipped): P = exp(scale * q.T k - lse) (ScalarE from PSUM), dP = dO V^T, dS = P * (dP - D)
+    (`_bwd_scores`); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles, dQ += dS K needs
+    dS transposed (TensorE, copied out by VectorE) and is added into SBUF (`_bwd_dq`). The softmax scale is
+    applied when dQ and dK are written; a pair's first head writes dK and dV from PSUM, later ones add onto
+    them (ScalarE copy, GpSimd add), the last in the input dtype. A tile's dQ is stored after its diagonal
+    block, a block's dK, dV once final.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
@@ -1360,6 +1358,14 @@ class BlockCausalAttention(torch.autograd.Function):
             dk[:, first:end].baddbmm_(d_scores.mT, q[:, start:end])
         dq = torch.cat(dq_blocks, dim=1).mul_(d ** -0.5)
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None
+
+
+def _attention_nki(q, k, v, window):
+    # as they come, no copies in the graph: the kernels change layouts on chip, and _run_kernel makes
+    # v (the model's transposed view of a (B, T, Hkv, D) tensor) dense inside the op
+    seq_len = q.size(-2)
+    out, _ = _flash_attention(q, k, v, 1.0 / math.sqrt(q.size(-1)), seq_len if window is None else window)
+    return out
 
 
 def _attention_torch(q, k, v, window):
