@@ -13,8 +13,8 @@ ops its fallback is priced as, and last its declaration (`KernelOp`), from which
 `bench.py --check` / `--first_hour` / `--kernels`, the step estimate and the kill matrix take their lists.
 docs/kernels.md, "Adding a kernel op", lists the steps for a new one.
 
-Each op takes `mode`, the model's `kernels` setting: one mode, or one per op (`parse_kernels`). Each op
-picks its path with `_use_nki`:
+Each op takes `mode`, the model's `kernels` setting: one mode, or one per op as `parse_kernels` reads a
+setting such as "attention:nki,mlp:torch" ({op: mode}). Each op picks its path with `_use_nki`:
 
 - "torch": always the PyTorch path (F.scaled_dot_product_attention, or `BlockCausalAttention` for fp32 on
   CPU; F.rms_norm; plain matmuls; x + branch; tanh and F.cross_entropy; the half-split rotary).
@@ -271,7 +271,8 @@ BUILD_FAILURES = {}  # {op: why} of the ops whose NKI kernel failed to build in 
 
 
 def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=None):
-    """Whether `op_name` runs its NKI kernel, for kernels=`setting` (parse_kernels) on tensors of `device_type`.
+    """Whether `op_name` runs its NKI kernel on tensors of `device_type`, for kernels=`setting`: one mode for
+    every op, or parse_kernels' {op: mode} (the model parses its setting once, at construction).
 
     shape_problem: None when the kernel takes these shapes, else which limit they break and the fix.
     cost_problem: None when the cost model expects the kernel faster, else why not; only "auto" heeds it.
@@ -284,7 +285,10 @@ def _use_nki(op_name, setting, device_type, shape_problem=None, cost_problem=Non
         raise ValueError(f"{op_name!r} is not a declared kernel op ({', '.join(OPS)}); declare it with "
                          "NAME_OP = _declare(KernelOp(...)) at the end of its section of kernels.py (docs/kernels.md, "
                          "\"Adding a kernel op\")")
-    mode = parse_kernels(setting)[op_name]
+    mode = setting[op_name] if isinstance(setting, dict) else setting
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{op_name}: mode={mode!r} is not a mode; pass one of {', '.join(KERNEL_MODES)}, or "
+                         "parse_kernels(setting) for a setting per op such as 'attention:nki,mlp:torch'")
     use_nki, fell_back = False, True
     if mode == "torch" or op_name in BUILD_FAILURES:  # chosen, not fallen back (train.py said a failure)
         reason, fell_back = "kernels=torch" if mode == "torch" else BUILD_FAILURES[op_name], False
@@ -455,18 +459,14 @@ SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _spans(start, stop, size):
-    """(offset, length) of the consecutive pieces of [start, stop), each at most `size` long."""
+def _spans(start, stop, most, even=False):
+    """(offset, length) of the consecutive pieces of [start, stop), each at most `most` long; even: as few
+    pieces as possible, as even as possible."""
+    size = math.ceil((stop - start) / math.ceil((stop - start) / most)) if even else most
     spans = []
     for offset in range(start, stop, size):
         spans.append((offset, min(size, stop - offset)))
     return spans
-
-
-def _even_spans(start, stop, most):
-    """_spans of [start, stop) into as few pieces of at most `most` as possible, as even as possible."""
-    pieces = math.ceil((stop - start) / most)
-    return _spans(start, stop, math.ceil((stop - start) / pieces))
 
 
 def _program_rows(n_rows):
@@ -497,14 +497,6 @@ def _load_row_pieces(src, row_start, row_count, cols):
     return pieces
 
 
-def _column_slices(tiles, start, stop):
-    """tile[:, start:stop] of every tile in `tiles`, in order."""
-    slices = []
-    for tile in tiles:
-        slices.append(tile[:, start:stop])
-    return slices
-
-
 def _sbuf_tiles(count, shape, dtype):
     """`count` new SBUF tiles of one shape and dtype."""
     tiles = []
@@ -532,13 +524,17 @@ def _transpose_pieces_into(dst_tiles, dst_col, pieces):
         nisa.tensor_copy(dst=dst[:, dst_col:dst_col + width], src=flipped)
 
 
-def _matmul_into_psum(stationaries, movings):
-    """sum_k stationaries[k].T @ movings[k] into a new fp32 PSUM tile [M, N]: the first matmul
-    overwrites, the others accumulate (said explicitly rather than left to accumulate=None's
-    first-write detection, which the ISA and architecture docs word differently)."""
-    result = nl.ndarray((stationaries[0].shape[1], movings[0].shape[1]), nl.float32, buffer=nl.psum)
+def _matmul_into_psum(stationaries, movings, stationary_cols=None, moving_cols=None):
+    """sum_k stationaries[k][:, stationary_cols].T @ movings[k][:, moving_cols] (None: whole tiles) into a new
+    fp32 PSUM tile [M, N]: the first matmul overwrites, the others accumulate (said explicitly rather than left
+    to accumulate=None's first-write detection, which the ISA and architecture docs word differently)."""
+    result = None
     for k in range(len(stationaries)):
-        nisa.nc_matmul(dst=result, stationary=stationaries[k], moving=movings[k], accumulate=k > 0)
+        stationary = stationaries[k] if stationary_cols is None else stationaries[k][:, stationary_cols]
+        moving = movings[k] if moving_cols is None else movings[k][:, moving_cols]
+        if k == 0:
+            result = nl.ndarray((stationary.shape[1], moving.shape[1]), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=result, stationary=stationary, moving=moving, accumulate=k > 0)
     return result
 
 
@@ -1473,7 +1469,8 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     for speed; fp32 runs fp32 matmuls, 4x slower on TensorE); w_gate is None unless activation is
     "swiglu". Returns y (N, d) in x's dtype and, when save_preactivation, the pre-activations for the
     backward: x @ w_up.T (and x @ w_gate.T) as (hidden, N) arrays, the layout the kernel computes them in.
-    chunk_tiles: hidden tiles (128 units) per chunk, from _mlp_chunk_tiles.
+    chunk_tiles: hidden tiles (128 units) per chunk, from _mlp_chunk_tiles. Limits: those of
+    _mlp_shape_problem (d <= 2048, as the backward); any N (a program with no tokens issues nothing).
 
     Layout: per chunk, w_up[chunk].T (and w_gate's) as d/128 tiles [128 of d, chunk units] and w_down[:, chunk].T as
     tiles [128 units, d], transposed on TensorE once per chunk, 512 units at a time as the chunk's first block
@@ -1483,14 +1480,15 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
     d over 128-row tiles), activated straight out of PSUM into SBUF in the matmul dtype. act.T stays in SBUF for the
     whole block: it is exactly the stationary operand the down projection wants, y[128 tokens, <=512 of d] +=
     act.T[128 units, 128 tokens].T @ w_down.T[128 units, <=512], so the hidden activation never goes to HBM (unless
-    saved for the backward) and needs no transpose.
+    saved for the backward) and needs no transpose. With several chunks each adds its share of y to an fp32 partial
+    sum in HBM (_finish_rows).
 
     SBUF per partition (_mlp_chunk_tiles): per hidden tile of a chunk, (2, or 3 for SwiGLU) * d * itemsize of weights
     and 512 * itemsize of act.T; plus x.T of a block (4 d itemsize), fp32 activation scratch and y's rows. bf16:
     d=640, hidden=2560 (baseline) and d=1024, hidden=4096 (K82s4) in one chunk (20 and 32 tiles); d=1536,
     hidden=6144 (phase2) in 3 chunks of 16. Every plan is within SBUF_BUDGET (196,608), under the 212,984 bytes
     usable on a Trn2 partition. PSUM: one bank per live hidden tile (two for SwiGLU), the transposes' bank and up to
-    four banks of y. Limits: those of _mlp_shape_problem (d <= 2048, as the backward); any N.
+    four banks of y.
 
     Engines, per hidden tile and 512-token block: TensorE 8 d cycles of matmul (12 d for SwiGLU), all
     128-deep with 512-wide moving operands but the down projection's when d is not a multiple of 512;
@@ -1502,20 +1500,17 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
         "d and hidden must be multiples of 128, d at most 2048"
     n_tokens, dim = x.shape
     hidden = w_up.shape[0]
-    gated = w_gate is not None
+    weights = [w_up, w_gate] if w_gate is not None else [w_up]
     y = nl.ndarray((n_tokens, dim), x.dtype, buffer=nl.shared_hbm)
-    if save_preactivation:
-        up_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
-        if gated:
-            gate_saved = nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm)
-
+    saved = []  # with save_preactivation: x @ w.T of each of `weights`, (hidden, N)
+    for _ in range(len(weights) if save_preactivation else 0):
+        saved.append(nl.ndarray((hidden, n_tokens), x.dtype, buffer=nl.shared_hbm))
     program_start, program_stop = _program_rows(n_tokens)
-    chunks = _even_spans(0, hidden // TILE, chunk_tiles)
-    partial = _partial_sums(program_start, program_stop, dim, len(chunks))
-    save_up_on_scalar = activation in ("relu2", "swiglu")  # the engine with the lighter activation work
-    weights = [w_up, w_gate] if gated else [w_up]
-    if program_start == program_stop:  # this program got no tokens (N <= 128 on two cores)
-        chunks = []
+    chunks = _spans(0, hidden // TILE, chunk_tiles, even=True)
+    partial = None  # this program's rows of y in fp32 while several chunks add their shares
+    if len(chunks) > 1:
+        partial = nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.private_hbm)
+    save_on_scalar = [activation in ("relu2", "swiglu"), False]  # per saved output: the engine less busy
     for k in range(len(chunks)):
         first_tile, tiles = chunks[k]
         units = slice(first_tile * TILE, (first_tile + tiles) * TILE)
@@ -1531,31 +1526,31 @@ def mlp_fwd_kernel(x, w_up, w_down, w_gate, activation, save_preactivation, chun
             _transpose_pieces_into(x_t, 0, _load_row_pieces(x, block_start, block_tokens, slice(0, dim)))
             act_t = []  # the chunk's tiles [128 units, block_tokens] of the block's hidden activation
             for j in range(tiles):
-                start, stop = j * TILE, (j + 1) * TILE
-                if b == 0 and start % BANK_FP32 == 0:  # the next 512 units' weights, as the first block needs them
-                    w_down_t += _mlp_load_weight_group(weights, w_down, weights_t, units.start, start, tiles * TILE)
-                up = _matmul_into_psum(_column_slices(weights_t[0], start, stop), x_t)
-                gate = _matmul_into_psum(_column_slices(weights_t[1], start, stop), x_t) if gated else None
-                if save_preactivation:
-                    saved = slice(units.start + start, units.start + stop)
-                    _store_from_psum(up_saved[saved, block], up, save_up_on_scalar)
-                    if gated:
-                        _store_from_psum(gate_saved[saved, block], gate, False)
-                act_t.append(_mlp_activation(activation, up, gate, x.dtype))
-            _mlp_down_projection(y, partial, act_t, w_down_t, block_start, block_tokens, program_start, k, len(chunks))
-    if not save_preactivation:
+                tile = slice(j * TILE, (j + 1) * TILE)
+                if b == 0 and tile.start % BANK_FP32 == 0:  # the next 512 units' weights, as the first block needs them
+                    w_down_t += _mlp_load_weight_group(weights, w_down, weights_t, units, tile.start)
+                pre = []  # x @ w.T of each of `weights` for this tile: fp32 PSUM [128 units, block tokens]
+                for w in range(len(weights)):
+                    pre.append(_matmul_into_psum(weights_t[w], x_t, stationary_cols=tile))
+                for w in range(len(saved)):  # staged in SBUF: DMA cannot read PSUM
+                    staged = nl.ndarray(pre[w].shape, x.dtype, buffer=nl.sbuf)
+                    _evict(staged, pre[w], save_on_scalar[w])
+                    nisa.dma_copy(dst=saved[w][units.start + tile.start:units.start + tile.stop, block], src=staged)
+                act_t.append(_mlp_activation(activation, pre, x.dtype))
+            _mlp_down_projection(y, partial, act_t, w_down_t, block, program_start, k, len(chunks))
+    if len(saved) == 0:
         return y  # one output: TorchNeuron hands it back bare
-    if gated:
-        return y, up_saved, gate_saved
-    return y, up_saved
+    if len(saved) == 2:
+        return y, saved[0], saved[1]
+    return y, saved[0]
 
 
-def _mlp_load_weight_group(weights, w_down, weights_t, chunk_start, start, chunk_units):
-    """The chunk's next <= 512 hidden units' weights (from unit chunk_start + start) into SBUF: w_up's (and w_gate's)
-    transposed into columns start.. of weights_t (d/128 tiles [128, chunk_units]); returns w_down[:, units].T as
-    tiles [128 units, d]."""
+def _mlp_load_weight_group(weights, w_down, weights_t, units, start):
+    """The chunk's (`units`') next <= 512 hidden units' weights, from its unit `start`, into SBUF: w_up's (and
+    w_gate's) transposed into columns start.. of weights_t (d/128 tiles [128, chunk units]); returns
+    w_down[:, group].T as tiles [128 units, d]."""
     dim = w_down.shape[0]
-    group = slice(chunk_start + start, chunk_start + min(start + BANK_FP32, chunk_units))
+    group = slice(units.start + start, min(units.start + start + BANK_FP32, units.stop))
     for w in range(len(weights)):
         _transpose_pieces_into(weights_t[w], start, _load_row_pieces(
             weights[w], group.start, group.stop - group.start, slice(0, dim)))
@@ -1565,26 +1560,16 @@ def _mlp_load_weight_group(weights, w_down, weights_t, chunk_start, start, chunk
     return w_down_group
 
 
-def _mlp_down_projection(y, partial, act_t, w_down_t, block_start, block_tokens, program_start, chunk, n_chunks):
-    """One chunk's share of a block's y: per 128 tokens, act_t (tiles [128 units, tokens]).T @ w_down_t ([128, d])."""
-    dim = y.shape[1]
-    for piece in _spans(0, block_tokens, TILE):
+def _mlp_down_projection(y, partial, act_t, w_down_t, block, program_start, chunk, n_chunks):
+    """One chunk's share of y[block]: per 128 tokens, act_t (tiles [128 units, tokens]).T @ w_down_t ([128, d])."""
+    for piece in _spans(0, block.stop - block.start, TILE):
         offset, tokens = piece
         sums = []  # this chunk's share of y for the piece's tokens, one PSUM bank per 512 columns
-        for columns in _spans(0, dim, BANK_FP32):
-            col, width = columns
-            sums.append(_matmul_into_psum(_column_slices(act_t, offset, offset + tokens),
-                                          _column_slices(w_down_t, col, col + width)))
-        rows = slice(block_start + offset, block_start + offset + tokens)
+        for columns in _spans(0, y.shape[1], BANK_FP32):
+            sums.append(_matmul_into_psum(act_t, w_down_t, slice(offset, offset + tokens),
+                                          slice(columns[0], columns[0] + columns[1])))
+        rows = slice(block.start + offset, block.start + offset + tokens)
         _finish_rows(y, partial, rows, program_start, sums, chunk, n_chunks, offset // TILE)
-
-
-def _partial_sums(program_start, program_stop, dim, chunks):
-    """Where this program's rows of an output that sums over `chunks` hidden chunks collect: an fp32
-    (rows, d) scratch in HBM, private to the program; None for one chunk, which needs none."""
-    if chunks == 1:
-        return None
-    return nl.ndarray((max(1, program_stop - program_start), dim), nl.float32, buffer=nl.private_hbm)
 
 
 def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
@@ -1605,24 +1590,14 @@ def _finish_rows(dst, partial, rows, program_start, sums, chunk, chunks, turn):
         else:
             _evict(out[:, cols], sums[c], (turn + c) % 2)
         col = cols.stop
-    if last:
-        nisa.dma_copy(dst=dst[rows, :], src=out)
-    else:
-        nisa.dma_copy(dst=partial[local, :], src=out)
+    nisa.dma_copy(dst=dst[rows, :] if last else partial[local, :], src=out)
 
 
-def _store_from_psum(dst, values, on_scalar):
-    """Copy a PSUM tile to HBM `dst` (DMA cannot read PSUM: stage it in SBUF in dst's dtype), evicting
-    on ScalarE or VectorE."""
-    staged = nl.ndarray(values.shape, dst.dtype, buffer=nl.sbuf)
-    _evict(staged, values, on_scalar)
-    nisa.dma_copy(dst=dst, src=staged)
-
-
-def _mlp_activation(activation, up, gate, dtype):
-    """act of one [128, tokens] tile of pre-activations (fp32 PSUM), into SBUF in `dtype`. Every VectorE
-    instruction here reads one operand from PSUM, which runs it at one element per cycle (fp32 SBUF
-    operands on both sides would take two)."""
+def _mlp_activation(activation, pre, dtype):
+    """act of one [128, tokens] tile of pre-activations, pre = [up] or, for SwiGLU, [up, gate] (fp32 PSUM),
+    into SBUF in `dtype`. Every VectorE instruction here reads one operand from PSUM, which runs it at one
+    element per cycle (fp32 SBUF operands on both sides would take two)."""
+    up = pre[0]
     act = nl.ndarray(up.shape, dtype, buffer=nl.sbuf)
     if activation == "gelu":
         nisa.activation(dst=act, op=nl.gelu_apprx_tanh, data=up)
@@ -1638,7 +1613,7 @@ def _mlp_activation(activation, up, gate, dtype):
         nisa.activation(dst=act, op=nl.square, data=leaky)
     else:  # swiglu: silu(gate) * up
         silu = nl.ndarray(up.shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=silu, op=nl.silu, data=gate)
+        nisa.activation(dst=silu, op=nl.silu, data=pre[1])
         nisa.tensor_tensor(dst=act, data1=silu, data2=up, op=nl.multiply)
     return act
 
@@ -1707,11 +1682,13 @@ def mlp_bwd_kernel(dy, x, w_up, w_down, w_gate, up_saved, gate_saved, activation
     if w_gate is not None:
         grads.append(nl.ndarray((programs, hidden, dim), nl.float32, buffer=nl.shared_hbm))  # dw_gate
     program_start, program_stop = _program_rows(n_tokens)
-    chunks = _even_spans(0, hidden // TILE, chunk_tiles)
+    chunks = _spans(0, hidden // TILE, chunk_tiles, even=True)
     kernel = MlpBwd(dy=dy, x=x, up_saved=up_saved, gate_saved=gate_saved, activation=activation, dx=dx, grads=grads,
                     weights=[w_up, w_gate] if w_gate is not None else [w_up], program_start=program_start,
-                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks),
-                    partial=_partial_sums(program_start, program_stop, dim, len(chunks)))
+                    blocks=_spans(program_start, program_stop, _mlp_bwd_block_tokens(dim)), n_chunks=len(chunks))
+    if len(chunks) > 1:  # dx's rows of this program in fp32 while several chunks add their shares
+        kernel.partial = nl.ndarray((max(1, program_stop - program_start), dim), nl.float32,
+                                    buffer=nl.private_hbm)
     if len(kernel.blocks) == 0:  # this program got no tokens (N <= 128 on two cores): its shares are zero
         zeros = nl.ndarray((TILE, dim), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
@@ -1754,7 +1731,7 @@ class MlpBwd(_NKIObject):
     program_start = None
     blocks = None  # the program's (start, tokens) blocks
     n_chunks = None
-    partial = None  # dx's fp32 partial sums between chunks (_partial_sums)
+    partial = None  # dx's rows in fp32 while several chunks add their shares (_finish_rows)
     chunk = None  # the chunk's index, first hidden unit and 128-unit tiles
     units = None
     tiles = None
@@ -1784,7 +1761,7 @@ def _mlp_bwd_hidden_tile(kernel, block, b, j):
     if b == 0:
         for w in range(len(kernel.weights)):
             kernel.weight_rows[w].append(_load_tile(kernel.weights[w], saved, slice(0, kernel.x.shape[1])))
-    d_act = _matmul_into_psum(_column_slices(kernel.w_down_cols, j * TILE, (j + 1) * TILE), block.dy_t)
+    d_act = _matmul_into_psum(kernel.w_down_cols, block.dy_t, slice(j * TILE, (j + 1) * TILE))
     gate = _load_tile(kernel.gate_saved, saved, block.rows) if kernel.gate_saved is not None else None
     up = _load_tile(kernel.up_saved, saved, block.rows)
     act, scale, d_up, d_gate = _mlp_activation_backward(kernel.activation, up, gate, d_act, kernel.x.dtype)
@@ -1868,7 +1845,7 @@ def _accumulate_weight_grad(acc, stationaries, pieces, first):
     then one VectorE add (or, first, a ScalarE copy) per bank."""
     for span in _spans(0, acc.shape[1], BANK_FP32):
         col, width = span
-        grad = _matmul_into_psum(stationaries, _column_slices(pieces, col, col + width))
+        grad = _matmul_into_psum(stationaries, pieces, moving_cols=slice(col, col + width))
         if first:
             nisa.activation(dst=acc[:, col:col + width], op=nl.copy, data=grad)
         else:

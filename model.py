@@ -187,7 +187,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.window = window  # earlier tokens each query sees, None for all (GPTConfig.attention_windows)
-        self.kernels = config.kernels
+        self.kernels = kernels.parse_kernels(config.kernels)  # {op: mode}, parsed once, for every call
         self.c_q = nn.Linear(config.n_embd, config.n_head * config.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, config.n_kv_head * config.head_dim, bias=False)
@@ -212,7 +212,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.activation, self.kernels = config.mlp, config.kernels
+        self.activation, self.kernels = config.mlp, kernels.parse_kernels(config.kernels)
         self.c_fc = nn.Linear(config.n_embd, config.hidden_dim, bias=False)
         self.c_gate = nn.Linear(config.n_embd, config.hidden_dim, bias=False) if config.mlp == "swiglu" else None
         self.c_proj = nn.Linear(config.hidden_dim, config.n_embd, bias=False)
@@ -227,7 +227,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(config, ve, window)
         self.mlp = MLP(config)
-        self.kernels = config.kernels
+        self.kernels = kernels.parse_kernels(config.kernels)
         self.norm_output = norm_output  # whether what reads the block's output first is its norm
 
     def forward(self, x, cos, sin, ve=None, normed=None):
@@ -260,6 +260,7 @@ class GPT(nn.Module):
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.kernels = kernels.parse_kernels(config.kernels)
         self.kernels_ran = None  # per op, what ran in training (kernels.preview_fallbacks); checkpoints keep it
         # weights of the extra MTP targets t+2, t+3, ...: a buffer that train.py rewrites in place as the fade
         # goes on, so a compiled step reads a tensor instead of specialising on a changing Python number
@@ -307,7 +308,7 @@ class GPT(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         c = self.config
-        x = x0 = norm(self.wte(idx), c.kernels)
+        x = x0 = norm(self.wte(idx), self.kernels)
         normed = None  # norm(x), when the block before made it
         for i, block in enumerate(self.blocks):
             if c.residual_scalars:  # (then normed is None: only the last block makes it)
@@ -320,7 +321,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, padded vocab)
         if targets is not None:  # softcap and cross-entropy in one op (one pass over the logits on NKI)
             return kernels.softcap_cross_entropy(logits, targets, c.logit_softcap, c.vocab_size, loss_reduction,
-                                                 c.kernels)
+                                                 self.kernels)
         logits = logits[..., : c.vocab_size].float()  # padding columns never win
         if c.logit_softcap:
             logits = c.logit_softcap * torch.tanh(logits / c.logit_softcap)

@@ -296,7 +296,7 @@ def test_kernels_imported_with_nki_0_3_say_which_version_to_install(monkeypatch)
 
 def test_unknown_mode_is_refused():
     q = torch.randn(1, 2, 128, 64)
-    with pytest.raises(ValueError, match="--kernels=fast: 'fast' is not a mode"):
+    with pytest.raises(ValueError, match="attention: mode='fast' is not a mode; pass one of auto, nki"):
         kernels.attention(q, q, q, mode="fast")
 
 
