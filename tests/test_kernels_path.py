@@ -19,8 +19,9 @@ MLP_FORWARD = (["mlp"], r"_torch$|_fake$|bwd|backward|_vjp$|_setup_context$|chec
 ATTENTION_BACKWARD = (["attention", "_flash_attention_vjp", "_flash_attention_backward"],
                       r"_torch$|_fake$|fwd|_forward$|check_cases|model_cases|plain_ops|BlockCausal")
 # Its ceiling, as the MLP's below: 20 definitions, of which the launch path's 5 and the shared _evict; in the
-# attention section the glue (5: the call, the shape rule, the autograd pair, the backward op) and the kernel
-# with its state, its two per-tile steps, the score matmuls, the limits and mask, and the two layout loaders.
+# attention section the glue (6: the call, its NKI call, the shape rule, the autograd pair, the backward op)
+# and 8 for the kernel: itself, its state, its two per-tile steps, the score matmuls, the limits and mask, and
+# the two layout loaders.
 ATTENTION_BACKWARD_MOST = {"definitions": 20, "lines": 472}
 ATTENTION_BACKWARD_OWN_MOST = {"definitions": 19, "lines": 466}
 
