@@ -933,7 +933,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     then every matmul runs in fp32, 4x slower, for testing). scale is the softmax scale; query i sees keys
     i - window .. i (FA3's window_size (window, 0)). Returns out (B, H, S, d) in the input dtype and lse
     (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
-    the backward needs. Limits (asserted here): d <= 256, even above 128 (one or two equal pieces of <= 128
+    the backward needs. Limits (asserted at entry): d <= 256, even above 128 (one or two equal pieces of <= 128
     on the partitions); S a multiple of 128; Hkv divides H (query head h uses kv head h // (H / Hkv));
     window a multiple of 128 (S or more: every key up to the query). S is also limited by the backward's
     SBUF plan (flash_attention_bwd_kernel).
@@ -1147,9 +1147,9 @@ def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
 
     Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d). Returns dq (B, H, S, d), dk and dv (B, Hkv, S, d) in the
-    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted
-    here), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and
-    2048*128 in fp32 (`_attention_shape_problem`).
+    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted at
+    entry, `_limits_and_mask`), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so
+    S*d <= 4096*128 in bf16 and 2048*128 in fp32 (`_attention_shape_problem`).
 
     Work, in plain nested loops (nki-library's attention_bwd.py loops in natural order too; docs/results.md
     compares a software pipeline): (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for
