@@ -453,7 +453,7 @@ BANK_FP32 = 512  # fp32 values in one PSUM bank row = widest matmul moving opera
 # leaves of the 24 MiB (Trn2) after its own reservations (leanprover/KLR, KLR/Trace.lean lines 52-54)
 SBUF_USABLE_BYTES = {"trn1": 180_224, "trn2": 212_984, "trn3": 245_752}
 # What the kernels plan to use on the Trn2 they are tuned for: the plans (_mlp_chunk_tiles,
-# _attention_sbuf_bytes) are rounded up, and 16,376 bytes (8%) of the usable figure stay free for the
+# _attention_shape_problem) are rounded up, and 16,376 bytes (8%) of the usable figure stay free for the
 # compiler's buffering (192 KiB, what the plans were sized and tested at). Trn1's 180,224 is below it.
 SBUF_BUDGET = SBUF_USABLE_BYTES["trn2"] - 16_376
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -622,60 +622,34 @@ ATTENTION_MAX_HEAD_DIM = 2 * TILE  # two pieces of the head dim: P @ V's (128, d
 _MASKED_SCORE = -1e30  # added to scores outside the causal window; exp() of it scaled is exactly 0
 
 
-def _head_dim_pieces(head_dim):
-    """(start, size) of the pieces the head dim is cut into for contractions over it: as few as fit
-    the 128 partitions, of equal size (nki-library's attention_bwd.py tiles d the same way)."""
-    count = (head_dim + TILE - 1) // TILE
-    size = head_dim // count
-    pieces = []
-    for piece in range(count):
-        pieces.append((piece * size, size))
-    return tuple(pieces)
-
-
-class AttentionMask(_NKIObject):
-    """The 128x128 tiles whose matmul identity.T @ bias adds a bias onto a partly visible key chunk's scores
-    in PSUM (`_mask_operands`), and the window they serve."""
-    identity = None
-    diagonal = None  # 0 where key <= query (free index <= partition), _MASKED_SCORE above
-    edge = None  # a window's first chunk: 0 where key >= query - window, _MASKED_SCORE below; None if no window cuts
-    window = None  # keys before the query each query sees, a multiple of 128
-
-
-def _mask_operands(dtype, seq_len, window):
-    """The AttentionMask of a (seq_len, window) call. TensorE adds a bias onto the scores in PSUM, so masking
-    costs one small matmul instead of a PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM)
-    on the engines that are already the busiest."""
-    identity = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
-    nisa.affine_select(dst=identity, pattern=[[-1, TILE]], channel_multiplier=1,
-                       on_true_tile=nl.ones((TILE, TILE), dtype=dtype), on_false_value=0.0, cmp_op=nl.equal)
-    diagonal = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
-    nisa.affine_select(dst=diagonal, pattern=[[-1, TILE]], channel_multiplier=1,
-                       on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
-                       cmp_op=nl.greater_equal)
-    edge = None
-    if window <= seq_len - TILE:  # some query tile's window starts after key 0
-        edge = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
-        nisa.affine_select(dst=edge, pattern=[[1, TILE]], channel_multiplier=-1,
-                           on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
-                           cmp_op=nl.greater_equal)
-    return AttentionMask(identity=identity, diagonal=diagonal, edge=edge, window=window)
-
-
-def _first_key(query_tile, window):
-    """The first key query tile `query_tile` sees: its first query's window start, a chunk boundary."""
-    return max(0, query_tile * TILE - window)
-
-
-def _assert_attention_limits(q, k, window):
-    """The kernels' limits, asserted at their entry (`_attention_shape_problem` says the same to the glue)."""
-    batch, n_heads, seq_len, head_dim = q.shape
+def _limits_and_mask(kernel, k, window):
+    """Both kernels' entry: their limits asserted (`_attention_shape_problem` says the same to the glue), then
+    the mask operands into the kernel's state: 128x128 tiles whose matmul identity.T @ bias adds a bias onto a
+    partly visible key chunk's scores in PSUM (`_scores`), the bias `diagonal` (0 where key <= query, i.e. free
+    index <= partition, _MASKED_SCORE above) or, where a window starts after key 0, `edge` (0 where key >=
+    query - window, _MASKED_SCORE below). TensorE adds it, so masking costs one small matmul instead of a
+    PSUM->SBUF copy plus a GpSimd affine_select (which cannot read PSUM) on the busiest engines."""
+    batch, n_heads, seq_len, head_dim = kernel.q.shape
     assert k.shape[0] == batch and k.shape[2] == seq_len and k.shape[3] == head_dim and n_heads % k.shape[1] == 0, \
         "q (B, H, S, d) and k, v (B, Hkv, S, d) with Hkv dividing H"
-    assert head_dim <= ATTENTION_MAX_HEAD_DIM and head_dim % len(_head_dim_pieces(head_dim)) == 0, \
+    assert head_dim <= ATTENTION_MAX_HEAD_DIM and (head_dim <= TILE or head_dim % 2 == 0), \
         "head_dim up to 256, even above 128"
     assert seq_len % TILE == 0, "the sequence length must be a multiple of 128"
     assert window >= TILE and window % TILE == 0, "the window must be a positive multiple of 128 keys"
+    dtype = kernel.q.dtype
+    kernel.window = window
+    kernel.identity = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=kernel.identity, pattern=[[-1, TILE]], channel_multiplier=1,
+                       on_true_tile=nl.ones((TILE, TILE), dtype=dtype), on_false_value=0.0, cmp_op=nl.equal)
+    kernel.diagonal = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=kernel.diagonal, pattern=[[-1, TILE]], channel_multiplier=1,
+                       on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
+                       cmp_op=nl.greater_equal)
+    if window <= seq_len - TILE:  # some query tile's window starts after key 0
+        kernel.edge = nl.ndarray((TILE, TILE), dtype=dtype, buffer=nl.sbuf)
+        nisa.affine_select(dst=kernel.edge, pattern=[[1, TILE]], channel_multiplier=-1,
+                           on_true_tile=nl.zeros((TILE, TILE), dtype=dtype), on_false_value=_MASKED_SCORE,
+                           cmp_op=nl.greater_equal)
 
 
 def _load_rows(src, b, h, dtype):
@@ -688,67 +662,48 @@ def _load_rows(src, b, h, dtype):
     return rows
 
 
-def _rows_to_cols(rows, on_scalar):
-    """rows (128, n, d) -> one (d_piece, n*128) cols tile per head-dim piece: TensorE transposes 4 tiles
-    into a PSUM bank, one copy takes them out."""
-    n_tiles, head_dim = rows.shape[1], rows.shape[2]
-    pieces = []
-    for piece in _head_dim_pieces(head_dim):
-        start, size = piece
-        cols = nl.ndarray((size, n_tiles * TILE), dtype=rows.dtype, buffer=nl.sbuf)
-        for first in range(0, n_tiles, 4):
-            count = min(4, n_tiles - first)
-            transposed = nl.ndarray((size, count * TILE), dtype=rows.dtype, buffer=nl.psum)
-            for t in range(count):
-                nisa.nc_transpose(dst=transposed[:, t * TILE:(t + 1) * TILE],
-                                  data=rows[:, first + t, start:start + size])
-            _evict(cols[:, first * TILE:(first + count) * TILE], transposed, on_scalar)
-        pieces.append(cols)
-    return tuple(pieces)
-
-
-def _load_cols(src, b, h, dtype, on_scalar):
-    """HBM src[b, h] (S, d) -> one (d_piece, S) cols tile per head-dim piece, for a head only ever
-    contracted over d. 512 positions per DMA, row-major into (128, 4, d): partition p gets the 4
-    consecutive positions 4p..4p+3, one contiguous 4d-element run on both sides (a quarter of the
-    descriptors of 128-row DMAs). TensorE transposes slot j into the j-th 128 columns of a PSUM bank (a
-    PSUM write starts 4-byte aligned, nl.tile_size.psum_min_align: slot j of interleaved bf16 columns
-    would start at byte 2j), and one copy out of the bank writes them to every 4th SBUF column
-    (positions 4p + j, a minor stride of 4 elements), so the columns come out in position order."""
+def _load_cols(src, b, h, dtype, rows=None, on_scalar=True):
+    """HBM src[b, h] (S, d) -> cols: one (size, S) tile per piece of the head dim, as few equal pieces of at most
+    128 as d needs (nki-library's attention_bwd.py tiles d the same way); TensorE transposes into PSUM, ScalarE
+    (`on_scalar`) or VectorE copies out. Given the head's `rows` (`_load_rows`), 4 of their tiles a bank. Else
+    512 positions per DMA, row-major into (128, 4, d): partition p gets positions 4p..4p+3, one contiguous
+    4d-element run on both sides (a quarter of the descriptors of 128-row DMAs); slot j goes to the j-th 128
+    columns of a bank (a PSUM write starts 4-byte aligned, nl.tile_size.psum_min_align: slot j of interleaved
+    bf16 columns would start at byte 2j), and one copy writes them to every 4th SBUF column (positions 4p + j),
+    so the columns come out in position order."""
     seq_len, head_dim = src.shape[2], src.shape[3]
+    n_pieces = (head_dim + TILE - 1) // TILE
+    size = head_dim // n_pieces
     pieces = []
-    for piece in _head_dim_pieces(head_dim):
-        pieces.append(nl.ndarray((piece[1], seq_len), dtype=dtype, buffer=nl.sbuf))
+    for p in range(n_pieces):
+        pieces.append(nl.ndarray((size, seq_len), dtype=dtype, buffer=nl.sbuf))
+    if rows is not None:
+        for p in range(n_pieces):
+            for first in range(0, seq_len // TILE, 4):
+                count = min(4, seq_len // TILE - first)
+                transposed = nl.ndarray((size, count * TILE), dtype=dtype, buffer=nl.psum)
+                for t in range(count):
+                    nisa.nc_transpose(dst=transposed[:, t * TILE:(t + 1) * TILE],
+                                      data=rows[:, first + t, p * size:(p + 1) * size])
+                _evict(pieces[p][:, first * TILE:(first + count) * TILE], transposed, on_scalar)
+        return tuple(pieces)
     for start in range(0, seq_len, KEY_BLOCK):
-        width = min(KEY_BLOCK, seq_len - start)
-        per_partition = width // TILE
-        rows = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=rows, src=src[b, h, start:start + width, :])
-        for p in range(len(pieces)):
-            first, size = _head_dim_pieces(head_dim)[p]
+        per_partition = min(KEY_BLOCK, seq_len - start) // TILE
+        staged = nl.ndarray((TILE, per_partition, head_dim), dtype=dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=staged, src=src[b, h, start:start + per_partition * TILE, :])
+        for p in range(n_pieces):
             transposed = nl.ndarray((size, per_partition, TILE), dtype=dtype, buffer=nl.psum)
             for j in range(per_partition):
-                nisa.nc_transpose(dst=transposed[:, j, :], data=rows[:, j, first:first + size])
+                nisa.nc_transpose(dst=transposed[:, j, :], data=staged[:, j, p * size:(p + 1) * size])
             slot_major = pieces[p].ap([[seq_len, size], [1, per_partition], [per_partition, TILE]], offset=start)
             _evict(slot_major, transposed, on_scalar)
     return tuple(pieces)
 
 
-def _transposed_chunks(src):
-    """src (128, n*128) -> a PSUM tile (128, n, 128), n <= 4 (one bank in bf16), [:, c, :] = src's chunk c
-    (columns c*128 .. c*128+127) transposed by TensorE; one `_evict` takes them all out (VectorE: bf16 from
-    PSUM at twice ScalarE's rate, [TRN2] performance mode; ScalarE where VectorE has the row maxes)."""
-    count = src.shape[1] // TILE
-    transposed = nl.ndarray((TILE, count, TILE), dtype=src.dtype, buffer=nl.psum)
-    for c in range(count):
-        nisa.nc_transpose(dst=transposed[:, c, :], data=src[:, c * TILE:(c + 1) * TILE])
-    return transposed
-
-
-def _scores(scores, q_cols, k_cols, query_tile, start, mask):
+def _scores(scores, q_cols, k_cols, query_tile, start, kernel):
     """scores (128 queries, width keys, PSUM fp32) = q.T @ k over the head-dim pieces, unscaled, for
     query tile `query_tile` and the keys from `start`; on the block that holds the diagonal (always its last
-    128 keys) the AttentionMask's causal bias is accumulated onto those keys, on the block that starts the
+    128 keys) the kernel's causal bias is accumulated onto those keys, on the block that starts the
     tile's window (its first 128 keys) the window's edge bias. Every matmul says `accumulate=`: a mask adds
     into a slice of a tile the first matmul wrote, which accumulate=None would detect per location by the
     ISA doc but per bank by the architecture guide."""
@@ -758,10 +713,10 @@ def _scores(scores, q_cols, k_cols, query_tile, start, mask):
         nisa.nc_matmul(dst=scores, stationary=q_cols[piece][:, queries], moving=k_cols[piece][:, start:start + width],
                        accumulate=piece > 0)
     if start + width == (query_tile + 1) * TILE:
-        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=mask.identity, moving=mask.diagonal,
+        nisa.nc_matmul(dst=scores[:, width - TILE:width], stationary=kernel.identity, moving=kernel.diagonal,
                        accumulate=True)
-    if start == query_tile * TILE - mask.window:
-        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=mask.identity, moving=mask.edge, accumulate=True)
+    if start == query_tile * TILE - kernel.window:
+        nisa.nc_matmul(dst=scores[:, 0:TILE], stationary=kernel.identity, moving=kernel.edge, accumulate=True)
 
 
 class AttentionFwd(_NKIObject):
@@ -772,7 +727,10 @@ class AttentionFwd(_NKIObject):
     out = None
     lse = None  # (B, H, 128, S/128) fp32
     scale = None
-    mask = None  # AttentionMask
+    window = None  # the mask operands (`_limits_and_mask`)
+    identity = None
+    diagonal = None
+    edge = None
 
 
 class FwdQueryTile(_NKIObject):
@@ -817,7 +775,7 @@ def _fwd_query_tiles(q, k, window):
         for h in range(kv_head * (n_heads // n_kv_heads), (kv_head + 1) * (n_heads // n_kv_heads)):
             for query_tile in range(n_tiles):
                 groups = []
-                for group_start in range(_first_key(query_tile, window), (query_tile + 1) * TILE, KEY_GROUP):
+                for group_start in range(max(0, query_tile * TILE - window), (query_tile + 1) * TILE, KEY_GROUP):
                     groups.append(group_start)
                 tiles.append(FwdQueryTile(b=b, h=h, kv_head=kv_head, query_tile=query_tile, groups=groups,
                                           previous=tiles[-1] if len(tiles) > 0 else None))
@@ -830,13 +788,13 @@ def _fwd_load(tile, kernel):
     dtype, n_tiles = kernel.q.dtype, kernel.q.shape[2] // TILE
     pair_first = tile.previous is None or tile.previous.kv_head != tile.kv_head or tile.previous.b != tile.b
     if pair_first:
-        tile.k_cols = _load_cols(kernel.k, tile.b, tile.kv_head, dtype, True)
+        tile.k_cols = _load_cols(kernel.k, tile.b, tile.kv_head, dtype)
         tile.v_rows = _load_rows(kernel.v, tile.b, tile.kv_head, dtype)
     else:
         tile.k_cols = tile.previous.k_cols
         tile.v_rows = tile.previous.v_rows
     if tile.query_tile == 0:
-        tile.q_cols = _load_cols(kernel.q, tile.b, tile.h, dtype, True)
+        tile.q_cols = _load_cols(kernel.q, tile.b, tile.h, dtype)
         tile.neg_max_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
         tile.sum_all = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
     else:
@@ -853,7 +811,7 @@ def _fwd_scores(tile, kernel):
     tile.scores = []
     for start in range(group_start, group_stop, KEY_BLOCK):
         block = nl.ndarray((TILE, min(KEY_BLOCK, group_stop - start)), dtype=nl.float32, buffer=nl.psum)
-        _scores(block, tile.q_cols, tile.k_cols, tile.query_tile, start, kernel.mask)
+        _scores(block, tile.q_cols, tile.k_cols, tile.query_tile, start, kernel)
         tile.starts.append(start)
         tile.scores.append(block)
 
@@ -904,14 +862,19 @@ def _fwd_softmax(tile, kernel):
 
 def _fwd_transposes(tile, kernel):
     """Stage 3 of a group: p @ v contracts over keys, which must sit on the partitions: TensorE transposes
-    p chunk by chunk into PSUM, one tile per block."""
+    p chunk by chunk into PSUM, one (128, n, 128) tile per block of n chunks, [:, c, :] = chunk c transposed."""
     tile.transposed = []
     for j in range(len(tile.probs)):
-        tile.transposed.append(_transposed_chunks(tile.probs[j]))
+        count = tile.probs[j].shape[1] // TILE
+        transposed = nl.ndarray((TILE, count, TILE), dtype=kernel.q.dtype, buffer=nl.psum)
+        for c in range(count):
+            nisa.nc_transpose(dst=transposed[:, c, :], data=tile.probs[j][:, c * TILE:(c + 1) * TILE])
+        tile.transposed.append(transposed)
 
 
 def _fwd_probs_t(tile, kernel):
-    """Stage 4 of a group: P^T copied out of PSUM (VectorE and ScalarE by turns)."""
+    """Stage 4 of a group: P^T copied out of PSUM, one copy a block, VectorE and ScalarE by turns (VectorE reads
+    bf16 from PSUM at twice ScalarE's rate, [TRN2] performance mode, but it also makes the row maxes)."""
     tile.probs_t = []
     for j in range(len(tile.transposed)):
         tile.probs_t.append(nl.ndarray(tile.transposed[j].shape, dtype=kernel.q.dtype, buffer=nl.sbuf))
@@ -970,7 +933,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     then every matmul runs in fp32, 4x slower, for testing). scale is the softmax scale; query i sees keys
     i - window .. i (FA3's window_size (window, 0)). Returns out (B, H, S, d) in the input dtype and lse
     (B, H, 128, S/128) fp32, the logsumexp of the scaled scores of query t*128 + p at [b, h, p, t], which
-    the backward needs. Limits (asserted here): d <= 256, even above 128 (one or two equal pieces of <= 128
+    the backward needs. Limits (asserted at entry): d <= 256, even above 128 (one or two equal pieces of <= 128
     on the partitions); S a multiple of 128; Hkv divides H (query head h uses kv head h // (H / Hkv));
     window a multiple of 128 (S or more: every key up to the query). S is also limited by the backward's
     SBUF plan (flash_attention_bwd_kernel).
@@ -1018,7 +981,7 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
 
     SBUF per partition (bf16): K cols and V rows per pair, Q cols per head, 2S*d/128 bytes each (8 KiB at
     S = 2048, d = 256), plus a group's P tiles and the load staging (~10 KiB): under the backward's plan
-    (`_attention_sbuf_bytes`), which bounds S. PSUM, each tile in whole 2 KiB banks: at S <= 1024 two
+    (`_attention_shape_problem`), which bounds S. PSUM, each tile in whole 2 KiB banks: at S <= 1024 two
     tiles' scores (2 banks each), one tile's P^T (a bank per 512 keys), the output tile and Q's layout
     transposes: at most 8 of the 8 banks; at S <= 2048 one tile's scores (4), then its P^T (4) once they are
     copied out, the output tile and the layout transposes: at most 6; above, a group's scores 4 banks, P^T,
@@ -1028,10 +991,10 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
     the counts and schedules at the model's shapes).
     """
     batch, n_heads, seq_len, head_dim = q.shape
-    _assert_attention_limits(q, k, window)
     out = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((batch, n_heads, TILE, seq_len // TILE), dtype=nl.float32, buffer=nl.shared_hbm)
-    kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale, mask=_mask_operands(q.dtype, seq_len, window))
+    kernel = AttentionFwd(q=q, k=k, v=v, out=out, lse=lse, scale=scale)
+    _limits_and_mask(kernel, k, window)
     tiles = _fwd_query_tiles(q, k, window)
     if seq_len > KEY_GROUP:  # a tile's groups carry its online softmax: in order
         for t in range(len(tiles)):
@@ -1054,94 +1017,55 @@ def flash_attention_fwd_kernel(q, k, v, scale, window):
 
 
 class AttentionBwd(_NKIObject):
-    """flash_attention_bwd_kernel's state: its operands and outputs (HBM), then the tiles of the (batch, kv head)
-    pair, the query head and the key block its loops are at, each replaced as the loops move on."""
+    """flash_attention_bwd_kernel's state: its operands, outputs and mask operands, then the tiles of the (batch,
+    kv head) pair, the query head and the key block its loops are at, each replaced as the loops move on."""
     q = None
-    k = None
-    v = None
-    out = None
-    d_out = None
-    lse = None
     dq = None
     dk = None
     dv = None
     scale = None
-    mask = None  # AttentionMask
     group = None  # query heads per kv head
-    # the pair's, made by `_bwd_prepare` before its first head
+    window = None  # the mask operands (`_limits_and_mask`)
+    identity = None
+    diagonal = None
+    edge = None
+    # the pair's
     b = None
     kv_head = None
-    k_cols = None
     k_rows = None
+    k_cols = None
     v_cols = None
     dk_rows = None  # dK and dV of the pair in the input dtype, (128, S/128, d), written by the group's last head
     dv_rows = None
     dk_sum = None  # with G > 1: the fp32 sums over the group's heads before the last
     dv_sum = None
-    # the query head's, made by `_bwd_prepare`
+    # the query head's
     h = None
-    q_cols = None
     q_rows = None
-    do_cols = None
+    q_cols = None
     do_rows = None
+    do_cols = None
     neg_lse = None  # (128, S/128) fp32
     neg_delta = None  # -D = -rowsum(dO * O), (128, S/128) fp32
     dq_acc = None  # dQ's fp32 sum, (128, S/128, d)
-    # the key block's: its 128-key chunks (a slice), its dK and dV accumulators in PSUM (`_banked_chunks`, made
-    # by the block's first `_bwd_scores`)
+    # the key block's: its 128-key chunks (a slice), a (128 keys, d) fp32 PSUM accumulator of dK and of dV per chunk
     chunks = None
     block_dk = None
     block_dv = None
 
 
-def _bwd_prepare(kernel):
-    """Before a query head's first key block: the head's state, D = rowsum(dO * O) (the product on GpSimd, idle
-    otherwise, its sum on VectorE), and, for the pair's first head, the pair's."""
-    q, b, dtype = kernel.q, kernel.b, kernel.q.dtype
-    rows = (TILE, q.shape[2] // TILE, q.shape[3])
-    if kernel.h % kernel.group == 0:
-        kernel.k_rows = _load_rows(kernel.k, b, kernel.kv_head, dtype)
-        kernel.k_cols = _rows_to_cols(kernel.k_rows, False)
-        kernel.v_cols = _load_cols(kernel.v, b, kernel.kv_head, dtype, True)
-        grads = _sbuf_tiles(2, rows, dtype)
-        kernel.dk_rows = grads[0]
-        kernel.dv_rows = grads[1]
-        if kernel.group > 1:
-            sums = _sbuf_tiles(2, rows, nl.float32)
-            kernel.dk_sum = sums[0]
-            kernel.dv_sum = sums[1]
-    kernel.q_rows = _load_rows(q, b, kernel.h, dtype)
-    kernel.q_cols = _rows_to_cols(kernel.q_rows, False)
-    kernel.do_rows = _load_rows(kernel.d_out, b, kernel.h, dtype)
-    kernel.do_cols = _rows_to_cols(kernel.do_rows, True)
-    lse_tile = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=lse_tile, src=kernel.lse[b, kernel.h, :, :])
-    kernel.neg_lse = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=kernel.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
-    out_rows = _load_rows(kernel.out, b, kernel.h, dtype)
-    kernel.neg_delta = nl.ndarray((TILE, rows[1]), dtype=nl.float32, buffer=nl.sbuf)
-    for first in range(0, rows[1], 2):
-        tiles = slice(first, min(first + 2, rows[1]))
-        products = nl.ndarray((TILE, tiles.stop - first, rows[2]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=products, data1=kernel.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_reduce(dst=kernel.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
-    kernel.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
-
-
 def _bwd_scores(kernel, query_tile, first, width):
-    """Query tile `query_tile` against the key block's keys first .. first + width: S = q.T k and dP = dO @ V.T
-    over the d pieces (TensorE, PSUM); P recomputed from lse, exp(scale * s - lse) (ScalarE from PSUM);
-    dS = P * (dP - D), the scale applied at the end (ScalarE takes dP - D out of PSUM, so VectorE's product has
-    both inputs in SBUF in the input dtype: its fast case, N cycles, not 2N); dV += P.T @ dO and dK += dS.T @ Q
-    into the key block's PSUM accumulators (one (128 keys, d) slot per 128-key chunk, `_banked_chunks`, made by
-    the block's first tile; queries are already on the partitions; chunk c's sum starts at the query tile on its
-    diagonal, the first that sees its keys). Returns dS transposed by TensorE into PSUM, for dQ = dS @ K, which
-    contracts over keys."""
-    queries, column, dtype = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1), \
-        kernel.q.dtype
+    """Query tile `query_tile` against the key block's keys first .. first + width: S and dP over the d pieces,
+    P recomputed from lse, dS = P * (dP - D) unscaled (ScalarE takes dP - D out of PSUM, so VectorE's product
+    has both inputs in SBUF in the input dtype: its fast case, N cycles, not 2N); dV += P.T @ dO and
+    dK += dS.T @ Q into the block's PSUM slots (chunk c's sum starts at the query tile on its diagonal, the
+    first that sees its keys). The block's first tile makes the slots, packed into as few banks as hold them
+    (4 a bank at d = 128, 2 at d = 256): the compiler gives each PSUM tile whole banks, so 8 separate tiles
+    would leave no bank for the scores. Returns dS (SBUF)."""
+    queries, column = slice(query_tile * TILE, (query_tile + 1) * TILE), slice(query_tile, query_tile + 1)
+    dtype, head_dim, chunks = kernel.q.dtype, kernel.q.shape[3], kernel.chunks
     scores = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
-    _scores(scores, kernel.q_cols, kernel.k_cols, query_tile, first, kernel.mask)
+    _scores(scores, kernel.q_cols, kernel.k_cols, query_tile, first, kernel)
     dprobs = nl.ndarray((TILE, width), dtype=nl.float32, buffer=nl.psum)
     for piece in range(len(kernel.do_cols)):
         nisa.nc_matmul(dst=dprobs, stationary=kernel.do_cols[piece][:, queries],
@@ -1152,10 +1076,20 @@ def _bwd_scores(kernel, query_tile, first, width):
     nisa.activation(dst=shifted, op=nl.copy, data=dprobs, bias=kernel.neg_delta[:, column])
     dscores = nl.ndarray((TILE, width), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=dscores, data1=shifted, data2=probs, op=nl.multiply)
-    chunks = kernel.chunks
     if query_tile == chunks.start:
-        kernel.block_dk = _banked_chunks(chunks.stop - chunks.start, kernel.q.shape[3])
-        kernel.block_dv = _banked_chunks(chunks.stop - chunks.start, kernel.q.shape[3])
+        n_chunks = chunks.stop - chunks.start
+        per_bank = min(n_chunks, BANK_FP32 // head_dim)
+        block_dk = []
+        block_dv = []
+        for bank_first in range(0, n_chunks, per_bank):
+            dk_bank = nl.ndarray((TILE, min(per_bank, n_chunks - bank_first), head_dim), dtype=nl.float32,
+                                 buffer=nl.psum)
+            dv_bank = nl.ndarray(dk_bank.shape, dtype=nl.float32, buffer=nl.psum)
+            for c in range(dk_bank.shape[1]):
+                block_dk.append(dk_bank[:, c, :])
+                block_dv.append(dv_bank[:, c, :])
+        kernel.block_dk = block_dk
+        kernel.block_dv = block_dv
     skipped = first // TILE - chunks.start
     for c in range(width // TILE):
         chunk = slice(c * TILE, (c + 1) * TILE)
@@ -1164,19 +1098,21 @@ def _bwd_scores(kernel, query_tile, first, width):
                        moving=kernel.do_rows[:, query_tile, :], accumulate=started)
         nisa.nc_matmul(dst=kernel.block_dk[skipped + c], stationary=dscores[:, chunk],
                        moving=kernel.q_rows[:, query_tile, :], accumulate=started)
-    return _transposed_chunks(dscores)
+    return dscores
 
 
-def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
-    """dS^T out of PSUM (VectorE). On the block's last tile, the head's dK and dV of the block (PSUM) onto the
-    pair's, (128, chunks, d) each: the output rows (input dtype) on the group's last head, stored then, else
-    fp32 sums; scaled. The first head copies out of PSUM on ScalarE, later ones add on GpSimd (which cannot
-    read PSUM): VectorE makes dS. Then dQ of the tile from this block (TensorE, PSUM) added into the head's
-    SBUF accumulator (VectorE), opened by the tile's first block: after its diagonal block, its last, scaled
-    and stored."""
-    dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=kernel.q.dtype, buffer=nl.sbuf)
-    _evict(dscores_t_sbuf, dscores_t, False)
-    chunks = kernel.chunks
+def _bwd_dq(kernel, query_tile, first, dscores, block_last):
+    """dS transposed chunk by chunk for dQ = dS @ K, which contracts over keys. On the block's last tile, the
+    head's dK and dV of the block onto the pair's, scaled: the output rows on the group's last head, stored then,
+    else the fp32 sums (added on GpSimd, which cannot read PSUM: VectorE makes dS). Then dQ of the tile from
+    this block into the head's SBUF sum, opened by the tile's first block: after its diagonal block, its last,
+    scaled and stored."""
+    i, chunks, n_chunks = query_tile, kernel.chunks, dscores.shape[1] // TILE
+    dscores_t = nl.ndarray((TILE, n_chunks, TILE), dtype=dscores.dtype, buffer=nl.psum)
+    for c in range(n_chunks):
+        nisa.nc_transpose(dst=dscores_t[:, c, :], data=dscores[:, c * TILE:(c + 1) * TILE])
+    dscores_t_sbuf = nl.ndarray(dscores_t.shape, dtype=dscores.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=dscores_t_sbuf, src=dscores_t)
     first_head, last_head = kernel.h % kernel.group == 0, kernel.h % kernel.group == kernel.group - 1
     for g in range(2 if block_last else 0):  # dK, dV: on the block's last tile
         rows, sums = (kernel.dk_rows, kernel.dv_rows)[g], (kernel.dk_sum, kernel.dv_sum)[g]
@@ -1191,13 +1127,12 @@ def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
             if last_head:
                 nisa.dma_copy(dst=(kernel.dk, kernel.dv)[g][kernel.b, kernel.kv_head, c * TILE:(c + 1) * TILE, :],
                               src=target)
-    i = query_tile
-    dq_block = nl.ndarray((TILE, kernel.k_rows.shape[2]), dtype=nl.float32, buffer=nl.psum)
-    for c in range(dscores_t.shape[1]):
+    dq_block = nl.ndarray((TILE, kernel.q.shape[3]), dtype=nl.float32, buffer=nl.psum)
+    for c in range(n_chunks):
         nisa.nc_matmul(dst=dq_block, stationary=dscores_t_sbuf[:, c, :],
                        moving=kernel.k_rows[:, first // TILE + c, :], accumulate=c > 0)
     row = kernel.dq_acc[:, i, :]
-    if first == _first_key(i, kernel.mask.window):  # the tile's first block: its dQ sum starts here
+    if first == max(0, i * TILE - kernel.window):  # the tile's first block: its dQ sum starts here
         nisa.tensor_copy(dst=row, src=dq_block)
     else:
         nisa.tensor_tensor(dst=row, data1=row, data2=dq_block, op=nl.add)
@@ -1207,86 +1142,82 @@ def _bwd_dq(kernel, query_tile, first, dscores_t, block_last):
         nisa.dma_copy(dst=kernel.dq[kernel.b, kernel.h, i * TILE:(i + 1) * TILE, :], src=dq_tile)
 
 
-def _banked_chunks(n_chunks, head_dim):
-    """`n_chunks` (128, d) fp32 PSUM accumulators packed side by side into as few banks as hold them (4 a bank
-    at d = 128, 2 at d = 256): the compiler gives each PSUM tile whole banks, so 8 separate tiles for dK and
-    dV would leave no bank for the scores. Each slot lies inside one bank, as a matmul output must."""
-    per_bank = max(1, min(n_chunks, BANK_FP32 // head_dim))
-    slots = []
-    for first in range(0, n_chunks, per_bank):
-        count = min(per_bank, n_chunks - first)
-        bank = nl.ndarray((TILE, count, head_dim), dtype=nl.float32, buffer=nl.psum)
-        for c in range(count):
-            slots.append(bank[:, c, :])
-    return slots
-
-
 def flash_attention_bwd_kernel(q, k, v, out, d_out, lse, scale, window):
     """Causal flash attention backward, grouped-query heads, optionally in a sliding window: dQ, dK, dV.
 
     Inputs (HBM): q, k, v, scale, window as for flash_attention_fwd_kernel; out (B, H, S, d) and lse
     (B, H, 128, S/128) from it; d_out (B, H, S, d). Returns dq (B, H, S, d), dk and dv (B, Hkv, S, d) in the
-    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted
-    here), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so S*d <= 4096*128 in bf16 and
-    2048*128 in fp32 (`_attention_sbuf_bytes`).
+    input dtype, dk and dv summed over the G query heads of each kv head. Limits: the forward's (asserted at
+    entry, `_limits_and_mask`), and SBUF's: ~42 S*d/128 bytes per partition in bf16 (68 in fp32), so
+    S*d <= 4096*128 in bf16 and 2048*128 in fp32 (`_attention_shape_problem`).
 
-    Work: (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for dQ) and cols (for
-    scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows and cols, -lse,
-    -D = -rowsum(dO * O) (product on GpSimd, sum on VectorE), an fp32 dQ accumulator. Units of a key block
-    (<= 512 keys) and a 128-query tile that sees it: P = exp(scale * q.T k - lse) (ScalarE from PSUM; the
-    causal bias on the diagonal chunk, the window's edge bias on a tile's first; chunks nobody sees
-    skipped), dP = dO V^T, dS = P * (dP - D) (ScalarE shifts dP out of PSUM, VectorE multiplies in SBUF);
-    dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles, dQ += dS K needs dS transposed
-    (TensorE, copied out by VectorE) and is added into SBUF. The softmax scale is applied when dQ and dK are
-    written; a pair's first head writes dK and dV from PSUM, later ones add onto them (ScalarE copy, GpSimd
-    add), the last in the input dtype. A tile's dQ is stored after its diagonal block, a block's dK, dV
-    once final.
-
-    Order: the program's pairs, their query heads (`_bwd_prepare`), each head's key blocks and the query tiles that
-    see a block, one (block, tile) after another through `_bwd_scores` and `_bwd_dq`: the plain form. Under the
-    compiler's list schedule a software pipeline across them was within the model's error of it (docs/results.md),
-    and nki-library's attention_bwd.py loops in natural order too.
+    Work, in plain nested loops (nki-library's attention_bwd.py loops in natural order too; docs/results.md
+    compares a software pipeline): (batch, kv head) pairs split over the LNC programs. Per pair: K rows (for
+    dQ) and cols (for scores), V cols (for dP), cols made by TensorE transposes. Per query head: Q and dO rows
+    and cols, -lse, -D = -rowsum(dO * O) (product on GpSimd, idle otherwise, sum on VectorE), an fp32 dQ
+    accumulator. Per key block (<= 512 keys), the 128-query tiles that see it, one after another (chunks nobody
+    sees skipped): P = exp(scale * q.T k - lse) (ScalarE from PSUM), dP = dO V^T, dS = P * (dP - D)
+    (`_bwd_scores`); dV += P^T dO and dK += dS^T Q accumulate in PSUM over the query tiles, dQ += dS K needs
+    dS transposed (TensorE, copied out by VectorE) and is added into SBUF (`_bwd_dq`). The softmax scale is
+    applied when dQ and dK are written; a pair's first head writes dK and dV from PSUM, later ones add onto
+    them (ScalarE copy, GpSimd add), the last in the input dtype. A tile's dQ is stored after its diagonal
+    block, a block's dK, dV once final.
 
     SBUF per partition, per S*d/128 elements, bf16: per pair K rows + cols, V cols, dK, dV rows 2 bytes
     each (with G > 1 fp32 sums, 8); per head Q, dO rows + cols 2 each, dQ 4, two heads at a time: 42 bytes
     plus ~6 KiB, 178,176 at S = 4096, d = 128 (SBUF_BUDGET 196,608). PSUM, whole 2 KiB banks: scores, dP,
-    dS^T, dQ (or a head's transposes) one each, dK and dV (`_banked_chunks`) one each at d = 128, two at
-    d = 256: at most 8 of 8.
+    dS^T, dQ (or a head's transposes) one each, dK and dV one each at d = 128, two at d = 256: at most 8 of 8.
     """
     batch, n_heads, seq_len, head_dim = q.shape
-    _assert_attention_limits(q, k, window)
-    n_kv_heads = k.shape[1]
-    dq = nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
-    dk = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
-    dv = nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=q.dtype, buffer=nl.shared_hbm)
-    kernel = AttentionBwd(q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, dq=dq, dk=dk, dv=dv, scale=scale,
-                          mask=_mask_operands(q.dtype, seq_len, window), group=n_heads // n_kv_heads)
-    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):  # docstring: Order
+    n_kv_heads, n_tiles, dtype = k.shape[1], seq_len // TILE, q.dtype
+    rows = (TILE, n_tiles, head_dim)
+    kernel = AttentionBwd(q=q, scale=scale, group=n_heads // n_kv_heads,
+                          dq=nl.ndarray((batch, n_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm),
+                          dk=nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm),
+                          dv=nl.ndarray((batch, n_kv_heads, seq_len, head_dim), dtype=dtype, buffer=nl.shared_hbm))
+    _limits_and_mask(kernel, k, window)
+    for pair in range(nl.program_id(0), batch * n_kv_heads, nl.num_programs(0)):
         b, kv_head = divmod(pair, n_kv_heads)
         kernel.b = b
         kernel.kv_head = kv_head
+        kernel.k_rows = _load_rows(k, b, kv_head, dtype)
+        kernel.k_cols = _load_cols(k, b, kv_head, dtype, kernel.k_rows, False)
+        kernel.v_cols = _load_cols(v, b, kv_head, dtype)
+        kernel.dk_rows = nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf)
+        kernel.dv_rows = nl.ndarray(rows, dtype=dtype, buffer=nl.sbuf)
+        if kernel.group > 1:
+            kernel.dk_sum = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
+            kernel.dv_sum = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
         for h in range(kv_head * kernel.group, (kv_head + 1) * kernel.group):
             kernel.h = h
-            _bwd_prepare(kernel)
+            kernel.q_rows = _load_rows(q, b, h, dtype)
+            kernel.q_cols = _load_cols(q, b, h, dtype, kernel.q_rows, False)
+            kernel.do_rows = _load_rows(d_out, b, h, dtype)
+            kernel.do_cols = _load_cols(d_out, b, h, dtype, kernel.do_rows, True)
+            lse_tile = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=lse_tile, src=lse[b, h, :, :])
+            kernel.neg_lse = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=kernel.neg_lse, data=lse_tile, op0=nl.multiply, operand0=-1.0)
+            out_rows = _load_rows(out, b, h, dtype)
+            kernel.neg_delta = nl.ndarray((TILE, n_tiles), dtype=nl.float32, buffer=nl.sbuf)
+            for first in range(0, n_tiles, 2):
+                tiles = slice(first, min(first + 2, n_tiles))
+                products = nl.ndarray((TILE, tiles.stop - first, head_dim), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=products, data1=kernel.do_rows[:, tiles, :], data2=out_rows[:, tiles, :],
+                                   op=nl.multiply, engine=nisa.engine.gpsimd)
+                nisa.tensor_reduce(dst=kernel.neg_delta[:, tiles], op=nl.add, data=products, axis=2, negate=True)
+            kernel.dq_acc = nl.ndarray(rows, dtype=nl.float32, buffer=nl.sbuf)
             for start in range(0, seq_len, KEY_BLOCK):
                 kernel.chunks = slice(start // TILE, min(start + KEY_BLOCK, seq_len) // TILE)
-                tiles_stop = min(seq_len // TILE, kernel.chunks.stop + window // TILE)
+                tiles_stop = min(n_tiles, kernel.chunks.stop + window // TILE)
                 for i in range(kernel.chunks.start, tiles_stop):  # the query tiles that see the block
-                    first = max(start, _first_key(i, window))
+                    first = max(start, i * TILE - window)
                     width = min(start + KEY_BLOCK, (i + 1) * TILE) - first
                     _bwd_dq(kernel, i, first, _bwd_scores(kernel, i, first, width), i == tiles_stop - 1)
-    return dq, dk, dv
+    return kernel.dq, kernel.dk, kernel.dv
 
 
 # attention: the PyTorch ops around the kernels, the PyTorch path, the shape rule, the checks
-
-
-def _attention_sbuf_bytes(seq_len, head_dim, itemsize):
-    """Bytes per SBUF partition the backward kernel keeps live (its docstring's plan), per S*d/128 elements: two
-    query heads' Q and dO rows and cols (input dtype) and dQ (fp32), room for the compiler to make the next head
-    while the last units of one finish; a (batch, kv head) pair's K rows and cols, V cols, dK and dV rows
-    (input dtype) and their fp32 sums over the group; plus the per-block tiles. The forward needs less."""
-    return seq_len * head_dim // TILE * (13 * itemsize + 16) + 6 * 1024
 
 
 def _attention_shape_problem(q, k, v, window=None):
@@ -1296,8 +1227,7 @@ def _attention_shape_problem(q, k, v, window=None):
     if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != q.shape[2:] or n_heads % k.shape[1]:
         return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not causal self-attention "
                 "shapes (B, H, T, D) and (B, Hkv, T, D) with Hkv dividing H")
-    pieces = _head_dim_pieces(head_dim)
-    if head_dim > ATTENTION_MAX_HEAD_DIM or head_dim % len(pieces):
+    if head_dim > ATTENTION_MAX_HEAD_DIM or (head_dim > TILE and head_dim % 2):
         return (f"head_dim={head_dim} is not one the kernels take: up to {ATTENTION_MAX_HEAD_DIM} (contracted in "
                 "two 128-partition pieces), and even above 128; use such a head_dim")
     # The sequence length varies from call to call (generation, short evaluations), so these messages do
@@ -1309,7 +1239,10 @@ def _attention_shape_problem(q, k, v, window=None):
     if window is not None and (window < TILE or window % TILE):
         return (f"window={window} is not a multiple of 128 keys, the kernels' tile (they skip or mask whole "
                 "128-key chunks); use such a window (window_pattern's S windows are)")
-    if _attention_sbuf_bytes(seq_len, head_dim, q.element_size()) > SBUF_BUDGET:
+    # the backward's SBUF plan (its docstring), per S*d/128 elements: 13 bytes per input-dtype byte (two query
+    # heads' Q, dO rows and cols; the pair's K rows and cols, V cols, dK and dV rows) and 16 (dQ, fp32 dK, dV
+    # sums), plus 6 KiB of per-block tiles. The forward needs less.
+    if seq_len * head_dim // TILE * (13 * q.element_size() + 16) + 6 * 1024 > SBUF_BUDGET:
         return (f"the sequence length is over what the backward kernel's SBUF plan holds at head_dim={head_dim} "
                 "(sequence_len x head_dim up to 4096 x 128 in bfloat16, 2048 x 128 in float32: K, V, Q, dO, O "
                 "and the fp32 dQ, dK, dV of a head stay on chip); use a shorter sequence_len or a smaller head_dim")

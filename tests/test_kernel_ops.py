@@ -83,19 +83,20 @@ def test_mlp_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch, activation
 
 def test_attention_sbuf_plan_bounds_what_the_kernels_keep_live(monkeypatch):
     seq_len, head_dim = 512, 128
-    plan = kernels._attention_sbuf_bytes(seq_len, head_dim, 2)
     q, k, v = random(1, 2, seq_len, head_dim), random(1, 1, seq_len, head_dim), random(1, 1, seq_len, head_dim)
-    limit_sbuf(monkeypatch, plan)
     with on_chip_peaks() as peaks:
         kernels.attention(q, k, v, mode="nki").float().sum().backward()
-    limit_sbuf(monkeypatch, peaks["sbuf"] - 1)  # the twin: one byte less than the kernels held, refused
+    limit_sbuf(monkeypatch, peaks["sbuf"] - 1)  # one byte less than the kernels held: the emulator refuses them,
     with pytest.raises(nki_emulator.NkiValidationError, match="SBUF"):
         kernels.attention(q, k, v, mode="nki").float().sum().backward()
+    monkeypatch.setattr(kernels, "SBUF_BUDGET", peaks["sbuf"] - 1)  # and the shape rule's plan, held to it, too
+    assert "SBUF plan" in kernels._attention_shape_problem(q, k, v)
 
 
 def test_the_sbuf_budget_is_within_the_usable_sbuf_of_a_trn2():
     assert kernels.SBUF_BUDGET <= kernels.SBUF_USABLE_BYTES["trn2"]
-    assert kernels._attention_sbuf_bytes(4096, 128, 2) <= kernels.SBUF_BUDGET  # the longest S it promises
+    longest = torch.empty(1, 1, 4096, 128, dtype=torch.bfloat16, device="meta")  # the longest S it promises
+    assert kernels._attention_shape_problem(longest, longest, longest) is None
 
 
 def test_kernels_get_dense_inputs(monkeypatch):
