@@ -125,6 +125,57 @@ def test_a_tile_takes_the_bytes_of_one_that_died_only_after_its_last_reader_ends
     assert roomy[2].start < roomy[1].end
 
 
+def with_later_work(row_bytes):
+    """three_tiles_then_uses, then 40 small memsets on VectorE that depend on nothing, issued last."""
+    tiles, trace = three_tiles_then_uses(row_bytes)
+    return tiles, trace + [fill(SbufTile(20 + k, 128, 4)) for k in range(40)]
+
+
+def waiter_of(trace, reload):
+    """The instruction a spill_reload was inserted for: the next one that touches its tile."""
+    tile = trace[reload].writes[0][0]
+    return next(p for p in range(reload + 1, len(trace)) if tile in {r[0] for r in trace[p].reads + trace[p].writes})
+
+
+def test_the_engine_waiting_for_a_spill_reload_runs_nothing_issued_after_the_waiter_until_the_waiter_starts():
+    # fused_mamba.rst (v2.23.0 l. 764): "VectorE enters idle states due to a blocking semaphore wait for
+    # qSyncSpillReload0 activities": the later memsets, ready all along, do not fill the wait
+    _, trace = with_later_work(80_000)
+    result = schedule(trace, "trn2")
+    compiled, slots = result["trace"], result["slots"]
+    reloads = [p for p, i in enumerate(compiled) if i.name == "spill_reload"]
+    assert len(reloads) == 2
+    for reload in reloads:
+        waiter = waiter_of(compiled, reload)
+        assert slots[waiter].track == "vector" and slots[waiter].start >= slots[reload].end
+        assert not [s for s in slots if s.track == "vector" and s.index > waiter
+                    and slots[reload].start <= s.start < slots[waiter].start]
+    assert any(s.track == "vector" and s.index < waiter_of(compiled, reloads[0])  # what was issued before it may
+               and slots[reloads[0]].start <= s.start < slots[reloads[0]].end for s in slots)
+
+
+def test_a_twin_that_fits_sbuf_fills_its_waits_with_later_work_as_before():
+    _, trace = with_later_work(70_000)  # the same instructions, narrower: no spill
+    result = schedule(trace, "trn2")
+    assert result["trace"] == trace and result["slots"] == list_schedule(trace, "trn2")["slots"]
+    adds = [s for s in result["slots"] if s.name == "tensor_tensor"]
+    assert any(s.name == "memset" and s.index > adds[-1].index and s.start < adds[-1].start for s in result["slots"])
+
+
+def test_an_instruction_that_waits_for_two_reloads_holds_its_engine_once_and_lets_it_go_when_it_starts():
+    a, b, c, d = (SbufTile(serial, 128, 80_000) for serial in (1, 2, 3, 4))  # two of them fit SBUF at once
+    total = SbufTile(9, 128, 4)
+    pair = Instruction("tensor_tensor", "vector", 128, 20_000, (FP32,) * 3, ("sbuf",) * 3, ("add",),
+                       reads=(whole(a), whole(b)), writes=(whole(total),), launch=1)
+    later = [fill(SbufTile(20 + k, 128, 4)) for k in range(10)]
+    trace = [fill(tile) for tile in (a, b, c, d)] + [add_into(c, total), add_into(d, total), pair] + later
+    result = schedule(trace, "trn2")  # a and b go out for c and d, and both come back for the pair
+    reloads = [s for s in result["slots"] if s.name == "spill_reload"]
+    pair_slot = next(s for s, i in zip(result["slots"], result["trace"]) if i.reads[:2] == pair.reads)
+    assert len(reloads) == 2 and pair_slot.start >= max(s.end for s in reloads)
+    assert len(result["slots"]) == len(result["trace"])  # every instruction after the pair ran too
+
+
 def test_a_timeline_of_a_spilling_trace_draws_its_spill_transfers():
     _, trace = three_tiles_then_uses(80_000)
     events = timeline.trace_events(trace, schedule(trace, "trn2"), "spills")["traceEvents"]
