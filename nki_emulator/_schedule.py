@@ -34,20 +34,22 @@ Both schedules share the timing rules:
 - both schedule the trace as the compiler must have compiled it (:func:`._spill.with_spills`): where the SBUF
   tiles live at once in program order exceed what a kernel may use, spill transfers out to HBM and back (Belady's
   choice of victim), and a tile placed in SBUF bytes another held waits for that one's last access.
-- a DMA transfer waits in its queue (loads into SBUF, stores out of it and other copies are three queues, and the
-  spill transfers a fourth: [MAMBA]) and pays the fixed cost DMA_FIXED_S, which transfers in flight overlap, then
+- a DMA transfer waits in its queue (loads into SBUF, stores out of it and other copies are three queues, and spill
+  stores a fourth: [MAMBA]) and pays the fixed cost DMA_FIXED_S, which transfers in flight overlap, then
   moves its bytes over the DMA engines that all transfers share (its cost-model time, in the first gap of their
   bandwidth long enough); each transfer is drawn on the lowest-numbered "dma queue" track free when it starts, so
   the tracks show how many were in flight.
 - a new kernel launch starts when everything of the previous one has ended.
-- a spill reload blocks the engine that waits for it ([MAMBA]: "VectorE enters idle states due to a blocking
-  semaphore wait for qSyncSpillReload0 activities"; "Computation and data movement are also not overlapped
-  properly"): the wait is an instruction in the engine's stream, just before the instruction a spill_reload was
-  inserted for (the next one that touches its tile: the waiter). In the list schedule, from the reload's issue, the
-  waiter's engine runs only instructions issued before the waiter (they come before the wait) until the waiter has
-  started: it does not fill the wait with later ready work, as it does a wait for any other transfer. In program
-  order the engine waits at the waiter anyway. A refetch (_spill's reload of an unchanged input from where it
-  came) is an ordinary load: AccelOpt's matmul profile counts no spill bytes for the re-reads it models.
+- a spill reload is issued by the engine that waits for it, and that engine waits for it, idle ([MAMBA]: "VectorE
+  enters idle states due to a blocking semaphore wait for qSyncSpillReload0 activities"; "Computation and data
+  movement are also not overlapped properly"; queues named after the engine that issues them, qVectorSpillReload0):
+  the reload is an instruction of the engine of the instruction it was inserted for (the next one that touches its
+  tile), taken in that engine's turn like its other instructions (in the list schedule, after the older ready
+  ones; in program order, just before that instruction), and the engine starts nothing else until the transfer has
+  ended. So a reload is not fetched ahead of its engine's work, as a load the program issues may be. Spill stores go
+  on the spill queue, their issuer not waiting (the sources show waits on reloads). A refetch (_spill's reload of
+  an unchanged input from where it came) is an ordinary load: AccelOpt's matmul profile counts no spill bytes for
+  the re-reads it models.
 
 Both are near-linear in the trace: a tile's accesses merge into one (a join node in the list schedule's graph)
 beyond _MERGE_ABOVE, and the list schedule keeps its waiting and ready instructions in heaps.
@@ -97,18 +99,18 @@ _MERGE_ABOVE = 32  # accesses kept per tile before they merge into one (keeps lo
 
 _TIMING = ("an instruction waits for the tiles it reads to be written (+72 ns after a compute engine: [PERF]'s "
            "dependent chain less the instructions' MIN_II and static overhead) and for the tiles it writes to be "
-           "free; DMA transfers wait in three queues (loads, stores, other copies) and a fourth for spill transfers "
+           "free; DMA transfers wait in three queues (loads, stores, other copies) and a fourth for spill stores "
            "([MAMBA]: qSyncSpillReload0), each paying 1.3 us of fixed cost ([DMA]) overlapped with other transfers "
-           "in flight, and share the DMA bandwidth; every allocation is its own buffer, as far as SBUF has room")
+           "in flight, and share the DMA bandwidth; a spill reload is issued by the engine whose instruction it is "
+           "inserted for, in that engine's turn, and the engine waits for it, idle ([MAMBA]: 'a blocking semaphore "
+           "wait for qSyncSpillReload0 activities'); every allocation is its own buffer, as far as SBUF has room")
 _CALIBRATED = ("each instruction's cost-model time times its calibrated factor (_cost.CALIBRATED; the table in "
                "docs/results.md), and a fixed cost per kernel launch (_cost.LAUNCH_S)")
 CENTRAL_ASSUMPTIONS = (  # what the central estimate (central_estimate) assumes beyond the cost model
     "each kernel call is list-scheduled (nki_emulator/_schedule.py), the compiler's scheduler modelled: each engine "
     "and DMA queue starts, of the instructions whose dependencies have ended, the next of an accumulation group it "
     "is in, else the one issued first; dependencies: tiles read and written, with_schedule edges, no_reorder "
-    "blocks; " + _TIMING + "; from a spill reload's issue, the engine of the instruction it is inserted for runs "
-    "nothing issued after that instruction until it has started ([MAMBA]: 'a blocking semaphore wait for "
-    "qSyncSpillReload0 activities')",
+    "blocks; " + _TIMING,
     *SPILL_ASSUMPTIONS,
     _CALIBRATED,
 )
@@ -200,6 +202,7 @@ class _Bandwidth:
 
 
 SPILL_TRANSFERS = ("spill_store", "spill_reload")  # _spill's transfers of spilled tiles (a refetch is a load)
+# (a spill_reload goes on the spill queue only where the instruction it is inserted for is a DMA: _reload_issuers)
 
 
 def _dma_queue(instruction):
@@ -211,10 +214,11 @@ def _dma_queue(instruction):
     return "load" if sbuf_dst and not sbuf_src else "store" if sbuf_src and not sbuf_dst else "copy"
 
 
-def _reload_waiters(instructions):
-    """{spill_reload node: the node it was inserted for, the next one that touches its tile} where that one runs
-    on a compute engine ([MAMBA]: that engine waits for the reload on a blocking semaphore)."""
-    waiters = {}
+def _reload_issuers(instructions):
+    """{spill_reload node: the engine of the instruction it was inserted for (the next one that touches its tile)},
+    where that runs on a compute engine: [MAMBA], that engine issues the reload and waits for it on a blocking
+    semaphore, idle ("not overlapped")."""
+    issuers = {}
     for node, instruction in enumerate(instructions):
         if instruction.name != "spill_reload":
             continue
@@ -222,8 +226,8 @@ def _reload_waiters(instructions):
         waiter = next((later for later in range(node + 1, len(instructions))
                        if any(r[0] == tile for r in instructions[later].reads + instructions[later].writes)), None)
         if waiter is not None and instructions[waiter].engine != "dma":
-            waiters[node] = waiter
-    return waiters
+            issuers[node] = instructions[waiter].engine
+    return issuers
 
 
 _ORDER, _DATA, _JOIN = 0, 1, 2  # an edge waits for the end / for the result to be visible; or joins accesses
@@ -368,54 +372,35 @@ def _next_resource(state, ready, free):
     return best, best_t
 
 
-def _hold_younger(ready, held, barrier):
-    """Move the entries of ``ready`` (a resource's heap) younger than ``barrier`` (the oldest waiting instruction of
-    that engine whose spill reload is in flight, or None) to ``held``: they come after its semaphore wait."""
-    if barrier is not None and any(node > barrier for _, node in ready):
-        held += [entry for entry in ready if entry[1] > barrier]
-        ready[:] = [entry for entry in ready if entry[1] <= barrier]
-        heapq.heapify(ready)
-
-
 def _list_launch(instructions, first_index, generation, seconds, start_at, bandwidth, lanes):
     """List-schedule one launch from ``start_at``: whenever an engine or DMA queue can start something, it starts,
     of the instructions whose dependencies have ended, the next member of an accumulation group it is in, else the
-    one issued first (oldest first); from a spill reload's issue its waiter's engine starts nothing issued after the
-    waiter until the waiter has started ([MAMBA]: a blocking semaphore wait in that engine's stream)."""
-    n, graph, waiters = len(instructions), _launch_graph(instructions), _reload_waiters(instructions)
+    one issued first (oldest first). A spill reload is issued by the engine that waits for it ([MAMBA]), in that
+    engine's turn, and holds it until the transfer has ended."""
+    n, graph, issuers = len(instructions), _launch_graph(instructions), _reload_issuers(instructions)
     durations = [seconds(i, generation) for i in instructions]
     is_dma = [i.engine == "dma" for i in instructions]
     continuing = set(graph.group_next.values())
-    resource = [_dma_queue(i) if dma else i.engine for i, dma in zip(instructions, is_dma)]
+    resource = [issuers.get(node) or (_dma_queue(i) if dma else i.engine)
+                for node, (i, dma) in enumerate(zip(instructions, is_dma))]
     state = _LaunchState(graph, n, resource, start_at)
     ready, free, slots = {r: [] for r in state.pending}, dict.fromkeys(state.pending, start_at), []
-    barriers, held = {r: [] for r in state.pending}, {r: [] for r in state.pending}  # waiters in flight; held back
-    while len(slots) < n:
+    for _ in range(n):
         r, start = _next_resource(state, ready, free)
         while state.pending[r] and state.pending[r][0][0] <= start:
             node = heapq.heappop(state.pending[r])[1]
             heapq.heappush(ready[r], (node not in continuing, node))
-        _hold_younger(ready[r], held[r], barriers[r][0] if barriers[r] else None)
-        if not ready[r]:
-            continue  # all it could start waits behind a reload (its next candidate becomes ready later)
         node = heapq.heappop(ready[r])[1]
         if is_dma[node]:
             moving = bandwidth.reserve(start + DMA_FIXED_S, durations[node])
-            start = free[r] = moving - DMA_FIXED_S  # the queue's next transfer may pay its fixed cost meanwhile
+            start = moving - DMA_FIXED_S  # a queue's next transfer may pay its fixed cost meanwhile
             end = moving + durations[node]
+            free[r] = end if node in issuers else start  # an engine that issued a reload waits for it
             state.end[node] = state.visible[node] = end
             track = _lane(lanes, start, end)
-            if node in waiters:
-                heapq.heappush(barriers[resource[waiters[node]]], waiters[node])
         else:
             end = free[r] = start + durations[node]
             state.end[node], state.visible[node], track = end, end + DEPENDENCY_S, r
-            if barriers[r] and barriers[r][0] == node:  # its wait is over: what it held back may start
-                while barriers[r] and barriers[r][0] == node:  # (once per tile it waited for)
-                    heapq.heappop(barriers[r])
-                ready[r] += held[r]
-                heapq.heapify(ready[r])
-                held[r] = []
         slots.append(Slot(first_index + node, instructions[node].name, track, start, end))
         state.finish(node)
     return slots
@@ -438,7 +423,7 @@ def program_order_schedule(trace, generation=None, seconds=instruction_seconds):
     """The pessimistic schedule: every engine issues its instructions in program order, as written (the compiler
     reorders nothing). Same arguments and result as :func:`schedule`."""
     generation = generation or current_target().name
-    free = dict.fromkeys(COMPUTE_TRACKS, 0.0)
+    free, issuers = dict.fromkeys(COMPUTE_TRACKS, 0.0), _reload_issuers(trace)
     queue_start, bandwidth, lanes, tiles, slots = {}, _Bandwidth(), [], _Tiles(), []
     launch, launches, launch_start, makespan, labelled = None, 0, 0.0, 0.0, {}
     for index, instruction in enumerate(trace):
@@ -449,10 +434,14 @@ def program_order_schedule(trace, generation=None, seconds=instruction_seconds):
                     + [labelled[label] for label in instruction.after])  # with_schedule edges
         duration = seconds(instruction, generation)
         if instruction.engine == "dma":
-            queue = _dma_queue(instruction)
-            moving = bandwidth.reserve(max(ready, queue_start.get(queue, 0.0)) + DMA_FIXED_S, duration)
-            queue_start[queue] = moving - DMA_FIXED_S
+            issuer = issuers.get(index)  # a spill reload: issued by the engine that waits for it, in its turn
+            after = free[issuer] if issuer else queue_start.get(_dma_queue(instruction), 0.0)
+            moving = bandwidth.reserve(max(ready, after) + DMA_FIXED_S, duration)
             start, end = moving - DMA_FIXED_S, moving + duration
+            if issuer:
+                free[issuer] = end  # it waits for it
+            else:
+                queue_start[_dma_queue(instruction)] = start
             visible = end
             track = _lane(lanes, start, end)
         else:

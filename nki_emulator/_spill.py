@@ -39,10 +39,10 @@ left without: a compiler may reorder a kernel so that it needs less SBUF than pr
   A stay that finds no gap (fragmentation) is placed past the capacity and waits for nothing; ``unplaced`` counts
   them.
 
-How the transfers are scheduled is :mod:`._schedule`'s: spill_store and spill_reload on a DMA queue of their own, and
-the engine of the instruction a spill_reload is inserted for waits for it in its stream, running nothing issued after
-that instruction meanwhile (a blocking semaphore wait: aws-neuron-sdk v2.23.0 general/nki/tutorials/fused_mamba.rst
-l. 750-767); a refetch is an ordinary load.
+How the transfers are scheduled is :mod:`._schedule`'s: a spill_store on a DMA queue of its own, and a spill_reload
+issued by the engine of the instruction it is inserted for, in that engine's turn, which waits for it, idle (a
+blocking semaphore wait: aws-neuron-sdk v2.23.0 general/nki/tutorials/fused_mamba.rst l. 750-767); a refetch is an
+ordinary load.
 
 The edges are written into the trace as the schedule already reads them: a reuse edge is a one-byte token that
 the earlier instruction reads and the later one writes (``("reuse", k)`` rectangles); a spilled tile's HBM copy is

@@ -1,7 +1,8 @@
 """The compiler's SBUF allocation modelled (nki_emulator/_spill.py) on hand-built traces whose spills are known: a
 trace whose live SBUF tiles exceed what a kernel may use gets spill transfers and finishes later, its twin that fits
 gets none; the tile spilled is the one used furthest ahead (Belady's MIN); a tile reuses bytes only after the tile
-that held them is done; and traces of real kernels name the tiles the compiler places."""
+that held them is done; the engine that waits for a spill reload issues it in its turn and idles until it ends, while
+a twin that fits fills its waits as before; and traces of real kernels name the tiles the compiler places."""
 
 import numpy as np
 import pytest
@@ -137,21 +138,21 @@ def waiter_of(trace, reload):
     return next(p for p in range(reload + 1, len(trace)) if tile in {r[0] for r in trace[p].reads + trace[p].writes})
 
 
-def test_the_engine_waiting_for_a_spill_reload_runs_nothing_issued_after_the_waiter_until_the_waiter_starts():
-    # fused_mamba.rst (v2.23.0 l. 764): "VectorE enters idle states due to a blocking semaphore wait for
-    # qSyncSpillReload0 activities": the later memsets, ready all along, do not fill the wait
+@pytest.mark.parametrize("order", ["list", "program"])
+def test_the_engine_that_waits_for_a_spill_reload_issues_it_in_its_turn_and_runs_nothing_until_it_has_ended(order):
+    # fused_mamba.rst (v2.23.0 l. 764-767): "VectorE enters idle states due to a blocking semaphore wait for
+    # qSyncSpillReload0 activities ... Computation and data movement are also not overlapped properly": the later
+    # memsets, ready all along, do not fill the wait, and the reload does not start under the engine's earlier work
     _, trace = with_later_work(80_000)
-    result = schedule(trace, "trn2")
+    result = schedule(trace, "trn2", order=order)
     compiled, slots = result["trace"], result["slots"]
     reloads = [p for p, i in enumerate(compiled) if i.name == "spill_reload"]
     assert len(reloads) == 2
     for reload in reloads:
         waiter = waiter_of(compiled, reload)
         assert slots[waiter].track == "vector" and slots[waiter].start >= slots[reload].end
-        assert not [s for s in slots if s.track == "vector" and s.index > waiter
-                    and slots[reload].start <= s.start < slots[waiter].start]
-    assert any(s.track == "vector" and s.index < waiter_of(compiled, reloads[0])  # what was issued before it may
-               and slots[reloads[0]].start <= s.start < slots[reloads[0]].end for s in slots)
+        assert not [s for s in slots if s.track == "vector" and s.start < slots[reload].end
+                    and s.end > slots[reload].start]
 
 
 def test_a_twin_that_fits_sbuf_fills_its_waits_with_later_work_as_before():
@@ -160,20 +161,6 @@ def test_a_twin_that_fits_sbuf_fills_its_waits_with_later_work_as_before():
     assert result["trace"] == trace and result["slots"] == list_schedule(trace, "trn2")["slots"]
     adds = [s for s in result["slots"] if s.name == "tensor_tensor"]
     assert any(s.name == "memset" and s.index > adds[-1].index and s.start < adds[-1].start for s in result["slots"])
-
-
-def test_an_instruction_that_waits_for_two_reloads_holds_its_engine_once_and_lets_it_go_when_it_starts():
-    a, b, c, d = (SbufTile(serial, 128, 80_000) for serial in (1, 2, 3, 4))  # two of them fit SBUF at once
-    total = SbufTile(9, 128, 4)
-    pair = Instruction("tensor_tensor", "vector", 128, 20_000, (FP32,) * 3, ("sbuf",) * 3, ("add",),
-                       reads=(whole(a), whole(b)), writes=(whole(total),), launch=1)
-    later = [fill(SbufTile(20 + k, 128, 4)) for k in range(10)]
-    trace = [fill(tile) for tile in (a, b, c, d)] + [add_into(c, total), add_into(d, total), pair] + later
-    result = schedule(trace, "trn2")  # a and b go out for c and d, and both come back for the pair
-    reloads = [s for s in result["slots"] if s.name == "spill_reload"]
-    pair_slot = next(s for s, i in zip(result["slots"], result["trace"]) if i.reads[:2] == pair.reads)
-    assert len(reloads) == 2 and pair_slot.start >= max(s.end for s in reloads)
-    assert len(result["slots"]) == len(result["trace"])  # every instruction after the pair ran too
 
 
 def test_a_timeline_of_a_spilling_trace_draws_its_spill_transfers():
