@@ -65,8 +65,8 @@ STEP_ASSUMPTIONS = (  # every assumption of step_estimate, in one place (--step_
     *FUSION_RULES,
     "left out: host dispatch idle and eager dispatch (bench.py names them beside the public runs: a measured "
     "host idle share is taken out of the measured rate; an eager run's dispatch is host work overlapped with the "
-    "device), compilation, data loading, dependencies between ops' engines, the compiler's spills and its "
-    "instruction selection (each op stays one instruction), the levers' extra work (value embeddings, "
+    "device), compilation, data loading, dependencies between ops' engines, the compiler's spills in the "
+    "compiled ops (the kernels' are priced) and its instruction selection (each op stays one instruction), the levers' extra work (value embeddings, "
     "multi-token prediction, EMA, batch warm-up)",
 )
 MUON_PASSES = (15, 6)  # one-input, two-input fp32 passes per element: counted in optim.muon_update
