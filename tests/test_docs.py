@@ -69,3 +69,15 @@ def test_the_tutorial_names_only_what_kernels_py_has():
     source = " ".join((ROOT / "kernels.py").read_text().split())
     for heading in re.findall(r'the section is headed "([^"]+)"', text):
         assert "# " + " ".join(heading.split()) in source, heading
+
+
+def test_readme_what_is_where_names_every_file():
+    """README's "what is where" names every program, kit file, emulator module, test file and doc, by its file
+    name in backticks or its path: a file added without its line fails here (nki_emulator's package file aside)."""
+    readme = (ROOT / "README.md").read_text()
+    files = [path for pattern in ("*.py", "kit/*.py", "nki_emulator/*.py", "tests/*.py", "docs/*.md")
+             for path in ROOT.glob(pattern)]
+    named = [path for path in files if path.name != "__init__.py" or path.parent.name == "kit"]
+    missing = sorted(str(path.relative_to(ROOT)) for path in named
+                     if f"`{path.name}`" not in readme and f"{path.parent.name}/{path.name}" not in readme)
+    assert len(files) > 60 and not missing, f"README.md's what is where does not name: {missing}"
