@@ -2,7 +2,7 @@
 reused only once the tile that held them before is done with them.
 
 :func:`with_spills` rewrites one kernel call's trace (``Counts.trace``) as the compiler must have compiled it, for
-the schedules of :mod:`._schedule` (the central and the pessimistic figure; the optimistic one, a lower bound, is
+the schedules of :mod:`._schedule` (the central and the pessimistic figure; the optimistic one, the busiest engine's time, is
 left without: a compiler may reorder a kernel so that it needs less SBUF than program order does). Per launch:
 
 - **Live ranges** (program order): an SBUF tile that the compiler places (an ``SbufTile`` in the trace's
