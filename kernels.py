@@ -401,13 +401,13 @@ def _run_kernel(kernel, *args):
     # shapes and dtypes (a sliding window's attention is a build of its own, a new shape is compiled anew)
     variant = (kernel, lnc, *((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     try:
-        if (kernel, lnc) not in _launches:
-            _launches[kernel, lnc] = nki.jit(kernel)[lnc]
+        launch = _launches.get((kernel, lnc))
+        if launch is None:
+            launch = _launches[kernel, lnc] = nki.jit(kernel)[lnc]
         if device.type == "neuron":
-            outputs = _launches[kernel, lnc](*args)
+            outputs = launch(*args)
         else:
-            outputs = nki.simulate(_launches[kernel, lnc])(*(a.cpu() if isinstance(a, torch.Tensor) else a
-                                                             for a in args))
+            outputs = nki.simulate(launch)(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     except Exception as error:
         if variant in _built_kernels:  # it ran before: not a build failure, nothing to fall back from
             raise

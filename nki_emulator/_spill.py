@@ -273,9 +273,11 @@ class _Walk:
             self.next[tile] += 1
             if tile in written:
                 self.dirty.add(tile)
-                self.source.pop(tile, None)
-                if _loaded_from(instruction, tile):
-                    self.source[tile] = _loaded_from(instruction, tile)
+                loaded_from = _loaded_from(instruction, tile)
+                if loaded_from:
+                    self.source[tile] = loaded_from
+                else:
+                    self.source.pop(tile, None)
             if self.next[tile] == len(self.uses[tile]):  # its last access: its bytes are free
                 self.used -= tile.row_bytes
                 self.bytes.free(self.stay.pop(tile), tile.row_bytes, position)
