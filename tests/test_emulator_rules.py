@@ -302,15 +302,17 @@ def sbuf_tiles(live_together):
     return kernel
 
 
-def psum_banks(count):
+def psum_tiles(count, width=512):
+    """``count`` PSUM tiles of ``width`` fp32 per partition, all live at once: at 512 each is a whole bank; at 1, 9
+    of them fit 16 KiB by bytes, not by banks."""
     def kernel(x):
-        banks = []
+        tiles = []
         for i in range(count):
-            bank = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
-            nisa.memset(dst=bank, value=0.0)
-            banks.append(bank)
+            tile = nl.ndarray((128, width), nl.float32, buffer=nl.psum)
+            nisa.memset(dst=tile, value=0.0)
+            tiles.append(tile)
         for i in range(count):
-            nisa.tensor_copy(dst=sbuf((128, 512)), src=banks[i])
+            nisa.tensor_copy(dst=sbuf((128, width)), src=tiles[i])
     return kernel
 
 
@@ -396,19 +398,6 @@ def psum_tile_at(address, shape=(128, 512)):
 def sbuf_tile_at(address):
     def kernel(x):
         nisa.memset(dst=nl.ndarray((32, 16), nl.float32, buffer=nl.sbuf, address=address), value=0.0)
-    return kernel
-
-
-def small_psum_tiles(count):
-    """``count`` PSUM tiles of 4 bytes per partition, all live at once: 9 of them fit 16 KiB by bytes, not by banks."""
-    def kernel(x):
-        tiles = []
-        for i in range(count):
-            tile = nl.ndarray((128, 1), nl.float32, buffer=nl.psum)
-            nisa.memset(dst=tile, value=0.0)
-            tiles.append(tile)
-        for i in range(count):
-            nisa.tensor_copy(dst=sbuf((128, 1)), src=tiles[i])
     return kernel
 
 
@@ -507,7 +496,7 @@ RULES = {
     "hwdge transpose rows before 0.6": Rule(dma_transpose_hwdge, dma_transpose_hwdge, ("dma_transpose", "NKI 0.4"),
                                             twin_version="0.6"),
     "SBUF usable budget, by liveness": Rule(sbuf_tiles(True), sbuf_tiles(False), ("SBUF", "212992", "212984")),
-    "PSUM holds 8 banks": Rule(psum_banks(9), psum_banks(8), ("PSUM", "18432", "16384")),
+    "PSUM holds 8 banks": Rule(psum_tiles(9), psum_tiles(8), ("PSUM", "18432", "16384")),
     "a PSUM tile is one bank": Rule(psum_tile(513), psum_tile(512), ("PSUM bank", "2052")),
     "an instruction takes no access pattern past its storage": Rule(ap_past_the_storage_used,
                                                                     ap_past_the_storage_unused, ("leaves its storage",)),
@@ -528,7 +517,7 @@ RULES = {
     "a tile's address counts in its start partition": Rule(sbuf_tile_at((16, 0)), sbuf_tile_at((32, 0)),
                                                            ("memset", "partitions 16-47")),
     "an address is two offsets": Rule(sbuf_tile_at((0, -4)), sbuf_tile_at([0, 4]), ("two ints >= 0",)),
-    "PSUM is counted by whole banks": Rule(small_psum_tiles(9), small_psum_tiles(8),
+    "PSUM is counted by whole banks": Rule(psum_tiles(9, width=1), psum_tiles(8, width=1),
                                            ("PSUM", "18432", "16384", "whole banks")),
     "up to 32 partitions start at 0/32/64/96": Rule(copy_partitions(16, 48), copy_partitions(32, 64),
                                                     ("partitions 16-47", "0 or 32 or 64 or 96", "arch.rst l. 704-713")),
@@ -593,12 +582,12 @@ def test_bank_7_is_reserved_when_dma_transposes_become_pe_transposes(monkeypatch
     """nl.tile_size.psum_num_banks is 7 with NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true on trn2 and later, 8 otherwise
     (tile_size.rst l. 24-30); the PSUM budget follows it."""
     assert nl.tile_size.psum_num_banks == 8 and nl.tile_size.psum_min_align == 4
-    nki_emulator.jit(small_psum_tiles(8))(x_in())
+    nki_emulator.jit(psum_tiles(8, width=1))(x_in())
     monkeypatch.setenv("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "true")
     assert nl.tile_size.psum_num_banks == 7
     with pytest.raises(NkiValidationError, match="16384 bytes per partition of live tiles, over the 14336"):
-        nki_emulator.jit(small_psum_tiles(8))(x_in())
-    nki_emulator.jit(small_psum_tiles(7))(x_in())
+        nki_emulator.jit(psum_tiles(8, width=1))(x_in())
+    nki_emulator.jit(psum_tiles(7, width=1))(x_in())
     nki_emulator.set_target("trn1")
     assert nl.tile_size.psum_num_banks == 8
 
