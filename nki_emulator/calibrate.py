@@ -8,8 +8,8 @@ Run by hand, not in CI (it needs checkouts, and takes minutes: the kernels run a
         [--only=mamba]
 
 (one BLAS thread: the kernels issue many small matmuls, which threads only slow down; about 15 minutes of one
-core for the 13 SDK points, under two minutes for AccelOpt's 14, which are only traced; with --cache a second run
-prices the kept traces again in a minute)
+core for the 13 SDK points and the fused-mamba scaling table's 17 rows, under two minutes for AccelOpt's 14, which
+are only traced; with --cache a second run prices the kept traces again in a minute)
 
 For each point it reads the kernel's source from the checkout (never copied into this repository: it goes to a
 temporary folder and is imported from there), runs it under the emulator on the point's target and dtype at the
@@ -59,6 +59,16 @@ KOPT = ("aws-neuron-sdk nki/guides/tutorials/kernel-optimization.rst, profile of
 MM223 = ("aws-neuron-sdk v2.23.0 general/nki/tutorials/matrix_multiplication.rst, latency table ({}; trn1.32xlarge, "
          "bf16)")
 MAMBA = "aws-neuron-sdk nki/guides/tutorials/fused_mamba.rst ({})"
+FM_TRACE = "[FM] mamba v1 -> v2 (4K channels), v2 -> v3 (seq_len 8192)"
+SCALING = "the fused-mamba tutorial's scaling table"
+
+
+def _mamba_point(kernel, what, channels, seq_len, seconds, trace=None, section=None):
+    """A timing of the fused-mamba tutorial's kernels: traced as timed (legacy dialect, tag v2.23.0), fp32, trn1."""
+    return dict(kernel=kernel, source=MAMBA.format(what), hardware="trn1", code=("legacy", SDK_MAMBA, kernel),
+                shape=dict(batch=1, channels=channels, seq_len=seq_len, state=16), dtype="float32",
+                measured_s=seconds, trace=trace, section=section)
+
 
 # kernel, source, hardware, (file, function or code-block index), shape, dtype, measured seconds
 POINTS = [
@@ -72,16 +82,28 @@ POINTS = [
                             ("nki_matmul_hoist_load_", "Optimization 1", 42.96),
                             ("nki_matmul_block_free_dimension_", "Optimization 2", 22.07),
                             ("nki_matmul_fully_optimized_", "Optimization 3", 6.97))],
-    *[dict(kernel=kernel, source=MAMBA.format(what), hardware="trn1", code=("legacy", SDK_MAMBA, kernel),
-           shape=dict(batch=1, channels=channels, seq_len=seq_len, state=16), dtype="float32", measured_s=seconds,
-           trace="[FM] mamba v1-v2, 4K channels" if channels == 4096 and seq_len == 512 else None)
+    *[_mamba_point(kernel, what, channels, seq_len, seconds, trace=FM_TRACE if channels == 4096 else None)
       for kernel, what, channels, seq_len, seconds in (
           ("mamba_v1", "toy example: 172.93 usec", 256, 512, 172.93e-6),
           ("mamba_v1", "4K channels: 2.34 ms", 4096, 512, 2.34e-3),
-          ("mamba_v2", "loop reordering, 4K channels: 1.61 ms", 4096, 512, 1.61e-3),
-          ("mamba_v3", "scaling table, seq_len 2048: 6.6 ms", 4096, 2048, 6.6e-3),
-          ("mamba_v3", "scaling table, seq_len 4096: 13.3 ms", 4096, 4096, 13.3e-3))],
+          ("mamba_v2", "loop reordering, 4K channels: 1.61 ms", 4096, 512, 1.61e-3))],
+    *[_mamba_point("mamba_v3", f"scaling table, seq_len {seq_len}: {ms} ms", 4096, seq_len, ms * 1e-3)
+      for seq_len, ms in ((2048, 6.6), (4096, 13.3))],
 ]
+
+# The fused-mamba tutorial's scaling table, every row (l. 861-923: 4K channels, seq_len 512 to 8192, mamba_v2 and
+# mamba_v3; v2 at 512 is the 1.61 ms point above), counted apart: two kernels at nine lengths would outweigh every
+# other kernel of the table. It checks the spill model where the tutorial says v2 spills as seq_len grows ("severe
+# fragmentation in SBUF and excessive data movements to spill/reload", l. 769-771) and v3 does not. The tutorial's
+# last optimisation step, v2 -> v3 at seq_len 8192 ("48% reduction in latency compared to no seq_len tiling"), is the
+# second step of the [FM] trace.
+MAMBA_SCALING = {"mamba_v2": {1024: 4.4, 2048: 8.9, 3072: 13.1, 4096: 17.6, 5120: 23.7, 6144: 27.5, 7168: 41.3,
+                              8192: 52.2},
+                 "mamba_v3": {512: 1.6, 1024: 3.3, 2048: 6.6, 3072: 10.1, 4096: 13.3, 5120: 17.3, 6144: 19.6,
+                              7168: 24.2, 8192: 27.8}}
+SCALING_POINTS = [_mamba_point(kernel, f"scaling table, seq_len {seq_len}: {ms} ms", 4096, seq_len, ms * 1e-3,
+                               trace=FM_TRACE if seq_len == 8192 else None, section=SCALING)
+                  for kernel, row in MAMBA_SCALING.items() for seq_len, ms in row.items()]
 
 
 SAMPLES_REVISION = "fc5c69f^"  # aws-neuron/nki-samples, the last commit with its performance thresholds
@@ -330,18 +352,12 @@ def _measured(r):
 
 
 def table(rows):
-    lines = ["| kernel | source | hw | shape | dtype | measured | overlap | scheduled | central | program order | "
-             "serial | central / measured |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        shape = "x".join(str(v) for v in r["shape"].values())
-        times = " | ".join(f"{1e3 * r[k]:.3f}" for k in ("overlap_s", "scheduled_s", "central_s", "pessimistic_s",
-                                                           "serial_s"))
-        ratio = f"{r['central_s'] / r['measured_s']:.2f}" if r["measured_s"] else \
-            f"{r['central_s'] / r['high_s']:.2f} of the bound"
-        lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | {_measured(r)} | "
-                     f"{times} | {ratio} |")
-    lines.append("\n(times in ms; a bracket is priced against its middle)")
-    lines += summary(rows, "central_s")
+    """The points' table and its count, then each section's (points counted apart: `section`), the optimisation
+    traces' signs over all of them, and AccelOpt's profiles beside the model's engines and bytes."""
+    lines = _rows_table([r for r in rows if not r.get("section")])
+    for section in dict.fromkeys(r["section"] for r in rows if r.get("section")):
+        lines += ["", f"{section}, counted apart:", ""] + _rows_table([r for r in rows if r.get("section") == section])
+    lines += trace_signs(rows, "central_s")
     profiled = [r for r in rows if "measured_engines_s" in r]
     if profiled:  # AccelOpt's profiles also say how long VectorE and ScalarE were active and what crossed HBM
         lines += ["", "| kernel | VectorE: model / active (ms) | ScalarE: model / active (ms) | HBM MB: source / "
@@ -357,9 +373,22 @@ def table(rows):
     return "\n".join(lines)
 
 
+def _rows_table(rows):
+    lines = ["| kernel | source | hw | shape | dtype | measured | overlap | scheduled | central | program order | "
+             "serial | central / measured |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = "x".join(str(v) for v in r["shape"].values())
+        times = " | ".join(f"{1e3 * r[k]:.3f}" for k in ("overlap_s", "scheduled_s", "central_s", "pessimistic_s",
+                                                           "serial_s"))
+        ratio = f"{r['central_s'] / r['measured_s']:.2f}" if r["measured_s"] else \
+            f"{r['central_s'] / r['high_s']:.2f} of the bound"
+        lines.append(f"| {r['kernel']} | {r['source']} | {r['hardware']} | {shape} | {r['dtype']} | {_measured(r)} | "
+                     f"{times} | {ratio} |")
+    return lines + ["\n(times in ms; a bracket is priced against its middle)"] + summary(rows, "central_s")
+
+
 def summary(rows, key):
-    """How many of the ``key`` estimates are within 25% of the measured times, at most 1.25x the bare bounds, and
-    per optimisation trace have each change's measured sign."""
+    """How many of the ``key`` estimates are within 25% of the measured times and at most 1.25x the bare bounds."""
     timed, bounds = [r for r in rows if r["measured_s"]], [r for r in rows if not r["measured_s"]]
     within = sum(abs(r[key] / r["measured_s"] - 1) <= 0.25 for r in timed)
     lines = [f"{within} of {len(timed)} {key[:-2]} estimates within 25% of the measured time"]
@@ -367,7 +396,7 @@ def summary(rows, key):
         under = sum(r[key] <= 1.25 * r["high_s"] for r in bounds)
         lines.append(f"{under} of {len(bounds)} {key[:-2]} estimates at most 1.25x the bound where only a bound is "
                      "known")
-    return lines + trace_signs(rows, key)
+    return lines
 
 
 SAME = 0.005  # a modelled change under 0.5% is no change: it has neither sign
@@ -375,20 +404,22 @@ SAME = 0.005  # a modelled change under 0.5% is no change: it has neither sign
 
 def trace_signs(rows, key="central_s"):
     """For each optimisation trace (points sharing a `trace`, in order): each step's measured and modelled change,
-    and how many modelled changes have the measured change's sign."""
+    and how many modelled changes have the measured change's sign. A step is a kernel and the next one at the same
+    shape: a trace may go on at another shape ([FM]'s v2 -> v3 was timed at seq_len 8192), which is not a step."""
     lines = []
     for name in dict.fromkeys(r["trace"] for r in rows if r.get("trace")):
-        steps = [r for r in rows if r.get("trace") == name]
+        points = [r for r in rows if r.get("trace") == name]
+        steps = [(a, b) for a, b in zip(points, points[1:]) if a["shape"] == b["shape"]]
         lines += ["", f"{name}: step | measured change | {key[:-2]} change | same sign", "|---|---|---|---|"]
         right = 0
-        for before, after in zip(steps, steps[1:]):
+        for before, after in steps:
             measured = after["measured_s"] / before["measured_s"] - 1
             modelled = after[key] / before[key] - 1
             same = abs(modelled) >= SAME and np.sign(measured) == np.sign(modelled)
             right += same
             lines.append(f"| {after['kernel']} | {100 * measured:+.1f}% | {100 * modelled:+.1f}% | "
                          f"{'yes' if same else 'no'} |")
-        lines.append(f"{right} of {len(steps) - 1} changes with the measured sign")
+        lines.append(f"{right} of {len(steps)} changes with the measured sign")
     return lines
 
 
@@ -407,7 +438,7 @@ def main(argv=None):
         parser.error("give one or more of --sdk=<aws-neuron-sdk checkout>, --accelopt=<AccelOpt checkout>, "
                      "--samples=<nki-samples checkout>, --autocomp=<autocomp checkout>")
     nki_emulator.install()
-    points = ((POINTS if args.sdk else []) + (accelopt_points(args.accelopt) if args.accelopt else []) +
+    points = ((POINTS + SCALING_POINTS if args.sdk else []) + (accelopt_points(args.accelopt) if args.accelopt else []) +
               (SAMPLES_POINTS if args.samples else []) + (autocomp_points(args.autocomp) if args.autocomp else []))
     rows = []
     with tempfile.TemporaryDirectory() as folder:

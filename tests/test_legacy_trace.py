@@ -296,6 +296,25 @@ def test_calibrate_prices_each_step_of_an_autocomp_trace_and_checks_the_sign_of_
     assert "1 of 1 changes with the measured sign" in out
 
 
+def test_calibrate_counts_a_section_apart_and_takes_trace_steps_only_between_points_of_one_shape():
+    """[FM]'s trace goes v1 -> v2 at seq_len 512, then v2 -> v3 at 8192: two steps; 512 -> 8192 is none. The
+    scaling table's points (section) get their own table and count, not the main table's."""
+    def row(kernel, seq_len, measured_ms, central_ms, trace=None, section=None):
+        timing = {k: central_ms * 1e-3 for k in ("overlap_s", "scheduled_s", "central_s", "pessimistic_s", "serial_s")}
+        point = dict(kernel=kernel, source="s", hardware="trn1", shape=dict(seq_len=seq_len), dtype="float32",
+                     measured_s=measured_ms * 1e-3, trace=trace, **timing)
+        return {**point, "section": section} if section else point
+
+    rows = [row("v1", 512, 2.0, 2.0, "[FM]"), row("v2", 512, 1.5, 1.8, "[FM]"), row("other", 64, 1.0, 9.0),
+            row("v2", 8192, 50.0, 40.0, "[FM]", "scaling"), row("v3", 8192, 25.0, 30.0, "[FM]", "scaling")]
+    out = calibrate.table(rows)
+    main, section = out.split("scaling, counted apart:")
+    assert "2 of 3 central estimates within 25%" in main and "| v3 |" not in main
+    assert "2 of 2 central estimates within 25%" in section
+    assert "| v2 | -25.0% | -10.0% | yes |" in out and "| v3 | -50.0% | -25.0% | yes |" in out
+    assert "2 of 2 changes with the measured sign" in out  # v2 at 512 -> v2 at 8192 is not a step
+
+
 def test_a_matmul_added_onto_psum_is_marked_as_accumulating_for_the_scheduler():
     trace = trace_of(GENERATED, (128, 256), (128, 512))
     assert all(i.accumulate for i in trace if i.name == "nc_matmul")  # `acc[...] += nisa.nc_matmul(...)`
