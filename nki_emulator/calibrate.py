@@ -70,6 +70,24 @@ def _mamba_point(kernel, what, channels, seq_len, seconds, trace=None, section=N
                 measured_s=seconds, trace=trace, section=section)
 
 
+# The fused-mamba tutorial's scaling table, every row (l. 861-923: 4K channels, seq_len 512 to 8192, mamba_v2 and
+# mamba_v3; v2 at 512 is the 1.61 ms point below), counted apart (SCALING_POINTS): two kernels at nine lengths would
+# outweigh every other kernel of the table; POINTS takes v3 at 2048 and 4096 from it. It checks the spill model
+# where the tutorial says v2 spills as seq_len grows ("severe fragmentation in SBUF and excessive data movements to
+# spill/reload", l. 769-771) and v3 does not. The tutorial's last optimisation step, v2 -> v3 at seq_len 8192 ("48%
+# reduction in latency compared to no seq_len tiling"), is the second step of the [FM] trace.
+MAMBA_SCALING = {"mamba_v2": {1024: 4.4, 2048: 8.9, 3072: 13.1, 4096: 17.6, 5120: 23.7, 6144: 27.5, 7168: 41.3,
+                              8192: 52.2},
+                 "mamba_v3": {512: 1.6, 1024: 3.3, 2048: 6.6, 3072: 10.1, 4096: 13.3, 5120: 17.3, 6144: 19.6,
+                              7168: 24.2, 8192: 27.8}}
+
+
+def _scaling_point(kernel, seq_len, trace=None, section=None):
+    """A row of the fused-mamba tutorial's scaling table (4K channels)."""
+    ms = MAMBA_SCALING[kernel][seq_len]
+    return _mamba_point(kernel, f"scaling table, seq_len {seq_len}: {ms} ms", 4096, seq_len, ms * 1e-3, trace, section)
+
+
 # kernel, source, hardware, (file, function or code-block index), shape, dtype, measured seconds
 POINTS = [
     *[dict(kernel=f"matmul v{v} ({what})", source=KOPT.format(v, v), hardware="trn2", code=("rst", v - 1),
@@ -87,23 +105,11 @@ POINTS = [
           ("mamba_v1", "toy example: 172.93 usec", 256, 512, 172.93e-6),
           ("mamba_v1", "4K channels: 2.34 ms", 4096, 512, 2.34e-3),
           ("mamba_v2", "loop reordering, 4K channels: 1.61 ms", 4096, 512, 1.61e-3))],
-    *[_mamba_point("mamba_v3", f"scaling table, seq_len {seq_len}: {ms} ms", 4096, seq_len, ms * 1e-3)
-      for seq_len, ms in ((2048, 6.6), (4096, 13.3))],
+    *[_scaling_point("mamba_v3", seq_len) for seq_len in (2048, 4096)],
 ]
 
-# The fused-mamba tutorial's scaling table, every row (l. 861-923: 4K channels, seq_len 512 to 8192, mamba_v2 and
-# mamba_v3; v2 at 512 is the 1.61 ms point above), counted apart: two kernels at nine lengths would outweigh every
-# other kernel of the table. It checks the spill model where the tutorial says v2 spills as seq_len grows ("severe
-# fragmentation in SBUF and excessive data movements to spill/reload", l. 769-771) and v3 does not. The tutorial's
-# last optimisation step, v2 -> v3 at seq_len 8192 ("48% reduction in latency compared to no seq_len tiling"), is the
-# second step of the [FM] trace.
-MAMBA_SCALING = {"mamba_v2": {1024: 4.4, 2048: 8.9, 3072: 13.1, 4096: 17.6, 5120: 23.7, 6144: 27.5, 7168: 41.3,
-                              8192: 52.2},
-                 "mamba_v3": {512: 1.6, 1024: 3.3, 2048: 6.6, 3072: 10.1, 4096: 13.3, 5120: 17.3, 6144: 19.6,
-                              7168: 24.2, 8192: 27.8}}
-SCALING_POINTS = [_mamba_point(kernel, f"scaling table, seq_len {seq_len}: {ms} ms", 4096, seq_len, ms * 1e-3,
-                               trace=FM_TRACE if seq_len == 8192 else None, section=SCALING)
-                  for kernel, row in MAMBA_SCALING.items() for seq_len, ms in row.items()]
+SCALING_POINTS = [_scaling_point(kernel, seq_len, trace=FM_TRACE if seq_len == 8192 else None, section=SCALING)
+                  for kernel, row in MAMBA_SCALING.items() for seq_len in row]
 
 
 SAMPLES_REVISION = "fc5c69f^"  # aws-neuron/nki-samples, the last commit with its performance thresholds
@@ -438,8 +444,9 @@ def main(argv=None):
         parser.error("give one or more of --sdk=<aws-neuron-sdk checkout>, --accelopt=<AccelOpt checkout>, "
                      "--samples=<nki-samples checkout>, --autocomp=<autocomp checkout>")
     nki_emulator.install()
-    points = ((POINTS + SCALING_POINTS if args.sdk else []) + (accelopt_points(args.accelopt) if args.accelopt else []) +
-              (SAMPLES_POINTS if args.samples else []) + (autocomp_points(args.autocomp) if args.autocomp else []))
+    points = ((POINTS + SCALING_POINTS if args.sdk else [])
+              + (accelopt_points(args.accelopt) if args.accelopt else [])
+              + (SAMPLES_POINTS if args.samples else []) + (autocomp_points(args.autocomp) if args.autocomp else []))
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for point in points:
